@@ -1,0 +1,21 @@
+"""Tide: per-token early exit for HuggingFace causal LMs, behind the standard transformers API."""
+
+__version__ = "0.1.0"
+
+from .architectures import ARCHITECTURES, ArchSpec, register, supported_model_types  # noqa: E402
+from .config import TideConfig  # noqa: E402
+from .modeling import TideForCausalLM  # noqa: E402
+from .calibrate import calibrate  # noqa: E402
+from .hub import import_tide_checkpoint  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "ARCHITECTURES",
+    "ArchSpec",
+    "TideConfig",
+    "TideForCausalLM",
+    "calibrate",
+    "import_tide_checkpoint",
+    "register",
+    "supported_model_types",
+]

@@ -1,0 +1,218 @@
+"""Architecture knowledge, as data: one table keyed by `config.model_type`.
+
+Each entry says where a causal LM keeps its backbone, decoder layers, final norm (plus OPT's
+`project_out`) and head, how a decoder layer receives the KV cache, whether it returns a tuple, and
+which config attribute soft-caps the final logits. Nothing here runs a model; `resolve(model)` only
+looks modules up and returns them as `ModelParts`.
+
+A model type missing from the table is tried with a structural probe (`probe_spec`); if that fails,
+the error lists the supported types and shows how to `register` one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+__all__ = ["ArchSpec", "ModelParts", "ARCHITECTURES", "register", "resolve", "supported_model_types"]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where things live in one model family (dotted paths from the `*ForCausalLM` module)."""
+
+    backbone: str  # module whose forward embeds, builds masks/rotary, runs the layers and the final norm
+    layers: str  # the nn.ModuleList of decoder layers
+    norm: str  # final norm applied to the last layer's output
+    lm_head: str = "lm_head"
+    post_norm: str | None = None  # applied after the norm, before the head (OPT's project_out)
+    cache_arg: str | int = "past_key_values"  # how a layer receives the cache: kwarg name or position
+    returns_tuple: bool = False  # layer returns (hidden_states, ...) instead of a tensor
+    softcap_attr: str | None = None  # config attribute holding the final-logit soft-cap
+    layer_types_attr: str | None = "layer_types"  # config attribute listing per-layer attention types
+
+
+_DECODER = ArchSpec(backbone="model", layers="model.layers", norm="model.norm")
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": _DECODER,
+    "mistral": _DECODER,
+    "mixtral": _DECODER,
+    "qwen2": _DECODER,
+    "qwen3": _DECODER,
+    "gemma": _DECODER,
+    "gemma2": replace(_DECODER, softcap_attr="final_logit_softcapping"),
+    "gemma3_text": replace(_DECODER, softcap_attr="final_logit_softcapping"),
+    "phi3": _DECODER,
+    "phi": replace(_DECODER, norm="model.final_layernorm"),
+    "gpt2": ArchSpec(backbone="transformer", layers="transformer.h", norm="transformer.ln_f", cache_arg=1),
+    "gpt_neox": ArchSpec(
+        backbone="gpt_neox",
+        layers="gpt_neox.layers",
+        norm="gpt_neox.final_layer_norm",
+        cache_arg="layer_past",
+    ),
+    "opt": ArchSpec(
+        backbone="model.decoder",
+        layers="model.decoder.layers",
+        norm="model.decoder.final_layer_norm",
+        post_norm="model.decoder.project_out",
+    ),
+    "falcon": ArchSpec(
+        backbone="transformer",
+        layers="transformer.h",
+        norm="transformer.ln_f",
+        cache_arg="layer_past",
+        returns_tuple=True,
+    ),
+}
+
+_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm")
+
+
+def register(model_type: str, spec: ArchSpec) -> None:
+    """Add or replace a model family, e.g. `tide.register("my_llama", ArchSpec(...))`."""
+    ARCHITECTURES[model_type] = spec
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+@dataclass
+class ModelParts:
+    """The modules of one loaded model that Tide drives directly."""
+
+    spec: ArchSpec
+    backbone: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    post_norm: nn.Module | None
+    lm_head: nn.Module
+    softcap: float | None
+    layer_types: list[str] | None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's own final norm: what the head (and every router) sees. [..., H] -> [..., H]."""
+        return self.norm(hidden)
+
+    def logits_from_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        """Head (+ OPT's project_out, + soft-cap) on a normed state. [..., H] -> [..., V]."""
+        if self.post_norm is not None:
+            normed = self.post_norm(normed)
+        logits = self.lm_head(normed)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def layer_output(self, output) -> torch.Tensor:
+        """The hidden state from whatever a decoder layer returns."""
+        return output[0] if self.spec.returns_tuple or isinstance(output, tuple) else output
+
+
+def _get(root: nn.Module, path: str | None) -> nn.Module | None:
+    if path is None:
+        return None
+    module = root
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def resolve(model: nn.Module) -> ModelParts:
+    """Find the backbone, layers, final norm and head of a loaded causal LM."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None:
+        return _probe_parts(model)
+    parts = _parts_from_spec(model, spec)
+    if parts is None:
+        raise ValueError(
+            f"Tide's entry for model type {model_type!r} does not match this model "
+            f"({type(model).__name__}): check tide.ARCHITECTURES[{model_type!r}]."
+        )
+    return parts
+
+
+def _parts_from_spec(model: nn.Module, spec: ArchSpec) -> ModelParts | None:
+    backbone, layers, lm_head = _get(model, spec.backbone), _get(model, spec.layers), _get(model, spec.lm_head)
+    if backbone is None or not isinstance(layers, nn.ModuleList) or lm_head is None:
+        return None
+    norm = _get(model, spec.norm)
+    config = model.config
+    softcap = getattr(config, spec.softcap_attr, None) if spec.softcap_attr else None
+    layer_types = getattr(config, spec.layer_types_attr, None) if spec.layer_types_attr else None
+    return ModelParts(
+        spec=spec,
+        backbone=backbone,
+        layers=layers,
+        norm=norm if norm is not None else nn.Identity(),  # e.g. OPT with do_layer_norm_before=False
+        post_norm=_get(model, spec.post_norm),
+        lm_head=lm_head,
+        softcap=float(softcap) if softcap else None,
+        layer_types=list(layer_types) if layer_types else None,
+    )
+
+
+def _probe_parts(model: nn.Module) -> ModelParts:
+    """Parts of an unregistered model: guessed from its structure, then checked numerically."""
+    parts = _parts_from_spec(model, probe_spec(model))
+    if parts is None or not _reproduces_logits(model, parts):
+        raise ValueError(_unsupported_message(model, "its final norm and head do not reproduce its logits"))
+    return parts
+
+
+@torch.no_grad()
+def _reproduces_logits(model: nn.Module, parts: ModelParts) -> bool:
+    """Does head(final_norm(last layer output)) equal the model's own logits on a short input?"""
+    captured = {}
+    hook = parts.layers[-1].register_forward_hook(lambda _m, _a, out: captured.setdefault("h", parts.layer_output(out)))
+    try:
+        device = next(model.parameters()).device
+        ids = torch.arange(1, 5, device=device).unsqueeze(0)
+        logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        hook.remove()
+    mine = parts.logits_from_normed(parts.final_norm(captured["h"]))
+    return mine.shape == logits.shape and torch.allclose(mine.float(), logits.float(), atol=1e-4, rtol=1e-3)
+
+
+def _unsupported_message(model: nn.Module, why: str) -> str:
+    return (
+        f"Tide does not know model type {getattr(model.config, 'model_type', None)!r} and probing failed ({why}). "
+        f"Supported types: {', '.join(supported_model_types())}. Register it with tide.register('<model_type>', "
+        "tide.ArchSpec(backbone='model', layers='model.layers', norm='model.norm', lm_head='lm_head', ...)); "
+        "see tide/architectures.py for the fields."
+    )
+
+
+def probe_spec(model: nn.Module) -> ArchSpec:
+    """Guess an `ArchSpec` for an unregistered model from its structure, or raise."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    backbone = getattr(model, prefix, None)
+    num_layers = getattr(model.config, "num_hidden_layers", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = next((n for n, m in model.named_children() if m is head), None)
+    if backbone is not None and head_name is not None:
+        layers_name = next(
+            (n for n, m in backbone.named_children() if isinstance(m, nn.ModuleList) and len(m) == num_layers),
+            None,
+        )
+        norm_name = next((n for n in _NORM_NAMES if isinstance(getattr(backbone, n, None), nn.Module)), None)
+        if layers_name and norm_name:
+            return ArchSpec(
+                backbone=prefix,
+                layers=f"{prefix}.{layers_name}",
+                norm=f"{prefix}.{norm_name}",
+                lm_head=head_name,
+            )
+    raise ValueError(_unsupported_message(model, "no decoder layer list, final norm and head found"))

@@ -1,0 +1,82 @@
+"""Calibration text, always through `datasets`: a Hub dataset name, local text/JSON/CSV files or a
+directory of them, a `datasets.Dataset`, or a list of strings.
+
+A dataset that cannot be loaded is an error that says what was tried and how to pass local text.
+There is no fallback text of any kind.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["load_texts", "DatasetLoadError"]
+
+_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+
+
+class DatasetLoadError(ValueError):
+    pass
+
+
+def _how_to() -> str:
+    return (
+        "Pass local text instead: dataset=['some text', ...], dataset='path/to/file.txt' (or .jsonl/.csv, or a "
+        "directory of .txt files), or a datasets.Dataset with a 'text' column."
+    )
+
+
+def load_texts(dataset, *, dataset_config: str | None = None, split: str = "train", text_column: str | None = None) -> list[str]:
+    """Non-empty strings from `dataset`, in order."""
+    import datasets
+
+    if isinstance(dataset, (list, tuple)):
+        if not all(isinstance(t, str) for t in dataset):
+            raise DatasetLoadError("A dataset given as a list must be a list of strings.")
+        ds = datasets.Dataset.from_dict({"text": list(dataset)})
+    elif isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise DatasetLoadError(f"The DatasetDict has splits {list(dataset)}, not {split!r}; pass split=...")
+        ds = dataset[split]
+    elif isinstance(dataset, datasets.Dataset):
+        ds = dataset
+    elif isinstance(dataset, (str, os.PathLike)):
+        ds = _load_named(str(dataset), dataset_config, split)
+    else:
+        raise DatasetLoadError(f"Unsupported dataset type {type(dataset).__name__}. {_how_to()}")
+    column = text_column or _text_column(ds)
+    texts = [t for t in ds[column] if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise DatasetLoadError(f"The dataset's column {column!r} holds no non-empty text. {_how_to()}")
+    return texts
+
+
+def _load_named(name: str, dataset_config: str | None, split: str):
+    import datasets
+
+    path = Path(name)
+    if path.exists():
+        files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS) if path.is_dir() else [path]
+        if not files:
+            raise DatasetLoadError(f"No .txt/.json/.jsonl/.csv files under {name}. {_how_to()}")
+        builder = _BUILDERS.get(files[0].suffix, "text")
+        try:
+            return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+        except Exception as err:  # noqa: BLE001
+            raise DatasetLoadError(f"Could not read local files {name} with the '{builder}' builder: {err}. {_how_to()}") from err
+    try:
+        return datasets.load_dataset(name, dataset_config, split=split)
+    except Exception as err:  # noqa: BLE001
+        raise DatasetLoadError(
+            f"Could not load dataset {name!r} (config {dataset_config!r}, split {split!r}): it is not a local path, "
+            f"and the Hub lookup failed ({type(err).__name__}: {err}). {_how_to()}"
+        ) from err
+
+
+def _text_column(ds) -> str:
+    if "text" in ds.column_names:
+        return "text"
+    for name, feature in ds.features.items():
+        if getattr(feature, "dtype", None) in ("string", "large_string"):
+            return name
+    raise DatasetLoadError(f"No text column among {ds.column_names}; pass text_column=... {_how_to()}")

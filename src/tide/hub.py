@@ -1,0 +1,276 @@
+"""All file and Hub I/O: router repos (save, load, push), the model card, and TIDE `router.pt` import.
+
+A router repo holds exactly three small files: `config.json` (the `TideConfig`), `routers.safetensors`
+(router weights, fp32, with metadata) and `README.md` (a generated model card). Never base weights,
+never pickle. Loading resolves a local directory or a Hub repo id (the local Hugging Face cache is used
+when `HF_HUB_OFFLINE=1`), loads or reuses the base model, and checks that the routers fit it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import TideConfig
+
+__all__ = [
+    "CONFIG_NAME",
+    "ROUTERS_NAME",
+    "CARD_NAME",
+    "REPO_FILES",
+    "save_router_repo",
+    "load_router_repo",
+    "push_router_repo",
+    "import_tide_checkpoint",
+]
+
+CONFIG_NAME = "config.json"
+ROUTERS_NAME = "routers.safetensors"
+CARD_NAME = "README.md"
+REPO_FILES = (CONFIG_NAME, ROUTERS_NAME, CARD_NAME)
+
+# from_pretrained kwargs that address the router repo itself; everything else goes to the base model.
+_REPO_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder")
+
+
+# ---------------------------------------------------------------------- saving
+def router_state_dict(model) -> dict[str, torch.Tensor]:
+    """Router weights as fp32 CPU tensors, keyed `<layer>.<param>` (e.g. `3.down.weight`)."""
+    return {
+        f"{layer}.{name}": tensor.detach().to("cpu", torch.float32).contiguous()
+        for layer, router in model.routers.routers.items()
+        for name, tensor in router.state_dict().items()
+    }
+
+
+def save_router_repo(model, save_directory) -> Path:
+    out = Path(save_directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    config.save_pretrained(out)  # writes config.json only
+    metadata = {"format": "pt", "checkpoints": ",".join(map(str, model.checkpoints)), "tide_version": config.tide_version}
+    save_file(router_state_dict(model), out / ROUTERS_NAME, metadata=metadata)
+    (out / CARD_NAME).write_text(model_card(config))
+    return out
+
+
+def push_router_repo(model, repo_id: str, private: bool | None = None, token=None, commit_message=None, **_):
+    """Create `repo_id` if needed and upload the router repo files through huggingface_hub."""
+    import tempfile
+
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_router_repo(model, tmp)
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=tmp,
+            allow_patterns=list(REPO_FILES),
+            commit_message=commit_message or "Upload Tide routers",
+        )
+
+
+# ---------------------------------------------------------------------- loading
+def resolve_repo_file(name_or_path, filename: str, **repo_kwargs) -> str:
+    """Path of `filename` in a local directory or a Hub repo (cache-aware, works offline)."""
+    if os.path.isdir(name_or_path):
+        path = Path(name_or_path) / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"{name_or_path} is not a Tide router repo: {filename} is missing.")
+        return str(path)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(str(name_or_path), filename, **repo_kwargs)
+    except Exception as err:  # noqa: BLE001 - re-raised with what was tried
+        raise OSError(
+            f"Could not get {filename} of router repo {name_or_path!r} (not a local directory; Hub lookup "
+            f"failed: {type(err).__name__}: {err}). Pass a local directory, or set HF_HUB_OFFLINE=1 to use the "
+            "local Hugging Face cache."
+        ) from err
+
+
+def load_router_repo(cls, name_or_path, base_model=None, config: TideConfig | None = None, **kwargs):
+    repo_kwargs = {k: kwargs.pop(k) for k in _REPO_KWARGS if k in kwargs}
+    if not isinstance(config, TideConfig):
+        config = TideConfig.from_pretrained(resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs))
+    weights = load_file(resolve_repo_file(name_or_path, ROUTERS_NAME, **repo_kwargs))
+    if base_model is None:
+        base_model = load_base_model(config, **kwargs)
+    check_base_matches(config, base_model)
+    model = cls(config, base_model)
+    load_router_weights(model, weights)
+    model.name_or_path = str(name_or_path)
+    return model
+
+
+def load_base_model(config: TideConfig, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    if not config.base_model_name_or_path:
+        raise ValueError(
+            "This router repo's config has no base_model_name_or_path; pass the base model: "
+            "TideForCausalLM.from_pretrained(repo, base_model=model)."
+        )
+    if config.base_model_revision is not None:
+        kwargs.setdefault("revision", config.base_model_revision)
+    return AutoModelForCausalLM.from_pretrained(config.base_model_name_or_path, **kwargs)
+
+
+def check_base_matches(config: TideConfig, base_model) -> None:
+    """Raise naming every mismatch between what the routers were trained on and `base_model`."""
+    from .architectures import resolve
+
+    text = base_model.config.get_text_config()
+    actual = {
+        "model type": text.model_type,
+        "hidden size": text.hidden_size,
+        "number of layers": len(resolve(base_model).layers),
+    }
+    expected = {
+        "model type": config.base_model_type,
+        "hidden size": config.base_hidden_size,
+        "number of layers": config.base_num_layers,
+    }
+    mismatches = [f"{k}: routers expect {expected[k]!r}, base has {actual[k]!r}" for k in actual if expected[k] not in (None, actual[k])]
+    if mismatches:
+        raise ValueError(
+            f"These routers do not fit the base model ({config.base_model_name_or_path or 'unnamed'}): "
+            + "; ".join(mismatches)
+            + ". Load the base model they were calibrated on, or calibrate new routers with tide.calibrate."
+        )
+
+
+def load_router_weights(model, weights: dict[str, torch.Tensor]) -> None:
+    expected = set(router_state_dict(model))
+    if set(weights) != expected:
+        raise ValueError(
+            f"Router weights do not match the config's checkpoints {model.checkpoints}: "
+            f"missing {sorted(expected - set(weights))}, unexpected {sorted(set(weights) - expected)}."
+        )
+    for layer, router in model.routers.routers.items():
+        param = next(router.parameters())
+        state = {name: weights[f"{layer}.{name}"].to(param.device, param.dtype) for name in router.state_dict()}
+        router.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------- model card
+def model_card(config: TideConfig) -> str:
+    base = config.base_model_name_or_path or "(unnamed base model)"
+    cal = config.calibration or {}
+    lines = [
+        "---",
+        "library_name: tide-transformers",
+        f"base_model: {base}" if config.base_model_name_or_path else "",
+        "tags: [tide, early-exit]",
+        "---",
+        f"# Tide routers for {base}",
+        "",
+        "Learned per-token early-exit routers for use with [Tide](https://pypi.org/project/tide-transformers/). "
+        "This repo holds only the routers and their configuration; the base model is loaded from its own repo.",
+        "",
+        f"- Base model: `{base}` ({config.base_model_type}, {config.base_num_layers} layers, hidden {config.base_hidden_size})",
+        f"- Checkpoints (0-based layer indices): {config.resolve_checkpoints()}",
+        f"- Router: hidden -> {config.router_hidden_size} -> 1, label rule `{config.label}`",
+        f"- Quality target: top-1 agreement >= {config.target_agreement} with confidence {config.confidence}",
+    ]
+    if cal:
+        lines += [
+            f"- Calibration data: `{cal.get('dataset')}`, {cal.get('num_samples')} samples, "
+            f"{cal.get('train_tokens')} training tokens, {cal.get('heldout_tokens')} held-out tokens",
+            "",
+            "| checkpoint | threshold | label rate | held-out agreement of exits | expected exit rate |",
+            "|---|---|---|---|---|",
+        ]
+        for layer, row in cal.get("checkpoints", {}).items():
+            lines.append(
+                f"| {layer} | {(config.thresholds or {}).get(str(layer), 1.0):.4f} | {row['label_rate']:.3f} | "
+                f"{_fmt(row.get('heldout_agreement'))} | {row['exit_rate']:.3f} |"
+            )
+        lines += ["", f"Expected overall held-out top-1 agreement: {_fmt(cal.get('expected_agreement'))}; "
+                  f"expected mean layers per token: {_fmt(cal.get('expected_mean_layers'))}."]
+    lines += [
+        "",
+        "## Use",
+        "```python",
+        "import tide",
+        "from transformers import AutoTokenizer",
+        f"model = tide.TideForCausalLM.from_pretrained(\"<this repo>\")",
+        f"tok = AutoTokenizer.from_pretrained(\"{base}\")",
+        "out = model.generate(**tok(\"Hello\", return_tensors=\"pt\"), max_new_tokens=32)",
+        "```",
+        "",
+        "## Reproduce",
+        "```python",
+        "import tide",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"base = AutoModelForCausalLM.from_pretrained(\"{base}\")",
+        f"tok = AutoTokenizer.from_pretrained(\"{base}\")",
+        f"model = tide.calibrate(base, tok, dataset={cal.get('dataset')!r}, num_samples={cal.get('num_samples')},",
+        f"                       config=tide.TideConfig(checkpoint_layers={config.resolve_checkpoints()}, "
+        f"target_agreement={config.target_agreement}, label={config.label!r}))",
+        "model.save_pretrained(\"routers\")",
+        "```",
+        "",
+    ]
+    return "\n".join(line for line in lines if line is not None)
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+# ---------------------------------------------------------------------- TIDE import
+def import_tide_checkpoint(path, base_model, config: TideConfig | None = None):
+    """Read a TIDE `router.pt` (tensors only, `weights_only=True`) into a `TideForCausalLM`.
+
+    TIDE routers have no biases and were trained on un-normalised states; Tide scores the final-norm view,
+    so their scores shift: recalibrate (`tide.calibrate`) before relying on the imported thresholds.
+    """
+    from .modeling import TideForCausalLM
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        hidden, bottleneck, layers = state["hidden_dim"], state["bottleneck_dim"], state["router_layers"]
+    except (TypeError, KeyError) as err:
+        raise ValueError(f"{path} is not a TIDE router checkpoint (expected hidden_dim, bottleneck_dim, router_layers).") from err
+    num_layers = len(_resolve_layers(base_model))
+    checkpoints = sorted(int(k) for k in layers)
+    dropped = [k for k in checkpoints if k >= num_layers - 1]
+    if dropped:
+        warnings.warn(f"Dropping TIDE routers at layers {dropped}: the last layer is not an exit.", stacklevel=2)
+    checkpoints = [k for k in checkpoints if k < num_layers - 1]
+    config = config or TideConfig()
+    config.checkpoint_layers = checkpoints
+    config.router_hidden_size = int(bottleneck)
+    config.exit_threshold = 0.85  # TIDE's default operating point
+    config.min_layers = min(8, checkpoints[-1] + 1)
+    model = TideForCausalLM.from_base(base_model, config)
+    if int(hidden) != model.config.base_hidden_size:
+        raise ValueError(f"TIDE routers have hidden_dim {hidden}, the base model has {model.config.base_hidden_size}.")
+    for k in checkpoints:
+        router, src = model.routers[k], layers[k] if k in layers else layers[str(k)]
+        param = next(router.parameters())
+        with torch.no_grad():
+            router.down.weight.copy_(src["down.weight"].to(param))
+            router.up.weight.copy_(src["up.weight"].to(param))
+            router.down.bias.zero_()
+            router.up.bias.zero_()
+    warnings.warn(
+        "Imported TIDE routers were trained on un-normalised states; Tide scores the final-norm view. "
+        "Run tide.calibrate for calibrated thresholds.",
+        stacklevel=2,
+    )
+    return model
+
+
+def _resolve_layers(base_model):
+    from .architectures import resolve
+
+    return resolve(base_model).layers

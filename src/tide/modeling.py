@@ -1,0 +1,125 @@
+"""`TideForCausalLM`: a loaded HF causal LM plus its routers, behind the standard transformers API.
+
+The wrapper does not fork the base model: `forward` is the base model's, unknown attributes are
+forwarded to it, and `generate` runs transformers' own generation loop on the base model, with Tide's
+decode step swapped in only while a `tide_config` with an operating point is in force. File and Hub
+I/O lives in `hub.py`; the decode step in `engine.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+
+from .architectures import ModelParts, resolve
+from .config import TideConfig
+from .router import RouterBank
+
+__all__ = ["TideForCausalLM"]
+
+
+class TideForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = TideConfig
+    base_model_prefix = "base"
+    main_input_name = "input_ids"
+    _supports_cache_class = True
+
+    def __init__(self, config: TideConfig, base_model: PreTrainedModel | None = None):
+        if base_model is None:
+            raise ValueError(
+                "TideForCausalLM wraps a loaded base model: use TideForCausalLM.from_base(model, config) or "
+                "TideForCausalLM.from_pretrained(router_repo)."
+            )
+        super().__init__(config)
+        self.base = base_model
+        self.parts: ModelParts = resolve(base_model)
+        config.validate(num_layers=self.parts.num_layers)
+        self.routers = RouterBank(
+            hidden_size=base_model.config.get_text_config().hidden_size,
+            checkpoints=config.resolve_checkpoints(self.parts.num_layers),
+            bottleneck=config.router_hidden_size,
+        )
+        self.generation_config = base_model.generation_config
+        self.last_stats = None
+        self.align_routers()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_base(cls, base_model: PreTrainedModel, config: TideConfig | None = None, seed: int | None = 0):
+        """Wrap a loaded causal LM with freshly initialised routers (what calibration starts from)."""
+        config = TideConfig() if config is None else config
+        text = base_model.config.get_text_config()
+        config.base_model_name_or_path = config.base_model_name_or_path or base_model.config.name_or_path or None
+        config.base_model_type = text.model_type
+        config.base_hidden_size = text.hidden_size
+        config.base_num_layers = len(resolve(base_model).layers)
+        config.validate()
+        config.checkpoint_layers = config.resolve_checkpoints()
+        if seed is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return cls(config, base_model)
+        return cls(config, base_model)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, base_model=None, **kwargs):
+        """Load a router repo (local directory or Hub id) and its base model (or reuse `base_model`)."""
+        from .hub import load_router_repo
+
+        return load_router_repo(cls, pretrained_model_name_or_path, base_model=base_model, **kwargs)
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """Write the router repo: config JSON, router safetensors and a model card. Never base weights."""
+        from .hub import save_router_repo
+
+        save_router_repo(self, save_directory)
+        if push_to_hub:
+            self.push_to_hub(kwargs.pop("repo_id", None) or str(save_directory), **kwargs)
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Upload the router repo files (and only those) to `repo_id` on the Hub."""
+        from .hub import push_router_repo
+
+        return push_router_repo(self, repo_id, **kwargs)
+
+    def _init_weights(self, module):  # routers are initialised in RouterBank; never touch the base.
+        pass
+
+    # ------------------------------------------------------------------ placement
+    def align_routers(self) -> None:
+        """Put each router on the device and dtype of its checkpoint layer (e.g. after a `device_map`)."""
+        for layer in self.routers.checkpoints:
+            param = next(self.parts.layers[layer].parameters())
+            self.routers[layer].to(device=param.device, dtype=param.dtype)
+
+    # ------------------------------------------------------------------ the base model's API
+    def forward(self, *args, **kwargs):
+        return self.base(*args, **kwargs)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.base.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.base.get_output_embeddings()
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        return self.base.prepare_inputs_for_generation(*args, **kwargs)
+
+    @property
+    def checkpoints(self) -> list[int]:
+        return list(self.routers.checkpoints)
+
+    def generate(self, *args, tide_config=None, **kwargs):
+        """`generate` of the base model, with early exit while a `tide_config` operating point is in force."""
+        from .engine import generate_with_tide
+
+        return generate_with_tide(self, tide_config, *args, **kwargs)
+
+
+def _register_auto_classes() -> None:
+    AutoConfig.register("tide", TideConfig, exist_ok=True)
+    AutoModelForCausalLM.register(TideConfig, TideForCausalLM, exist_ok=True)
+
+
+_register_auto_classes()
