@@ -175,7 +175,7 @@ def _probe_parts(model: nn.Module) -> ModelParts:
 def _reproduces_logits(model: nn.Module, parts: ModelParts) -> bool:
     """Does head(final_norm(last layer output)) equal the model's own logits on a short input?"""
     captured = {}
-    hook = parts.layers[-1].register_forward_hook(lambda _m, _a, out: captured.setdefault("h", parts.layer_output(out)))
+    hook = parts.layers[-1].register_forward_hook(lambda _m, _a, out: captured.update(h=parts.layer_output(out)))
     try:
         device = next(model.parameters()).device
         ids = torch.arange(1, 5, device=device).unsqueeze(0)

@@ -10,6 +10,7 @@ Validation lives in `TideConfig.validate` alone; every error names the field at 
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Any
@@ -26,7 +27,7 @@ MODES = ("exit", "lossless")
 INFERENCE_FIELDS = ("exit_threshold", "min_layers", "kv_strategy", "mode", "prefill_exit", "max_draft")
 
 # Keys that transformers itself writes into every config.json, never "unknown".
-_TRANSFORMERS_KEYS = {"model_type", "transformers_version", "architectures", "_name_or_path", "torch_dtype", "dtype"}
+_TRANSFORMERS_KEYS = {"model_type", "transformers_version", "architectures", "_name_or_path", "name_or_path", "torch_dtype", "dtype"}
 
 
 class TideConfig(PreTrainedConfig):
@@ -188,7 +189,6 @@ class TideConfig(PreTrainedConfig):
 
     def with_overrides(self, overrides: "TideConfig | dict | None") -> "TideConfig":
         """A copy with inference fields taken from `overrides` (a dict of `INFERENCE_FIELDS` or a config)."""
-        merged = self.to_dict()
         if isinstance(overrides, TideConfig):
             changes = {k: getattr(overrides, k) for k in INFERENCE_FIELDS}
             if overrides.thresholds:
@@ -204,10 +204,11 @@ class TideConfig(PreTrainedConfig):
             changes = {}
         else:
             raise TypeError(f"tide_config must be a TideConfig or a dict, got {type(overrides).__name__}.")
-        merged.update(changes)
-        for key in ("model_type", "transformers_version"):
-            merged.pop(key, None)
-        return TideConfig(**merged)
+        merged = copy.deepcopy(self)
+        for key, value in changes.items():
+            setattr(merged, key, value)
+        merged.validate()
+        return merged
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -1,7 +1,167 @@
-"""Placeholder: the early-exit decode step arrives with generation support."""
+"""The early-exit decode step and its place inside transformers' own `generate` loop.
+
+`generate_with_tide` runs the base model's `generate` unchanged, with the base model's `forward`
+replaced (for the duration of the call only) by `ExitSession.forward`: prompt steps go to the original
+forward; decode steps run the layers one at a time, score the routers at each checkpoint, leave the
+stack for rows whose score is above the threshold, and fill the skipped layers' KV by the configured
+strategy. Logits processors, stopping criteria, streamers and sampling stay transformers' own. This
+module does no file I/O and knows no architecture by name (see `architectures.py`).
+"""
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .config import TideConfig
+from .layercalls import LayerCall, capture_layer_calls, write_kv_only
+from .router import exit_decision
+from .stats import GenerationStats
+
+__all__ = ["generate_with_tide", "ExitSession"]
+
+_BACKBONE_KEYS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "cache_position", "inputs_embeds")
+
+
+def resolve_run_config(model, tide_config) -> TideConfig | None:
+    """The config a generate call runs with, or None for the plain base model."""
+    if tide_config is False:
+        return None
+    run = model.config.with_overrides(tide_config)
+    run.validate(num_layers=model.parts.num_layers)
+    return run if run.has_operating_point else None
+
 
 def generate_with_tide(model, tide_config, *args, **kwargs):
-    return model.base.generate(*args, **kwargs)
+    run = resolve_run_config(model, tide_config)
+    if run is None:
+        model.last_stats = None
+        return model.base.generate(*args, **kwargs)
+    if run.mode == "lossless":
+        from .speculative import generate_lossless
+
+        return generate_lossless(model, run, *args, **kwargs)
+    session = ExitSession(model, run)
+    with session.installed():
+        start = time.perf_counter()
+        output = model.base.generate(*args, **kwargs)
+        session.stats.wall_time_s = time.perf_counter() - start
+    model.last_stats = session.stats
+    return attach_stats(output, session.stats)
+
+
+def attach_stats(output, stats: GenerationStats):
+    if not isinstance(output, torch.Tensor):
+        output["tide_stats"] = stats
+    return output
+
+
+class ExitSession:
+    """One `generate` call in exit mode: the decode step plus its counters."""
+
+    def __init__(self, model, config: TideConfig):
+        self.model, self.config, self.parts = model, config, model.parts
+        self.checkpoints = [k for k in model.checkpoints if k + 1 >= config.min_layers]
+        self.thresholds = {k: config.threshold_for(k) for k in self.checkpoints}
+        self.stats = GenerationStats(self.parts.num_layers, self.checkpoints, kv_strategy=config.kv_strategy)
+        if config.kv_strategy == "recompute":
+            from .recompute import RecomputeState
+
+            self.recompute = RecomputeState(self)
+        else:
+            self.recompute = None
+        self._original_forward = None
+
+    @contextmanager
+    def installed(self):
+        base = self.model.base
+        had_instance_forward = "forward" in base.__dict__
+        self._original_forward = base.forward
+        base.forward = self.forward
+        try:
+            yield self
+        finally:
+            if had_instance_forward:
+                base.forward = self._original_forward
+            else:
+                del base.forward
+
+    # ------------------------------------------------------------------ the forward generate sees
+    def forward(self, input_ids=None, past_key_values=None, **kwargs):
+        if not self._is_decode_step(input_ids, past_key_values, kwargs):
+            self.stats.prefill_tokens += 0 if input_ids is None else input_ids.numel()
+            output = self._original_forward(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+            if self.recompute is not None:
+                self.recompute.after_prefill(input_ids, past_key_values)
+            return output
+        start = time.perf_counter()
+        logits = self.decode_step(input_ids, past_key_values, kwargs)
+        self.stats.decode_time_s += time.perf_counter() - start
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+
+    def _is_decode_step(self, input_ids, cache, kwargs) -> bool:
+        if input_ids is None or input_ids.shape[1] != 1 or cache is None or cache.get_seq_length() == 0:
+            return False
+        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+            raise ValueError("Tide decode steps do not return hidden states or attentions; drop those flags.")
+        return True
+
+    # ------------------------------------------------------------------ one decode step
+    @torch.no_grad()
+    def decode_step(self, input_ids, cache, kwargs) -> torch.Tensor:
+        """input_ids: [B, 1] -> logits [B, 1, V]; the cache grows by one position at every layer."""
+        if self.recompute is not None:
+            return self.recompute.decode_step(input_ids, cache, kwargs)
+        inputs = {k: v for k, v in kwargs.items() if k in _BACKBONE_KEYS}
+        calls = capture_layer_calls(self.parts, input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs)
+        hidden, exit_layer = self.run_layers(calls, calls[0].hidden, cache)
+        self.stats.decode_steps += 1
+        self.stats.record_exits(exit_layer.tolist())
+        return self.logits(hidden)
+
+    def run_layers(self, calls: list[LayerCall], hidden: torch.Tensor, cache):
+        """Run the stack with per-row exits; fill KV (propagate) once every row has left.
+
+        hidden: [B, T, H]. Returns the per-row exit states [B, T, H] and exit layers [B].
+        """
+        num_layers, rows = self.parts.num_layers, hidden.shape[0]
+        exit_layer = torch.full((rows,), num_layers - 1, dtype=torch.long, device=hidden.device)
+        exited = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+        everyone_left = False
+        for i in range(num_layers):
+            if everyone_left:
+                write_kv_only(calls[i], self.parts, i, hidden, cache)
+                self.stats.kv_only_passes += 1
+                continue
+            out = calls[i].run(self.parts, i, hidden)
+            self.stats.layer_passes += 1
+            hidden = torch.where(exited.to(out.device)[:, None, None], hidden.to(out.device), out)
+            if i in self.thresholds:
+                leaving = self.exits_at(i, hidden) & ~exited.to(hidden.device)
+                exited = exited.to(hidden.device) | leaving
+                exit_layer = torch.where(leaving, torch.full_like(exit_layer, i), exit_layer.to(hidden.device))
+                everyone_left = bool(exited.all())  # the one host sync per checkpoint
+        return hidden, exit_layer
+
+    def exits_at(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """bool [B]: rows whose router at `layer` scores its last position above the threshold."""
+        router_device = next(self.model.routers[layer].parameters()).device
+        normed = self.parts.final_norm(_to(hidden[:, -1], self.norm_device)).to(router_device)
+        scores = self.model.routers.score(layer, normed)
+        return exit_decision(scores, self.thresholds[layer]).to(hidden.device)
+
+    @property
+    def norm_device(self):
+        param = next(self.parts.norm.parameters(), None)
+        return param.device if param is not None else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self.parts.final_norm(_to(hidden, self.norm_device))
+        return self.parts.logits_from_normed(normed)
+
+
+def _to(tensor: torch.Tensor, device) -> torch.Tensor:
+    return tensor if device is None else tensor.to(device)

@@ -64,11 +64,14 @@ def select_threshold(
         return NEVER
     quantiles = torch.linspace(1.0, 0.0, num_candidates + 1, dtype=torch.float64)[1:]
     candidates = torch.quantile(scores.double(), quantiles).unique().flip(0)  # high -> low
+    # Fewer exits than this cannot pass even with zero errors; the scan starts where a pass is possible
+    # (a rule on scores alone, so the fixed sequence stays fixed before any label is looked at).
+    min_exits = math.ceil(math.log(1.0 - confidence) / math.log1p(-max_error)) if max_error < 1.0 else 1
     chosen = NEVER
     for t in candidates.tolist():
         exits = scores > t
         n = int(exits.sum())
-        if n == 0:
+        if n < min_exits:
             continue
         errors = int((exits & ~agree).sum())
         if binomial_upper_bound(errors, n, confidence) > max_error:

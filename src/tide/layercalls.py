@@ -1,0 +1,108 @@
+"""Driving a model's decoder layers one at a time, with the model's own arguments.
+
+`capture_layer_calls` runs the backbone once with every decoder layer swapped for a recorder that keeps
+the `(args, kwargs)` the backbone passes (masks per layer type, rotary embeddings, alibi, the cache) and
+hands its input straight through. The real layers are then called by the engine with those arguments.
+`write_kv_only` runs a layer with a cache proxy whose `update()` stores K/V and stops the layer there:
+every architecture's own input norm, k/v projections, k-norm and rotary fill the cache, and attention,
+o_proj and the MLP never run. Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .architectures import ModelParts
+
+__all__ = ["LayerCall", "capture_layer_calls", "write_kv_only"]
+
+
+@dataclass
+class LayerCall:
+    args: tuple
+    kwargs: dict
+
+    def run(self, parts: ModelParts, index: int, hidden: torch.Tensor, cache=None) -> torch.Tensor:
+        """Call decoder layer `index` on `hidden` (optionally with another cache object)."""
+        args, kwargs = list(self.args), dict(self.kwargs)
+        if args:
+            args[0] = hidden
+        else:
+            kwargs["hidden_states"] = hidden
+        if cache is not None:
+            where = parts.spec.cache_arg
+            if isinstance(where, int) and where < len(args):
+                args[where] = cache
+            else:
+                kwargs[where if isinstance(where, str) else "past_key_values"] = cache
+        return parts.layer_output(parts.layers[index](*args, **kwargs))
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.args[0] if self.args else self.kwargs["hidden_states"]
+
+
+class _Recorder(nn.Module):
+    def __init__(self, store: dict, index: int, returns_tuple: bool):
+        super().__init__()
+        self.store, self.index, self.returns_tuple = store, index, returns_tuple
+
+    def forward(self, *args, **kwargs):
+        self.store[self.index] = LayerCall(args, kwargs)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden,) if self.returns_tuple else hidden
+
+
+@contextmanager
+def _recording(parts: ModelParts):
+    store: dict[int, LayerCall] = {}
+    originals = list(parts.layers)
+    for i in range(len(originals)):
+        parts.layers[i] = _Recorder(store, i, parts.spec.returns_tuple)
+    try:
+        yield store
+    finally:
+        for i, layer in enumerate(originals):
+            parts.layers[i] = layer
+
+
+@torch.no_grad()
+def capture_layer_calls(parts: ModelParts, **backbone_inputs) -> list[LayerCall]:
+    """The arguments the backbone would pass to each decoder layer for these inputs."""
+    with _recording(parts) as store:
+        parts.backbone(**backbone_inputs)
+    if len(store) != parts.num_layers:
+        raise RuntimeError(f"The backbone called {len(store)} of {parts.num_layers} decoder layers.")
+    return [store[i] for i in range(parts.num_layers)]
+
+
+class _KVWritten(Exception):
+    pass
+
+
+class _WriteThenStop:
+    """Cache proxy: `update()` stores the new K/V in the real cache, then stops the layer."""
+
+    def __init__(self, cache):
+        self._cache = cache
+
+    def update(self, *args, **kwargs):
+        self._cache.update(*args, **kwargs)
+        raise _KVWritten
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+@torch.no_grad()
+def write_kv_only(call: LayerCall, parts: ModelParts, index: int, hidden: torch.Tensor, cache) -> None:
+    """Fill layer `index`'s cache for `hidden` (K/V through the layer's own norm/projections/rotary)."""
+    try:
+        call.run(parts, index, hidden, cache=_WriteThenStop(cache))
+    except _KVWritten:
+        return
+    raise RuntimeError(f"Decoder layer {index} ran to the end without writing its KV cache.")

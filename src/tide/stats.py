@@ -1,0 +1,93 @@
+"""What a Tide generation actually ran: counts taken from the decode loop, never estimated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["GenerationStats"]
+
+
+@dataclass
+class GenerationStats:
+    num_layers: int
+    checkpoints: list[int]
+    mode: str = "exit"
+    kv_strategy: str = "propagate"
+    decode_tokens: int = 0  # tokens produced by Tide decode steps (rows x steps)
+    decode_steps: int = 0
+    exits: dict[str, int] = field(default_factory=dict)  # per checkpoint, plus "full" for no exit
+    token_layers: int = 0  # sum over decode tokens of the layers whose output the token used
+    layer_passes: int = 0  # batched decoder-layer calls that ran attention + MLP
+    kv_only_passes: int = 0  # batched decoder-layer calls that only wrote K/V
+    recomputed_positions: int = 0  # stale (row, position, layer) K/V entries rewritten by recompute
+    prefill_tokens: int = 0
+    wall_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    # lossless mode
+    drafted: int = 0
+    accepted: int = 0
+    verify_passes: int = 0
+
+    def record_exits(self, exit_layers: list[int]) -> None:
+        for k in exit_layers:
+            key = "full" if k >= self.num_layers - 1 else str(k)
+            self.exits[key] = self.exits.get(key, 0) + 1
+            self.token_layers += k + 1
+        self.decode_tokens += len(exit_layers)
+
+    @property
+    def mean_layers(self) -> float:
+        """Mean layers whose output a decode token used (its exit depth)."""
+        return self.token_layers / self.decode_tokens if self.decode_tokens else float("nan")
+
+    @property
+    def layers_skipped(self) -> int:
+        """Batched decoder-layer calls that did not run attention + MLP, over all decode steps."""
+        return self.decode_steps * self.num_layers - self.layer_passes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_time_s if self.decode_time_s else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items()}
+        out.update(mean_layers=self.mean_layers, layers_skipped=self.layers_skipped, tokens_per_s=self.tokens_per_s)
+        if self.mode == "lossless":
+            out["acceptance_rate"] = self.acceptance_rate
+        return out
+
+    def summary(self) -> str:
+        """A readable table of the run."""
+        rows = [
+            ("mode / kv strategy", f"{self.mode} / {self.kv_strategy}"),
+            ("decode tokens", f"{self.decode_tokens} in {self.decode_steps} steps"),
+            ("mean layers per token", f"{self.mean_layers:.2f} of {self.num_layers}"),
+            ("layer passes (attn+MLP)", f"{self.layer_passes} of {self.decode_steps * self.num_layers}"),
+            ("layers skipped", str(self.layers_skipped)),
+            ("KV-only layer passes", str(self.kv_only_passes)),
+        ]
+        if self.kv_strategy == "recompute":
+            rows.append(("recomputed K/V entries", str(self.recomputed_positions)))
+        if self.mode == "lossless":
+            rows += [
+                ("drafted / accepted", f"{self.drafted} / {self.accepted} ({self.acceptance_rate:.1%})"),
+                ("verification passes", str(self.verify_passes)),
+            ]
+        rows += [
+            ("wall time", f"{self.wall_time_s:.3f} s (decode {self.decode_time_s:.3f} s)"),
+            ("decode tokens/s", f"{self.tokens_per_s:.1f}"),
+        ]
+        total = max(self.decode_tokens, 1)
+        for key in [str(k) for k in self.checkpoints] + ["full"]:
+            n = self.exits.get(key, 0)
+            label = f"exits after layer {key}" if key != "full" else "ran all layers"
+            rows.append((label, f"{n} ({n / total:.1%})"))
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+    def __str__(self) -> str:
+        return self.summary()

@@ -1,0 +1,152 @@
+"""Calibration end to end, router repos on disk and through an offline Hub cache, TIDE import."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import tide
+from tide.data import DatasetLoadError
+from tide.hub import REPO_FILES
+from tiny_models import FAMILIES, sample_texts, tiny_model, tiny_tokenizer
+
+FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False)
+
+
+def _calibrated(family="llama", **cfg):
+    config = tide.TideConfig(checkpoint_interval=2, target_agreement=0.6, **cfg)
+    return tide.calibrate(tiny_model(family), tiny_tokenizer(), dataset=sample_texts(16), config=config, **FAST)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_calibrate_and_round_trip(family, tmp_path):
+    model = _calibrated(family)
+    cal = model.config.calibration
+    assert set(cal["checkpoints"]) == {"1", "3"} and set(model.config.thresholds) == {"1", "3"}
+    for row in cal["checkpoints"].values():
+        assert 0.0 <= row["label_rate"] <= 1.0 and 0.0 <= row["exit_rate"] <= 1.0
+    model.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted(REPO_FILES)  # no base weights, no pickle
+    loaded = tide.TideForCausalLM.from_pretrained(tmp_path, base_model=model.base)
+    for (name, a), (_, b) in zip(model.routers.state_dict().items(), loaded.routers.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert loaded.config.thresholds == model.config.thresholds
+
+
+def test_cosine_label_rule():
+    model = _calibrated(label="cosine", cosine_threshold=0.5)
+    assert model.config.calibration["checkpoints"]["3"]["label_rate"] >= 0.0
+
+
+def test_router_file_is_safetensors_with_metadata(tmp_path):
+    _calibrated().save_pretrained(tmp_path)
+    with safe_open(tmp_path / "routers.safetensors", "pt") as f:
+        assert f.metadata()["checkpoints"] == "1,3"
+        assert sorted(f.keys()) == sorted(f"{k}.{p}" for k in (1, 3) for p in ("down.weight", "down.bias", "up.weight", "up.bias"))
+    card = (tmp_path / "README.md").read_text()
+    assert "tide.calibrate" in card and "| 3 |" in card
+
+
+def test_load_base_by_name_and_through_automodel(tmp_path):
+    base = tiny_model("llama")
+    base.save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    model = tide.calibrate(base, tiny_tokenizer(), dataset=sample_texts(16),
+                           config=tide.TideConfig(checkpoint_interval=2), **FAST)
+    assert model.config.base_model_name_or_path == str(tmp_path / "base")
+    model.save_pretrained(tmp_path / "routers")
+    for loaded in (tide.TideForCausalLM.from_pretrained(tmp_path / "routers"),
+                   AutoModelForCausalLM.from_pretrained(tmp_path / "routers")):
+        assert isinstance(loaded, tide.TideForCausalLM)
+        torch.testing.assert_close(loaded.routers[3].down.weight, model.routers[3].down.weight)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(num_hidden_layers=8), "number of layers"),
+    (dict(hidden_size=48), "hidden size"),
+])
+def test_mismatched_base_fails_naming_the_mismatch(tmp_path, overrides, needle):
+    _calibrated().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=needle):
+        tide.TideForCausalLM.from_pretrained(tmp_path, base_model=tiny_model("llama", **overrides))
+
+
+def test_wrong_model_type_is_named(tmp_path):
+    _calibrated().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model type"):
+        tide.TideForCausalLM.from_pretrained(tmp_path, base_model=tiny_model("qwen3"))
+
+
+def test_missing_dataset_fails_loudly():
+    with pytest.raises(DatasetLoadError, match="Pass local text"):
+        tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset="no-such-user/no-such-dataset", **FAST)
+
+
+def test_local_text_files(tmp_path):
+    (tmp_path / "a.txt").write_text("\n".join(sample_texts(20)))
+    model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=str(tmp_path / "a.txt"),
+                           config=tide.TideConfig(checkpoint_interval=2), **FAST)
+    assert model.config.calibration["num_samples"] == 16
+
+
+def test_hub_repo_from_offline_cache(tmp_path):
+    """A repo id resolved from a local Hugging Face cache with HF_HUB_OFFLINE=1 (set before import)."""
+    cache = tmp_path / "hub"
+    base = tiny_model("llama")
+    for repo, save in (("tide-test/tiny-llama", base.save_pretrained), ("tide-test/tiny-llama-tide", None)):
+        snap = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / ("a" * 40)
+        snap.mkdir(parents=True)
+        (snap.parent.parent / "refs").mkdir()
+        (snap.parent.parent / "refs" / "main").write_text("a" * 40)
+        if save:
+            save(snap)
+        else:
+            model = tide.calibrate(base, tiny_tokenizer(), dataset=sample_texts(16),
+                                   config=tide.TideConfig(checkpoint_interval=2), **FAST)
+            model.config.base_model_name_or_path = "tide-test/tiny-llama"
+            model.save_pretrained(snap)
+    script = textwrap.dedent("""
+        import tide, torch
+        from transformers import AutoModelForCausalLM
+        m = tide.TideForCausalLM.from_pretrained("tide-test/tiny-llama-tide")
+        a = AutoModelForCausalLM.from_pretrained("tide-test/tiny-llama-tide")
+        assert type(m).__name__ == type(a).__name__ == "TideForCausalLM"
+        assert m.checkpoints == [1, 3] and m.parts.num_layers == 6
+        print("OK")
+    """)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_import_tide_checkpoint(tmp_path):
+    base = tiny_model("llama")
+    hidden, bottleneck = 32, 16
+    state = {"hidden_dim": hidden, "bottleneck_dim": bottleneck, "router_layers": {
+        k: {"down.weight": torch.randn(bottleneck, hidden), "up.weight": torch.randn(1, bottleneck)} for k in (1, 3, 5)
+    }}
+    torch.save(state, tmp_path / "router.pt")
+    with pytest.warns(UserWarning):
+        model = tide.import_tide_checkpoint(tmp_path / "router.pt", base)
+    assert model.checkpoints == [1, 3]  # layer 5 is the last layer: not an exit
+    torch.testing.assert_close(model.routers[3].down.weight, state["router_layers"][3]["down.weight"])
+    model.save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["router_hidden_size"] == bottleneck
+
+
+def test_not_a_tide_checkpoint(tmp_path):
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "router.pt")
+    with pytest.raises(ValueError, match="not a TIDE router checkpoint"):
+        tide.import_tide_checkpoint(tmp_path / "router.pt", tiny_model("llama"))
+
+
+def test_router_dtype_mismatch_is_a_clear_error():
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
+    with pytest.raises(RuntimeError, match="align_routers"):
+        model.routers.score(1, torch.zeros(1, 32, dtype=torch.float64))

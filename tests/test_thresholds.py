@@ -1,0 +1,37 @@
+import math
+
+import torch
+
+from tide.thresholds import binomial_upper_bound, calibrate_cascade, select_threshold
+
+
+def test_clopper_pearson_zero_errors_closed_form():
+    # With no errors the one-sided bound solves (1 - p)^n = alpha.
+    assert math.isclose(binomial_upper_bound(0, 100, 0.95), 1 - 0.05 ** (1 / 100), rel_tol=1e-6)
+    assert binomial_upper_bound(0, 0, 0.95) == 1.0
+    assert binomial_upper_bound(5, 100, 0.95) > 0.05
+
+
+def test_select_threshold_keeps_exits_clean():
+    torch.manual_seed(0)
+    scores = torch.rand(5000)
+    agree = scores > 0.5  # tokens with high scores always agree
+    t = select_threshold(scores, agree, max_error=0.01, confidence=0.95)
+    assert 0.45 < t < 0.6
+    assert agree[scores > t].float().mean() >= 0.99
+
+
+def test_no_safe_threshold_means_never_exit():
+    scores = torch.rand(200)
+    assert select_threshold(scores, torch.zeros(200, dtype=torch.bool), 0.01, 0.95) == 1.0
+
+
+def test_cascade_removes_earlier_exits():
+    torch.manual_seed(0)
+    n = 4000
+    scores = {1: torch.rand(n), 3: torch.rand(n)}
+    agree = {1: scores[1] > 0.7, 3: torch.ones(n, dtype=torch.bool)}
+    out = calibrate_cascade([1, 3], scores, agree, agree, 0.99, 0.95)
+    assert out[0].exits + out[1].exits <= n
+    assert out[1].exits == int(((scores[1] <= out[0].threshold) & (scores[3] > out[1].threshold)).sum())
+    assert sum(r.errors for r in out) / n <= 0.01
