@@ -93,6 +93,9 @@ class ExitSession:
     def forward(self, input_ids=None, past_key_values=None, **kwargs):
         if not self._is_decode_step(input_ids, past_key_values, kwargs):
             self.stats.prefill_tokens += 0 if input_ids is None else input_ids.numel()
+            if self.config.prefill_exit and input_ids is not None and past_key_values is not None:
+                logits = self.prefill_step(input_ids, past_key_values, kwargs)
+                return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
             output = self._original_forward(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
             if self.recompute is not None:
                 self.recompute.after_prefill(input_ids, past_key_values)
@@ -119,17 +122,29 @@ class ExitSession:
         calls = capture_layer_calls(self.parts, input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs)
         hidden, exit_layer = self.run_layers(calls, calls[0].hidden, cache)
         self.stats.decode_steps += 1
-        self.stats.record_exits(exit_layer.tolist())
+        self.stats.record_exits(exit_layer[:, -1].tolist())
+        return self.logits(hidden)
+
+    @torch.no_grad()
+    def prefill_step(self, input_ids, cache, kwargs) -> torch.Tensor:
+        """Prompt tokens exit by router too (`prefill_exit=True`); skipped layers get propagated KV."""
+        inputs = {k: v for k, v in kwargs.items() if k in _BACKBONE_KEYS}
+        calls = capture_layer_calls(self.parts, input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs)
+        passes = self.stats.layer_passes, self.stats.kv_only_passes
+        hidden, exit_layer = self.run_layers(calls, calls[0].hidden, cache)
+        self.stats.layer_passes, self.stats.kv_only_passes = passes  # decode counters only
+        self.stats.prefill_token_layers += int((exit_layer + 1).sum())
         return self.logits(hidden)
 
     def run_layers(self, calls: list[LayerCall], hidden: torch.Tensor, cache):
-        """Run the stack with per-row exits; fill KV (propagate) once every row has left.
+        """Run the stack with per-token exits; fill KV (propagate) once every token has left.
 
-        hidden: [B, T, H]. Returns the per-row exit states [B, T, H] and exit layers [B].
+        hidden: [B, T, H]. A token that exits keeps its state, and the layers after its exit see that
+        state (so its K/V there is propagated from it). Returns exit states [B, T, H], exit layers [B, T].
         """
-        num_layers, rows = self.parts.num_layers, hidden.shape[0]
-        exit_layer = torch.full((rows,), num_layers - 1, dtype=torch.long, device=hidden.device)
-        exited = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+        num_layers = self.parts.num_layers
+        exit_layer = torch.full(hidden.shape[:2], num_layers - 1, dtype=torch.long, device=hidden.device)
+        exited = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
         everyone_left = False
         for i in range(num_layers):
             if everyone_left:
@@ -138,18 +153,19 @@ class ExitSession:
                 continue
             out = calls[i].run(self.parts, i, hidden)
             self.stats.layer_passes += 1
-            hidden = torch.where(exited.to(out.device)[:, None, None], hidden.to(out.device), out)
+            exited = exited.to(out.device)
+            hidden = torch.where(exited[..., None], hidden.to(out.device), out)
             if i in self.thresholds:
-                leaving = self.exits_at(i, hidden) & ~exited.to(hidden.device)
-                exited = exited.to(hidden.device) | leaving
-                exit_layer = torch.where(leaving, torch.full_like(exit_layer, i), exit_layer.to(hidden.device))
+                leaving = self.exits_at(i, hidden) & ~exited
+                exit_layer = torch.where(leaving, torch.full_like(exit_layer, i), exit_layer.to(out.device))
+                exited = exited | leaving
                 everyone_left = bool(exited.all())  # the one host sync per checkpoint
         return hidden, exit_layer
 
     def exits_at(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """bool [B]: rows whose router at `layer` scores its last position above the threshold."""
+        """bool [B, T]: tokens whose router at `layer` scores above the threshold. hidden: [B, T, H]."""
         router_device = next(self.model.routers[layer].parameters()).device
-        normed = self.parts.final_norm(_to(hidden[:, -1], self.norm_device)).to(router_device)
+        normed = self.parts.final_norm(_to(hidden, self.norm_device)).to(router_device)
         scores = self.model.routers.score(layer, normed)
         return exit_decision(scores, self.thresholds[layer]).to(hidden.device)
 

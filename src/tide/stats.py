@@ -21,6 +21,7 @@ class GenerationStats:
     kv_only_passes: int = 0  # batched decoder-layer calls that only wrote K/V
     recomputed_positions: int = 0  # stale (row, position, layer) K/V entries rewritten by recompute
     prefill_tokens: int = 0
+    prefill_token_layers: int = 0  # with prefill_exit: sum over prompt tokens of the layers they used
     wall_time_s: float = 0.0
     decode_time_s: float = 0.0
     # lossless mode
