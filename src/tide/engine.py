@@ -10,6 +10,7 @@ module does no file I/O and knows no architecture by name (see `architectures.py
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager
 
@@ -80,7 +81,13 @@ class ExitSession:
         base = self.model.base
         had_instance_forward = "forward" in base.__dict__
         self._original_forward = base.forward
-        base.forward = self.forward
+
+        def forward(*args, **kwargs):
+            return self.forward(*args, **kwargs)
+
+        # generate inspects forward's signature (e.g. to build position_ids from the mask): keep the base's.
+        functools.update_wrapper(forward, self._original_forward)
+        base.forward = forward
         try:
             yield self
         finally:

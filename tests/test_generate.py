@@ -1,0 +1,361 @@
+"""Early-exit generation: exactness against the base model, forced exits against a reference,
+per-row batches, KV strategies, and the standard generate features."""
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+import tide
+from tiny_models import FAMILIES, tiny_model
+
+SLIDING = {"mistral", "qwen2", "gemma2", "gemma3_text"}  # sliding-window caches: propagate only
+GREEDY = dict(do_sample=False, max_new_tokens=10)
+
+
+def _wrap(family, **cfg):
+    base = tiny_model(family)
+    return tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2, **cfg)), base
+
+
+def _prompt(seed=0, length=9, rows=1):
+    torch.manual_seed(seed)
+    return torch.randint(4, 100, (rows, length))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_tide_config_is_the_base_model(family):
+    model, base = _wrap(family)
+    ids = _prompt()
+    assert torch.equal(model.generate(ids, **GREEDY), base.generate(ids, **GREEDY))
+    assert model.last_stats is None
+
+
+@pytest.mark.parametrize("strategy", ["propagate", "recompute"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_threshold_one_never_exits_and_equals_the_base(family, strategy):
+    if strategy == "recompute" and family in SLIDING:
+        pytest.skip("recompute needs full-attention caches")
+    model, base = _wrap(family)
+    ids = _prompt()
+    ref = base.generate(ids, output_scores=True, return_dict_in_generate=True, **GREEDY)
+    out = model.generate(ids, output_scores=True, return_dict_in_generate=True,
+                         tide_config={"exit_threshold": 1.0, "kv_strategy": strategy}, **GREEDY)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    stats = out["tide_stats"]
+    assert stats.exits == {"full": stats.decode_tokens} and stats.layer_passes == stats.decode_steps * 6
+
+
+def _reference_forced_exit(base, parts, ids, k, steps):
+    """Greedy decode where every generated token leaves after layer k and layers > k see its layer-k
+    state (propagated K/V), written with plain hooks on the base model's own forward."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=base.config)
+    with torch.no_grad():
+        logits = base(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        state = {}
+        hooks = [parts.layers[k].register_forward_hook(lambda _m, _a, out: state.update(h=parts.layer_output(out)))]
+
+        def feed_exit_state(_m, args, kwargs):
+            if args:
+                return (state["h"],) + tuple(args[1:]), kwargs
+            return args, dict(kwargs, hidden_states=state["h"])
+
+        hooks += [parts.layers[j].register_forward_pre_hook(feed_exit_state, with_kwargs=True)
+                  for j in range(k + 1, parts.num_layers)]
+        out = [logits.argmax(-1, keepdim=True)]
+        try:
+            for _ in range(steps - 1):
+                base(out[-1], past_key_values=cache, use_cache=True)
+                logits = parts.logits_from_normed(parts.final_norm(state["h"]))[:, -1]
+                out.append(logits.argmax(-1, keepdim=True))
+        finally:
+            for h in hooks:
+                h.remove()
+    return torch.cat([ids] + out, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forced_exit_matches_reference_and_skips_the_work(family):
+    model, base = _wrap(family, checkpoint_layers=[2])
+    ids = _prompt()
+    expected = _reference_forced_exit(base, model.parts, ids, k=2, steps=10)
+    after_update = _modules_after_cache_update(model.parts, base, ids, layer=3)
+    called, decoding = {}, []  # decoding: set once the prompt's forward is done
+
+    def count(*_args, key):
+        if decoding:
+            called[key] = called.get(key, 0) + 1
+
+    hooks = [mod.register_forward_hook(lambda *a, key=(j, name): count(key=key))
+             for j in range(3, model.parts.num_layers)
+             for name, mod in model.parts.layers[j].named_modules() if not list(mod.children())]
+    flag = _Flag(decoding)
+    out = model.generate(ids, tide_config={"exit_threshold": -1}, logits_processor=LogitsProcessorList([flag]), **GREEDY)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(out, expected)
+    assert called, "the skipped layers should still write K/V"
+    ran_after_update = {name for (j, name) in called if j == 3} & after_update
+    assert not ran_after_update, f"layers after the exit ran {ran_after_update} for decode tokens"
+    stats = model.last_stats
+    assert stats.exits == {"2": 10 - 1} and stats.layer_passes == 3 * 9 and stats.kv_only_passes == 3 * 9
+    assert stats.mean_layers == 3 and stats.layers_skipped == 3 * 9
+
+
+class _Flag(LogitsProcessor):
+    def __init__(self, box):
+        self.box = box
+
+    def __call__(self, input_ids, scores):
+        self.box.append(True)
+        return scores
+
+
+def _modules_after_cache_update(parts, base, ids, layer):
+    """Leaf modules of `layer` that run after its KV-cache write in a normal decode step (attention
+    core, output projection, MLP): what a skipped layer must never run."""
+    from transformers import DynamicCache
+
+    order = []
+    cache = DynamicCache(config=base.config)
+    with torch.no_grad():
+        base(ids, past_key_values=cache, use_cache=True)
+    original = cache.update
+
+    def update(*args, **kwargs):
+        if len(args) > 2 and args[2] == layer or kwargs.get("layer_idx") == layer:
+            order.append("<update>")
+        return original(*args, **kwargs)
+
+    cache.update = update
+    hooks = [mod.register_forward_hook(lambda *_a, name=name: order.append(name))
+             for name, mod in parts.layers[layer].named_modules() if not list(mod.children())]
+    with torch.no_grad():
+        base(ids[:, -1:], past_key_values=cache, use_cache=True)
+    for h in hooks:
+        h.remove()
+    after = set(order[order.index("<update>") + 1:])
+    assert any(("mlp" in n or "fc" in n) for n in after), after  # the check has teeth
+    return after
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "qwen3"])
+def test_recompute_with_forced_exit_keeps_placeholders(family):
+    """With every token leaving at the first checkpoint nothing runs deep, so recompute = propagate."""
+    model, _ = _wrap(family, checkpoint_layers=[2])
+    ids = _prompt()
+    a = model.generate(ids, tide_config={"exit_threshold": -1}, **GREEDY)
+    b = model.generate(ids, tide_config={"exit_threshold": -1, "kv_strategy": "recompute"}, **GREEDY)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "opt", "phi", "mixtral"])
+def test_recompute_rewrites_stale_kv_exactly(family):
+    """After a deep step, every stale entry holds the K/V the full model would have written."""
+    from transformers import DynamicCache
+
+    model, base = _wrap(family, checkpoint_layers=[1, 3])
+    ids = _prompt(length=6)
+    # Alternate: a token that exits at layer 1, then one that runs the whole stack.
+    scripted = iter([True, False] * 10)
+    session_cls = tide.engine.ExitSession
+    original = session_cls.exits_at
+    session_cls.exits_at = lambda self, layer, hidden: torch.full(hidden.shape[:2], next(scripted) if layer == 1 else False)
+    try:
+        out = model.generate(ids, tide_config={"exit_threshold": 0.5, "kv_strategy": "recompute"},
+                             do_sample=False, max_new_tokens=5, return_dict_in_generate=True)
+    finally:
+        session_cls.exits_at = original
+    stats = out["tide_stats"]
+    assert stats.recomputed_positions > 0
+    # The full model's own cache for the same tokens (all but the last, whose deep K/V is a placeholder).
+    full = DynamicCache(config=base.config)
+    with torch.no_grad():
+        base(out.sequences[:, :-1], past_key_values=full, use_cache=True)
+    n = out.sequences.shape[1] - 2  # positions stored before the last step, all exact after it ran deep
+    for j in range(model.parts.num_layers):
+        torch.testing.assert_close(out.past_key_values.layers[j].keys[:, :, :n], full.layers[j].keys[:, :, :n],
+                                   atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["propagate", "recompute"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "opt", "gemma2", "qwen2"])
+def test_left_padded_batch_matches_each_row_alone(family, strategy):
+    if strategy == "recompute" and family in SLIDING:
+        pytest.skip("recompute needs full-attention caches")
+    model, _ = _wrap(family, checkpoint_layers=[1, 3])
+    _spread_router_scores(model)
+    from tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer(pad=True)
+    tok.padding_side = "left"
+    prompts = ["The quick brown fox", "Hello", "import os; print(os.getcwd())"]
+    cfg = {"exit_threshold": 0.5, "kv_strategy": strategy}
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    together = model.generate(**batch, tide_config=cfg, pad_token_id=0, **GREEDY)
+    exits = model.last_stats.exits
+    assert len(exits) > 1, f"rows should exit at different layers: {exits}"
+    for i, prompt in enumerate(prompts):
+        alone = model.generate(**tok([prompt], return_tensors="pt"), tide_config=cfg, pad_token_id=0, **GREEDY)
+        width = alone.shape[1]
+        assert torch.equal(together[i, -(GREEDY["max_new_tokens"]):], alone[0, -(GREEDY["max_new_tokens"]):]), i
+
+
+def _spread_router_scores(model):
+    """Make random routers decisive (scores far from 0.5) so rows exit at different layers robustly."""
+    with torch.no_grad():
+        for layer in model.checkpoints:
+            model.routers[layer].up.weight.mul_(40.0)
+
+
+def test_prefill_exit_runs_and_counts():
+    model, base = _wrap("llama", checkpoint_layers=[2])
+    ids = _prompt()
+    out = model.generate(ids, tide_config={"exit_threshold": -1, "prefill_exit": True}, **GREEDY)
+    assert out.shape == (1, ids.shape[1] + 10)
+    assert model.last_stats.prefill_token_layers == 3 * ids.shape[1]
+
+
+def test_recompute_on_sliding_window_model_is_a_clear_error():
+    model, _ = _wrap("mistral")
+    with pytest.raises(ValueError, match="propagate"):
+        model.generate(_prompt(), tide_config={"exit_threshold": 0.5, "kv_strategy": "recompute"}, **GREEDY)
+
+
+# ---------------------------------------------------------------------- standard generate features
+def test_sampling_with_a_seed_is_reproducible():
+    model, _ = _wrap("llama")
+    ids = _prompt()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(model.generate(ids, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=10,
+                                   tide_config={"exit_threshold": 0.5}))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_threshold_one_sampling_equals_base_sampling():
+    model, base = _wrap("qwen3")
+    ids = _prompt()
+    torch.manual_seed(7)
+    ref = base.generate(ids, do_sample=True, max_new_tokens=10)
+    torch.manual_seed(7)
+    out = model.generate(ids, do_sample=True, max_new_tokens=10, tide_config={"exit_threshold": 1.0})
+    assert torch.equal(ref, out)
+
+
+class BanToken(LogitsProcessor):
+    def __init__(self, token):
+        self.token, self.calls = token, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        scores[:, self.token] = -float("inf")
+        return scores
+
+
+def test_custom_logits_processor_is_applied():
+    model, _ = _wrap("llama")
+    ids = _prompt()
+    plain = model.generate(ids, tide_config={"exit_threshold": -1}, **GREEDY)
+    banned = int(plain[0, ids.shape[1]])
+    proc = BanToken(banned)
+    out = model.generate(ids, tide_config={"exit_threshold": -1}, logits_processor=LogitsProcessorList([proc]), **GREEDY)
+    assert proc.calls == 10 and banned not in out[0, ids.shape[1]:].tolist()
+
+
+class StopAfter(StoppingCriteria):
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_custom_stopping_criterion():
+    model, _ = _wrap("llama")
+    ids = _prompt()
+    out = model.generate(ids, tide_config={"exit_threshold": -1}, do_sample=False, max_new_tokens=20,
+                         stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1] + 4)]))
+    assert out.shape[1] == ids.shape[1] + 4
+
+
+def test_eos_from_generation_config_stops():
+    model, base = _wrap("llama")
+    ids = _prompt()
+    first = int(model.generate(ids, tide_config={"exit_threshold": -1}, **GREEDY)[0, ids.shape[1] + 2])
+    model.generation_config.eos_token_id = first
+    out = model.generate(ids, tide_config={"exit_threshold": -1}, **GREEDY)
+    assert int(out[0, -1]) == first and out.shape[1] <= ids.shape[1] + 3
+
+
+def test_streamer_receives_every_token():
+    from transformers import TextIteratorStreamer
+    from threading import Thread
+    from tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model, _ = _wrap("llama")
+    inputs = tok(["Hello there"], return_tensors="pt")
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    kwargs = dict(**inputs, streamer=streamer, tide_config={"exit_threshold": -1}, **GREEDY)
+    thread = Thread(target=model.generate, kwargs=kwargs)
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    out = model.generate(**inputs, tide_config={"exit_threshold": -1}, **GREEDY)
+    assert text == tok.decode(out[0, inputs["input_ids"].shape[1]:])
+
+
+def test_num_return_sequences_and_dict_output():
+    model, _ = _wrap("llama")
+    ids = _prompt()
+    torch.manual_seed(0)
+    out = model.generate(ids, do_sample=True, num_return_sequences=3, return_dict_in_generate=True,
+                         max_new_tokens=5, tide_config={"exit_threshold": 0.5})
+    assert out.sequences.shape == (3, ids.shape[1] + 5)
+    assert out["tide_stats"].decode_tokens == 3 * 4
+    assert "mean layers per token" in out["tide_stats"].summary()
+
+
+def test_pipeline_with_model_object_and_router_repo(tmp_path):
+    from transformers import pipeline
+    from tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model, base = _wrap("llama")
+    base.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    model.config.base_model_name_or_path = str(tmp_path / "base")
+    model.save_pretrained(tmp_path / "routers")
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    a = pipe("Hello", max_new_tokens=5, do_sample=False, tide_config={"exit_threshold": -1})[0]["generated_text"]
+    assert a.startswith("Hello") and model.last_stats.decode_tokens == 4
+    pipe2 = pipeline("text-generation", model=str(tmp_path / "routers"), tokenizer=tok)
+    b = pipe2("Hello", max_new_tokens=5, do_sample=False, tide_config={"exit_threshold": -1})[0]["generated_text"]
+    assert a == b
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("cfg, needle", [
+    ({"exit_treshold": 0.5}, "unknown key"),
+    ({"exit_threshold": "0.5"}, "exit_threshold"),
+    ({"exit_threshold": 0.5, "min_layers": 5}, "min_layers"),
+    ({"kv_strategy": "copy"}, "kv_strategy"),
+])
+def test_bad_tide_config_is_a_clear_error(cfg, needle):
+    model, _ = _wrap("llama")
+    with pytest.raises(ValueError, match=needle):
+        model.generate(_prompt(), tide_config=cfg, **GREEDY)
+
+
+def test_router_on_wrong_dtype_is_a_clear_error():
+    model, _ = _wrap("llama")
+    model.routers.double()
+    with pytest.raises(RuntimeError, match="align_routers"):
+        model.generate(_prompt(), tide_config={"exit_threshold": 0.5}, **GREEDY)
+    model.align_routers()
+    model.generate(_prompt(), tide_config={"exit_threshold": 0.5}, **GREEDY)
