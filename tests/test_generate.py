@@ -100,6 +100,8 @@ def test_forced_exit_matches_reference_and_skips_the_work(family):
     assert called, "the skipped layers should still write K/V"
     ran_after_update = {name for (j, name) in called if j == 3} & after_update
     assert not ran_after_update, f"layers after the exit ran {ran_after_update} for decode tokens"
+    if model.parts.spec.query_proj:  # K/V-only passes skip the query projection too
+        assert (3, model.parts.spec.query_proj) not in called
     stats = model.last_stats
     assert stats.exits == {"2": 10 - 1} and stats.layer_passes == 3 * 9 and stats.kv_only_passes == 3 * 9
     assert stats.mean_layers == 3 and stats.layers_skipped == 3 * 9

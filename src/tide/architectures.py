@@ -32,9 +32,10 @@ class ArchSpec:
     returns_tuple: bool = False  # layer returns (hidden_states, ...) instead of a tensor
     softcap_attr: str | None = None  # config attribute holding the final-logit soft-cap
     layer_types_attr: str | None = "layer_types"  # config attribute listing per-layer attention types
+    query_proj: str | None = None  # separate query projection inside a layer (skipped on K/V-only passes)
 
 
-_DECODER = ArchSpec(backbone="model", layers="model.layers", norm="model.norm")
+_DECODER = ArchSpec(backbone="model", layers="model.layers", norm="model.norm", query_proj="self_attn.q_proj")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": _DECODER,
@@ -45,7 +46,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "gemma": _DECODER,
     "gemma2": replace(_DECODER, softcap_attr="final_logit_softcapping"),
     "gemma3_text": replace(_DECODER, softcap_attr="final_logit_softcapping"),
-    "phi3": _DECODER,
+    "phi3": replace(_DECODER, query_proj=None),  # fused qkv_proj
     "phi": replace(_DECODER, norm="model.final_layernorm"),
     "gpt2": ArchSpec(backbone="transformer", layers="transformer.h", norm="transformer.ln_f", cache_arg=1),
     "gpt_neox": ArchSpec(
@@ -59,6 +60,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         layers="model.decoder.layers",
         norm="model.decoder.final_layer_norm",
         post_norm="model.decoder.project_out",
+        query_proj="self_attn.q_proj",
     ),
     "falcon": ArchSpec(
         backbone="transformer",

@@ -98,11 +98,39 @@ class _WriteThenStop:
         return getattr(self._cache, name)
 
 
+class _ZeroQuery(nn.Module):
+    """Stands in for a query projection on K/V-only passes: the queries are never used."""
+
+    def __init__(self, out_features: int):
+        super().__init__()
+        self.out_features = out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], self.out_features)
+
+
+@contextmanager
+def _query_skipped(parts: ModelParts, index: int):
+    path = parts.spec.query_proj
+    if path is None:
+        yield
+        return
+    owner_path, _, name = path.rpartition(".")
+    owner = parts.layers[index].get_submodule(owner_path)
+    original = getattr(owner, name)
+    setattr(owner, name, _ZeroQuery(original.out_features))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 @torch.no_grad()
 def write_kv_only(call: LayerCall, parts: ModelParts, index: int, hidden: torch.Tensor, cache) -> None:
     """Fill layer `index`'s cache for `hidden` (K/V through the layer's own norm/projections/rotary)."""
     try:
-        call.run(parts, index, hidden, cache=_WriteThenStop(cache))
+        with _query_skipped(parts, index):
+            call.run(parts, index, hidden, cache=_WriteThenStop(cache))
     except _KVWritten:
         return
     raise RuntimeError(f"Decoder layer {index} ran to the end without writing its KV cache.")

@@ -1,0 +1,122 @@
+"""Decode speed of Tide's early-exit engine against the base model, side by side in one process.
+
+Random-init Llama large enough that compute dominates (default 16 layers, hidden 1536), batch 1,
+greedy, CPU. Measures decode tokens/s (generate time for N+1 new tokens minus generate time for 1),
+median of `--repeats` interleaved runs, for:
+  - the base model's generate;
+  - Tide with exit_threshold=1.0 (layer-wise engine, never exits): the engine's overhead;
+  - Tide forced to exit after layer `--exit-layer` (threshold -1) with each KV strategy;
+and the ideal speedup implied by what ran (weights touched per decode token: full layers, K/V-only
+passes, head), so the measured speedup can be read as a fraction of it.
+
+    python examples/bench_generate/bench_generate.py --json docs/results/bench_generate_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tide
+
+
+def build(layers: int, hidden: int, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 8 / 3 // 256 * 256),
+                         num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=hidden // 512,
+                         max_position_embeddings=2048)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None  # random weights: decode the full length every time
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def decode_seconds(generate, ids, new_tokens: int) -> float:
+    start = time.perf_counter()
+    generate(ids, max_new_tokens=1)
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(ids, max_new_tokens=new_tokens + 1)
+    return (time.perf_counter() - start) - one
+
+
+def params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def ideal_speedup(model: tide.TideForCausalLM, stats) -> float:
+    """Weights a decode token touches, full stack vs what ran (full layers, K/V-only passes, routers)."""
+    layer = model.parts.layers[0]
+    c_layer, c_head = params(layer), params(model.parts.lm_head)
+    c_kv = params(layer.input_layernorm) + params(layer.self_attn.k_proj) + params(layer.self_attn.v_proj)
+    c_router = params(model.routers[model.checkpoints[0]])
+    steps = stats.decode_steps
+    ran = (stats.layer_passes * c_layer + stats.kv_only_passes * c_kv) / steps + c_head
+    ran += c_router * len(stats.checkpoints)
+    return (model.parts.num_layers * c_layer + c_head) / ran
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--exit-layer", type=int, default=3, help="0-based layer after which tokens are forced out")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    base = build(args.layers, args.hidden)
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_layers=[args.exit_layer]))
+    ids = torch.randint(10, 32000, (1, args.prompt_tokens))
+    runs = {
+        "base": lambda i, **kw: base.generate(i, do_sample=False, **kw),
+        "tide_threshold_1.0": lambda i, **kw: model.generate(i, do_sample=False, tide_config={"exit_threshold": 1.0}, **kw),
+        "tide_forced_exit_propagate": lambda i, **kw: model.generate(
+            i, do_sample=False, tide_config={"exit_threshold": -1, "kv_strategy": "propagate"}, **kw),
+        "tide_forced_exit_recompute": lambda i, **kw: model.generate(
+            i, do_sample=False, tide_config={"exit_threshold": -1, "kv_strategy": "recompute"}, **kw),
+    }
+    for fn in runs.values():  # warm-up
+        fn(ids, max_new_tokens=2)
+    times = {name: [] for name in runs}
+    stats = {}
+    with torch.inference_mode():
+        for _ in range(args.repeats):
+            for name, fn in runs.items():
+                times[name].append(decode_seconds(fn, ids, args.new_tokens))
+                if name != "base":
+                    stats[name] = model.last_stats
+    results = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}",
+               "model": f"random-init Llama, {args.layers} layers, hidden {args.hidden}, fp32",
+               "new_tokens": args.new_tokens, "repeats": args.repeats, "runs": {}}
+    base_tps = args.new_tokens / statistics.median(times["base"])
+    for name, ts in times.items():
+        tps = args.new_tokens / statistics.median(ts)
+        row = {"decode_tokens_per_s": round(tps, 3), "ratio_to_base": round(tps / base_tps, 4),
+               "seconds": [round(t, 3) for t in ts]}
+        if name in stats:
+            s = stats[name]
+            ideal = ideal_speedup(model, s)
+            row.update(mean_layers=s.mean_layers, layer_passes_per_step=s.layer_passes / s.decode_steps,
+                       kv_only_passes_per_step=s.kv_only_passes / s.decode_steps, ideal_speedup=round(ideal, 3),
+                       fraction_of_ideal=round(tps / base_tps / ideal, 4))
+        results["runs"][name] = row
+        print(f"{name:28s} {tps:8.3f} tok/s  x{tps / base_tps:.3f}" +
+              (f"  ideal x{row['ideal_speedup']:.3f}  ({row['fraction_of_ideal']:.1%} of ideal)" if "ideal_speedup" in row else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
