@@ -124,7 +124,10 @@ class ExitSession:
     def decode_step(self, input_ids, cache, kwargs) -> torch.Tensor:
         """input_ids: [B, 1] -> logits [B, 1, V]; the cache grows by one position at every layer."""
         if self.recompute is not None:
-            return self.recompute.decode_step(input_ids, cache, kwargs)
+            logits, exit_layer = self.recompute.decode_step(input_ids, cache, kwargs)
+            self.stats.decode_steps += 1
+            self.stats.record_exits(exit_layer.tolist())
+            return logits
         inputs = {k: v for k, v in kwargs.items() if k in _BACKBONE_KEYS}
         calls = capture_layer_calls(self.parts, input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs)
         hidden, exit_layer = self.run_layers(calls, calls[0].hidden, cache)

@@ -74,16 +74,26 @@ class RecomputeState:
         return 0 if self.ids is None else self.ids.shape[1]
 
     def after_prefill(self, input_ids, cache) -> None:
+        self.check_cache(cache)
+        self.reset()
+
+    @staticmethod
+    def check_cache(cache) -> None:
         layer_types = getattr(cache, "is_sliding", None) or []
         if any(layer_types):
             raise ValueError(
-                "kv_strategy='recompute' needs full-attention caches, and this model has sliding-window layers "
-                "(their evicted keys cannot be rewritten). Use kv_strategy='propagate'."
+                "kv_strategy='recompute' and mode='lossless' need full-attention KV caches, and this model has "
+                "sliding-window layers (their evicted keys cannot be rewritten). Use mode='exit' with "
+                "kv_strategy='propagate'."
             )
-        self.ids = self.positions = self.valid = self.states = None
 
     # ------------------------------------------------------------------ one decode step
-    def decode_step(self, input_ids, cache, kwargs) -> torch.Tensor:
+    def decode_step(self, input_ids, cache, kwargs, allow_exit: bool = True, keep_pending: bool = False):
+        """input_ids: [B, 1] -> (logits [B, 1, V] from each row's exit state, exit layers [B]).
+
+        `allow_exit=False` runs the new token through every layer (recomputing all pending positions);
+        `keep_pending=True` keeps positions that became exact in `states` (for lossless verification).
+        """
         session, stats, num_layers = self.session, self.session.stats, self.parts.num_layers
         past = cache.get_seq_length()  # before this step writes anything
         position_ids = kwargs.get("position_ids")
@@ -116,7 +126,7 @@ class RecomputeState:
             stats.layer_passes += 1
             deepest = i
             current = torch.where(exited[:, None, None], current, chain)
-            if i in session.thresholds:
+            if allow_exit and i in session.thresholds:
                 leaving = session.exits_at(i, current)[:, -1] & ~exited
                 exit_layer = torch.where(leaving, torch.full_like(exit_layer, i), exit_layer)
                 exited |= leaving
@@ -128,11 +138,9 @@ class RecomputeState:
                 stale = torch.zeros_like(valid[:, :-1], dtype=torch.bool)
                 write_kv_only(chunk[i], self.parts, i, running, _MergeTail(cache, stale))
             stats.kv_only_passes += 1
-        self._update_pending(input_ids, position_ids, chain, chunk, running, valid, deepest)
+        self._update_pending(input_ids, position_ids, chain, chunk, running, valid, deepest, keep_pending)
         stats.recomputed_positions += int(recomputed)
-        stats.decode_steps += 1
-        stats.record_exits(exit_layer.tolist())
-        return session.logits(current)
+        return session.logits(current), exit_layer
 
     def states_with(self, chain: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.states.to(chain.device), chain], dim=1)
@@ -148,7 +156,7 @@ class RecomputeState:
         valid = torch.cat([self.valid.to(chain.device), torch.full((rows, 1), -2, device=chain.device, dtype=torch.long)], 1)
         return chunk, running, valid
 
-    def _update_pending(self, input_ids, position_ids, chain, chunk, running, valid, deepest) -> None:
+    def _update_pending(self, input_ids, position_ids, chain, chunk, running, valid, deepest, keep_pending) -> None:
         rows = input_ids.shape[0]
         new_valid = torch.full((rows, 1), deepest, dtype=torch.long, device=chain.device)
         if chunk is not None:  # entries recomputed up to `deepest` now hold their state there
@@ -163,7 +171,20 @@ class RecomputeState:
             self.states = torch.cat([self.states.to(chain.device), chain], 1)
         else:
             self.ids, self.positions, self.valid, self.states = input_ids, position_ids, new_valid, chain
-        self._trim()
+        if not keep_pending:
+            self._trim()
+
+    def drop_last(self, cache) -> None:
+        """Forget the newest pending position, in the cache (every layer) and here."""
+        cache.crop(-1)
+        if self.pending <= 1:
+            self.reset()
+        else:
+            self.ids, self.positions = self.ids[:, :-1], self.positions[:, :-1]
+            self.valid, self.states = self.valid[:, :-1], self.states[:, :-1]
+
+    def reset(self) -> None:
+        self.ids = self.positions = self.valid = self.states = None
 
     def _trim(self) -> None:
         """Drop leading positions that are exact everywhere, and the oldest beyond MAX_PENDING."""

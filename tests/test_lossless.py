@@ -1,0 +1,175 @@
+"""Lossless mode: output identical to the base model's for any routers and thresholds."""
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList, TextIteratorStreamer
+
+import tide
+from test_generate import BanToken, StopAfter, _spread_router_scores
+from tiny_models import FAMILIES, tiny_model, tiny_tokenizer
+
+# Sliding-window caches cannot be rewritten: those families are tested with full attention.
+FULL_ATTENTION = {
+    "mistral": dict(sliding_window=None),
+    "qwen2": dict(use_sliding_window=False),
+    "gemma2": dict(layer_types=["full_attention"] * 6),
+    "gemma3_text": dict(layer_types=["full_attention"] * 6),
+}
+
+
+def _wrap(family="llama", **cfg):
+    base = tiny_model(family, **FULL_ATTENTION.get(family, {}))
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2, **cfg))
+    _spread_router_scores(model)
+    return model, base
+
+
+def _ids(length=9, seed=0):
+    torch.manual_seed(seed)
+    return torch.randint(4, 100, (1, length))
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.5, -1])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_is_token_identical(family, threshold):
+    model, base = _wrap(family)
+    ids = _ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    out = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config={"mode": "lossless", "exit_threshold": threshold})
+    assert torch.equal(out, ref)
+    stats = model.last_stats
+    assert stats.decode_tokens == 16 and stats.verify_passes >= 1
+    if threshold == 1.0:
+        assert stats.drafted == 0
+    if threshold == -1:
+        assert stats.drafted > 0 and stats.verify_passes < 16
+
+
+def test_sliding_window_model_is_a_clear_error():
+    base = tiny_model("mistral")
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    with pytest.raises(ValueError, match="sliding-window"):
+        model.generate(_ids(), max_new_tokens=4, tide_config={"mode": "lossless", "exit_threshold": 0.5})
+
+
+def test_batch_is_a_clear_error():
+    model, _ = _wrap()
+    with pytest.raises(ValueError, match="batch size 1"):
+        model.generate(torch.randint(4, 100, (2, 5)), max_new_tokens=4, tide_config={"mode": "lossless", "exit_threshold": 0.5})
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_eos_inside_a_draft(family):
+    model, base = _wrap(family)
+    ids = _ids()
+    plain = base.generate(ids, do_sample=False, max_new_tokens=12)
+    eos = int(plain[0, ids.shape[1] + 5])
+    for m in (base, model.base):
+        m.generation_config.eos_token_id = eos
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12)
+    out = model.generate(ids, do_sample=False, max_new_tokens=12, tide_config={"mode": "lossless", "exit_threshold": -1})
+    assert torch.equal(out, ref) and int(out[0, -1]) == eos
+
+
+@pytest.mark.parametrize("new_tokens", [1, 2, 5, 11])
+def test_max_new_tokens_mid_draft(new_tokens):
+    model, base = _wrap(max_draft=8)
+    ids = _ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=new_tokens)
+    out = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, tide_config={"mode": "lossless", "exit_threshold": -1})
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 6])
+def test_stopping_criterion_mid_draft(stop_after):
+    model, base = _wrap()
+    ids = _ids()
+    criteria = StoppingCriteriaList([StopAfter(ids.shape[1] + stop_after)])
+    ref = base.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria,
+                         tide_config={"mode": "lossless", "exit_threshold": -1})
+    assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + stop_after
+
+
+def test_logits_processor_applies_to_verified_tokens():
+    model, base = _wrap()
+    ids = _ids()
+    banned = int(base.generate(ids, do_sample=False, max_new_tokens=3)[0, -1])
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]))
+    out = model.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]),
+                         tide_config={"mode": "lossless", "exit_threshold": -1})
+    assert torch.equal(out, ref) and banned not in out[0, ids.shape[1]:].tolist()
+
+
+def test_streamer_receives_only_accepted_tokens():
+    from threading import Thread
+
+    tok = tiny_tokenizer()
+    model, _ = _wrap()
+    inputs = tok(["Hello there"], return_tensors="pt")
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    cfg = {"mode": "lossless", "exit_threshold": -1}
+    thread = Thread(target=model.generate, kwargs=dict(**inputs, streamer=streamer, tide_config=cfg, do_sample=False, max_new_tokens=12))
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    out = model.generate(**inputs, tide_config=cfg, do_sample=False, max_new_tokens=12)
+    assert text == tok.decode(out[0, inputs["input_ids"].shape[1]:])
+
+
+def _exact_joint(base, ids, steps, top_k, temperature):
+    """Closed-form distribution of the next `steps` sampled tokens under top-k + temperature."""
+    probs = {(): 1.0}
+    for _ in range(steps):
+        nxt = {}
+        for prefix, p in probs.items():
+            with torch.no_grad():
+                logits = base(torch.cat([ids, torch.tensor([prefix], dtype=torch.long).view(1, -1)], 1)).logits[0, -1]
+            top = torch.topk(logits / temperature, top_k)
+            for tok, q in zip(top.indices.tolist(), top.values.softmax(-1).tolist()):
+                nxt[prefix + (tok,)] = p * q
+        probs = nxt
+    return probs
+
+
+def test_sampling_matches_the_closed_form_distribution():
+    """Lossless sampling draws from the base model's distribution: a chi-square test against the exact
+    joint distribution of three sampled tokens (top-k keeps the support small)."""
+    model, base = _wrap()
+    ids = _ids(length=5)
+    steps, top_k, temperature, runs = 3, 3, 2.0, 600
+    exact = _exact_joint(base, ids, steps, top_k, temperature)
+    counts = Counter()
+    drafted = 0
+    for seed in range(runs):
+        torch.manual_seed(seed)
+        out = model.generate(ids, do_sample=True, top_k=top_k, temperature=temperature, max_new_tokens=steps,
+                             tide_config={"mode": "lossless", "exit_threshold": -1})
+        counts[tuple(out[0, -steps:].tolist())] += 1
+        drafted += model.last_stats.drafted
+    assert drafted > runs  # drafts really came from the early-exit distribution
+    assert set(counts) <= set(exact)
+    # Pool cells with small expected counts, then a chi-square statistic at a 0.1% false-alarm rate.
+    big = [k for k, p in exact.items() if p * runs >= 5]
+    cells = [(counts[k], exact[k] * runs) for k in big]
+    rest_obs = runs - sum(o for o, _ in cells)
+    rest_exp = runs - sum(e for _, e in cells)
+    if rest_exp >= 5:
+        cells.append((rest_obs, rest_exp))
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    critical = df + 3.09 * (2 * df) ** 0.5 + 6  # well above the 99.9% quantile for these df
+    assert chi2 < critical, (chi2, df, counts.most_common(6))
+
+
+def test_stats_and_summary():
+    model, _ = _wrap()
+    out = model.generate(_ids(), do_sample=False, max_new_tokens=12, return_dict_in_generate=True,
+                         tide_config={"mode": "lossless", "exit_threshold": -1})
+    stats = out["tide_stats"]
+    assert stats.mode == "lossless" and 0 <= stats.accepted <= stats.drafted
+    assert 0.0 <= stats.acceptance_rate <= 1.0
+    text = stats.summary()
+    assert "drafted / accepted" in text and "verification passes" in text
