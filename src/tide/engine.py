@@ -66,7 +66,11 @@ class ExitSession:
     def __init__(self, model, config: TideConfig):
         self.model, self.config, self.parts = model, config, model.parts
         self.checkpoints = [k for k in model.checkpoints if k + 1 >= config.min_layers]
-        self.thresholds = {k: config.threshold_for(k) for k in self.checkpoints}
+        # Checkpoints whose threshold is >= 1.0 can never fire (scores are sigmoids): they are not consulted.
+        self.thresholds = {k: t for k in self.checkpoints if (t := config.threshold_for(k)) < 1.0}
+        self.router_devices = {k: next(model.routers[k].parameters()).device for k in self.thresholds}
+        norm_param = next(self.parts.norm.parameters(), None)
+        self.norm_device = norm_param.device if norm_param is not None else None
         self.stats = GenerationStats(self.parts.num_layers, self.checkpoints, kv_strategy=config.kv_strategy)
         if config.kv_strategy == "recompute":
             from .recompute import RecomputeState
@@ -155,34 +159,32 @@ class ExitSession:
         num_layers = self.parts.num_layers
         exit_layer = torch.full(hidden.shape[:2], num_layers - 1, dtype=torch.long, device=hidden.device)
         exited = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-        everyone_left = False
+        left = 0  # tokens that have exited, as of the last checkpoint
         for i in range(num_layers):
-            if everyone_left:
+            if left == exited.numel():
                 write_kv_only(calls[i], self.parts, i, hidden, cache)
                 self.stats.kv_only_passes += 1
                 continue
             out = calls[i].run(self.parts, i, hidden)
             self.stats.layer_passes += 1
-            exited = exited.to(out.device)
-            hidden = torch.where(exited[..., None], hidden.to(out.device), out)
+            if left:
+                exited = exited.to(out.device)
+                hidden = torch.where(exited[..., None], hidden.to(out.device), out)
+            else:
+                hidden = out
             if i in self.thresholds:
+                exited = exited.to(hidden.device)
                 leaving = self.exits_at(i, hidden) & ~exited
-                exit_layer = torch.where(leaving, torch.full_like(exit_layer, i), exit_layer.to(out.device))
+                exit_layer = torch.where(leaving, torch.full_like(exit_layer, i), exit_layer.to(hidden.device))
                 exited = exited | leaving
-                everyone_left = bool(exited.all())  # the one host sync per checkpoint
+                left = int(exited.sum())  # the one host sync per checkpoint
         return hidden, exit_layer
 
     def exits_at(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """bool [B, T]: tokens whose router at `layer` scores above the threshold. hidden: [B, T, H]."""
-        router_device = next(self.model.routers[layer].parameters()).device
-        normed = self.parts.final_norm(_to(hidden, self.norm_device)).to(router_device)
+        normed = self.parts.final_norm(_to(hidden, self.norm_device)).to(self.router_devices[layer])
         scores = self.model.routers.score(layer, normed)
         return exit_decision(scores, self.thresholds[layer]).to(hidden.device)
-
-    @property
-    def norm_device(self):
-        param = next(self.parts.norm.parameters(), None)
-        return param.device if param is not None else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self.parts.final_norm(_to(hidden, self.norm_device))
