@@ -1,0 +1,151 @@
+"""`tide bench`: one model, one process, side by side: base `generate`, exit mode over a threshold
+sweep, both KV strategies, lossless mode (and TIDE itself when `tide-inference` is installed).
+
+Speed is decode tokens/s of greedy `generate` on the prompts (median over interleaved repeats);
+quality is teacher-forced top-1 agreement and perplexity on held-out text (`evaluate.py`); the
+oracle bound is the speedup in layers a perfect router would reach with the same checkpoints.
+Writes a JSON of the results and a PNG plot of the quality/speed curve.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .evaluate import oracle_depths, teacher_forced
+
+__all__ = ["run_bench", "plot_bench"]
+
+DEFAULT_SWEEP = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+
+
+def _variants(model, sweep) -> dict[str, dict | None]:
+    variants: dict[str, dict | None] = {"base": None}
+    if model.config.thresholds:
+        variants["exit calibrated (propagate)"] = {"kv_strategy": "propagate"}
+        variants["exit calibrated (recompute)"] = {"kv_strategy": "recompute"}
+    for t in sweep:
+        variants[f"exit threshold {t}"] = {"exit_threshold": t}
+    if model.config.thresholds:
+        variants["lossless calibrated"] = {"mode": "lossless"}
+    return variants
+
+
+def _decode_seconds(fn, ids, new_tokens: int) -> float:
+    start = time.perf_counter()
+    fn(ids, 1)
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    fn(ids, new_tokens + 1)
+    return time.perf_counter() - start - one
+
+
+def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep=DEFAULT_SWEEP, new_tokens: int = 48,
+              repeats: int = 3, max_eval_tokens: int = 128, progress=print) -> dict:
+    """Measure every variant; returns the results as a JSON-ready dict."""
+    base = model.base
+    variants = _variants(model, sweep)
+    token_lists = [tokenizer(t)["input_ids"][:max_eval_tokens] for t in heldout]
+    prompt_ids = [tokenizer(p, return_tensors="pt")["input_ids"].to(base.device) for p in prompts]
+    gen_kwargs = dict(do_sample=False, pad_token_id=base.generation_config.pad_token_id or 0)
+
+    def generate(cfg):
+        if cfg is None:
+            return lambda ids, n: base.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen_kwargs)
+        return lambda ids, n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, tide_config=cfg, **gen_kwargs)
+
+    results = {"machine": f"{platform.machine()} CPU ({torch.get_num_threads()} threads), torch {torch.__version__}",
+               "model": base.config.name_or_path or type(base).__name__, "num_layers": model.parts.num_layers,
+               "checkpoints": model.checkpoints, "new_tokens": new_tokens, "repeats": repeats, "variants": {}}
+    with torch.inference_mode():
+        depths = oracle_depths(model, token_lists).float()
+        every = oracle_depths(model, token_lists, list(range(model.parts.num_layers - 1))).float()
+    results["oracle"] = {"mean_layers": float(depths.mean()), "speedup": model.parts.num_layers / float(depths.mean()),
+                         "every_layer_speedup": model.parts.num_layers / float(every.mean())}
+    progress(f"oracle bound: x{results['oracle']['speedup']:.3f} with checkpoints {model.checkpoints} "
+             f"(x{results['oracle']['every_layer_speedup']:.3f} with every layer)")
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    extra: dict[str, dict] = {name: {} for name in variants}
+    with torch.inference_mode():
+        for fn in (generate(cfg) for cfg in variants.values()):
+            fn(prompt_ids[0], 2)  # warm-up
+        for _ in range(repeats):
+            for name, cfg in variants.items():
+                times[name].append(sum(_decode_seconds(generate(cfg), ids, new_tokens) for ids in prompt_ids))
+                if cfg is not None and model.last_stats is not None:
+                    s = model.last_stats
+                    extra[name] = {"mean_layers": s.mean_layers, "layer_passes_per_token": s.layer_passes / max(s.decode_tokens, 1)}
+                    if s.mode == "lossless":
+                        extra[name].update(acceptance_rate=s.acceptance_rate, drafted=s.drafted, accepted=s.accepted,
+                                           verify_passes=s.verify_passes, mean_draft=s.drafted / max(s.verify_passes, 1))
+    total_tokens = new_tokens * len(prompt_ids)
+    base_tps = total_tokens / statistics.median(times["base"])
+    for name, cfg in variants.items():
+        tps = total_tokens / statistics.median(times[name])
+        row = {"tide_config": cfg, "decode_tokens_per_s": tps, "ratio_to_base": tps / base_tps, **extra[name]}
+        if cfg is not None and cfg.get("mode") != "lossless":
+            with torch.inference_mode():
+                q = teacher_forced(model, token_lists, cfg)
+            row.update(agreement=q.agreement, ppl=q.ppl_tide, ppl_base=q.ppl_base, ppl_delta=q.ppl_delta,
+                       eval_mean_layers=q.mean_layers, eval_tokens=q.tokens)
+        elif cfg is not None:
+            row.update(agreement=1.0, ppl_delta=0.0)  # lossless: the base model's output by construction
+        results["variants"][name] = row
+        progress(_line(name, row))
+    return results
+
+
+def _line(name: str, row: dict) -> str:
+    parts = [f"{name:30s} {row['decode_tokens_per_s']:8.1f} tok/s  x{row['ratio_to_base']:.3f}"]
+    if "mean_layers" in row:
+        parts.append(f"layers {row['mean_layers']:.2f}")
+    if "agreement" in row:
+        parts.append(f"agreement {row['agreement']:.3f}")
+    if "ppl_delta" in row and row.get("ppl") is not None:
+        parts.append(f"ppl {row['ppl']:.2f} ({row['ppl_delta']:+.2f})")
+    if "acceptance_rate" in row:
+        parts.append(f"acceptance {row['acceptance_rate']:.2f}, mean draft {row['mean_draft']:.2f}")
+    return "  ".join(parts)
+
+
+def save_results(results: dict, path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=2, default=str))
+
+
+def plot_bench(results: dict, path) -> None:
+    """Quality (agreement) against measured speedup, with the oracle bound marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, row in results["variants"].items():
+        if "agreement" not in row:
+            continue
+        marker = "*" if "lossless" in name else ("s" if "calibrated" in name else "o")
+        ax.scatter(row["ratio_to_base"], row["agreement"], marker=marker, s=60)
+        ax.annotate(name.replace("exit ", ""), (row["ratio_to_base"], row["agreement"]), fontsize=7,
+                    xytext=(4, 2), textcoords="offset points")
+    base = results["variants"]["base"]
+    ax.scatter(base["ratio_to_base"], 1.0, marker="D", color="black")
+    ax.annotate("base", (1.0, 1.0), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    oracle = results["oracle"]["speedup"]
+    ax.axvline(oracle, linestyle="--", color="gray")
+    ax.annotate(f"oracle bound x{oracle:.2f} (layers)", (oracle, ax.get_ylim()[0]), rotation=90, fontsize=7,
+                xytext=(3, 5), textcoords="offset points")
+    ax.set_xlabel("decode tokens/s relative to the base model")
+    ax.set_ylabel("top-1 agreement with the full model (held-out)")
+    ax.set_title(f"Tide on {results['model']} ({results['machine']})", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

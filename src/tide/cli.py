@@ -1,0 +1,204 @@
+"""The `tide` command line: calibrate, generate, bench, import-tide, demo.
+
+Each subcommand is a thin layer over the library; errors are printed as one line that says what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _load(name_or_path: str, dtype: str = "auto"):
+    """(TideForCausalLM or base model, tokenizer) for a router repo or a plain model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import tide
+
+    config = AutoConfig.from_pretrained(name_or_path)
+    if isinstance(config, tide.TideConfig):
+        model = tide.TideForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        return model, AutoTokenizer.from_pretrained(config.base_model_name_or_path)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype), AutoTokenizer.from_pretrained(name_or_path)
+
+
+def cmd_calibrate(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tide
+
+    config = tide.TideConfig(
+        checkpoint_layers=args.checkpoint_layers,
+        checkpoint_interval=args.checkpoint_interval,
+        target_agreement=args.target_agreement,
+        label=args.label,
+    )
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = tide.calibrate(base, tokenizer, dataset=args.dataset, config=config, dataset_config=args.dataset_config,
+                           split=args.split, text_column=args.text_column, num_samples=args.num_samples,
+                           max_length=args.max_length, batch_size=args.batch_size)
+    model.save_pretrained(args.out)
+    print(f"Router repo written to {args.out}")
+    print(_calibration_table(model.config))
+    if args.push_to_hub:
+        model.push_to_hub(args.push_to_hub)
+        print(f"Pushed to https://huggingface.co/{args.push_to_hub}")
+
+
+def _calibration_table(config) -> str:
+    cal = config.calibration or {}
+    lines = ["checkpoint  threshold  label rate  exit rate  agreement of exits"]
+    for layer, row in cal.get("checkpoints", {}).items():
+        agreement = "n/a" if row["heldout_agreement"] is None else f"{row['heldout_agreement']:.3f}"
+        lines.append(f"{layer:>10}  {row['threshold']:9.4f}  {row['label_rate']:10.3f}  {row['exit_rate']:9.3f}  {agreement:>18}")
+    if cal:
+        lines.append(f"expected agreement {cal['expected_agreement']:.4f}, mean layers {cal['expected_mean_layers']:.2f} "
+                     f"of {config.base_num_layers} (oracle {cal['oracle_mean_layers']:.2f})")
+    return "\n".join(lines)
+
+
+def _tide_overrides(args) -> dict:
+    overrides = {"mode": args.mode}
+    if args.threshold is not None:
+        overrides["exit_threshold"] = args.threshold
+    if args.kv_strategy:
+        overrides["kv_strategy"] = args.kv_strategy
+    return overrides
+
+
+def cmd_generate(args) -> None:
+    from transformers import TextStreamer
+
+    import tide
+
+    model, tokenizer = _load(args.model)
+    inputs = tokenizer(args.prompt, return_tensors="pt").to(model.device)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
+    if args.stream:
+        kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=False)
+    if isinstance(model, tide.TideForCausalLM):
+        kwargs["tide_config"] = _tide_overrides(args)
+    else:
+        print("(no routers: this is the plain base model; make a router repo with `tide calibrate`)", file=sys.stderr)
+    out = model.generate(**inputs, **kwargs)
+    if not args.stream:
+        print(tokenizer.decode(out[0], skip_special_tokens=True))
+    stats = getattr(model, "last_stats", None)
+    if stats is not None:
+        print("\n" + stats.summary())
+
+
+def cmd_bench(args) -> None:
+    from .bench import plot_bench, run_bench, save_results
+    from .demo import demo_model_and_texts
+
+    if args.model:
+        model, tokenizer = _load(args.model)
+        heldout = Path(args.heldout).read_text().split("\n\n") if args.heldout else None
+        if heldout is None:
+            raise SystemExit("tide bench MODEL needs --heldout FILE (text paragraphs separated by blank lines).")
+        prompts = args.prompt or [p[:80] for p in heldout[:3]]
+    else:
+        model, tokenizer, prompts, heldout = demo_model_and_texts(args.routers)
+        prompts = args.prompt or prompts
+    results = run_bench(model, tokenizer, prompts, heldout[: args.heldout_texts], new_tokens=args.new_tokens,
+                        repeats=args.repeats)
+    if args.json:
+        save_results(results, args.json)
+        print(f"results: {args.json}")
+    if args.plot:
+        plot_bench(results, args.plot)
+        print(f"plot: {args.plot}")
+
+
+def cmd_import_tide(args) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import tide
+
+    base = AutoModelForCausalLM.from_pretrained(args.base)
+    model = tide.import_tide_checkpoint(args.router, base)
+    model.save_pretrained(args.out)
+    print(f"Imported {len(model.checkpoints)} routers (checkpoints {model.checkpoints}) into {args.out}")
+
+
+def cmd_demo(args) -> None:
+    from .demo import run_demo
+
+    run_demo(out_dir=args.out, quick=args.quick)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tide", description="Per-token early exit for HuggingFace causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("calibrate", help="train routers and calibrate thresholds; write a router repo")
+    p.add_argument("model", help="base model: Hub id or local directory")
+    p.add_argument("--dataset", required=True, help="Hub dataset name, local .txt/.jsonl/.csv file or directory")
+    p.add_argument("--dataset-config", help="dataset configuration name (e.g. wikitext-2-raw-v1)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--text-column")
+    p.add_argument("--out", required=True, help="directory for the router repo")
+    p.add_argument("--push-to-hub", metavar="REPO", help="also upload the router repo to this Hub repo id")
+    p.add_argument("--num-samples", type=int, default=512)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--checkpoint-interval", type=int, default=4)
+    p.add_argument("--checkpoint-layers", type=int, nargs="+", help="explicit 0-based checkpoint layers")
+    p.add_argument("--target-agreement", type=float, default=0.99)
+    p.add_argument("--label", choices=["top1", "cosine"], default="top1")
+    p.add_argument("--dtype", default="auto")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("generate", help="generate text with early exit (or losslessly)")
+    p.add_argument("model", help="router repo (or a plain model, run without exits)")
+    p.add_argument("prompt")
+    p.add_argument("--mode", choices=["exit", "lossless"], default="exit")
+    p.add_argument("--threshold", type=float, help="override the calibrated thresholds")
+    p.add_argument("--kv-strategy", choices=["propagate", "recompute"])
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="speed/quality side by side; JSON + PNG plot")
+    p.add_argument("model", nargs="?", help="router repo (default: the shipped demo model, calibrated on the fly)")
+    p.add_argument("--routers", help="router repo for the demo model (skips calibration)")
+    p.add_argument("--heldout", help="held-out text file (paragraphs separated by blank lines)")
+    p.add_argument("--heldout-texts", type=int, default=24)
+    p.add_argument("--prompt", action="append", help="prompt to time (repeatable)")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="write results here")
+    p.add_argument("--plot", help="write the quality/speed plot here (PNG)")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("import-tide", help="convert a TIDE router.pt into a Tide router repo")
+    p.add_argument("router", help="path to TIDE's router.pt")
+    p.add_argument("--base", required=True, help="the base model the routers were trained on")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_import_tide)
+
+    p = sub.add_parser("demo", help="the whole job on the shipped model: calibrate, save, load, generate, measure")
+    p.add_argument("--out", default="tide-demo-routers", help="where to write the router repo")
+    p.add_argument("--quick", action="store_true", help="fewer calibration samples (for smoke tests)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"tide {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

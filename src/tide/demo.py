@@ -1,0 +1,105 @@
+"""`tide demo`: the whole job, offline, on the small model that ships with Tide.
+
+Calibrates routers on the model's own training text (Python's documentation), writes a router repo,
+loads it back with `TideForCausalLM.from_pretrained`, streams a few generations in exit and lossless
+mode with their stats, and prints a speed/quality summary against the base model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+DEMO_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llama"
+DEMO_PROMPTS = ["The list type", "An exception is raised when", "The for statement is used to"]
+# Measured on the shipped model (docs/results/): the oracle gains most from dense checkpoints.
+DEMO_CHECKPOINT_INTERVAL = 2
+
+__all__ = ["run_demo", "demo_model_and_texts", "DEMO_MODEL_DIR"]
+
+
+def _load_base():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(f"The demo model is missing from {DEMO_MODEL_DIR}; reinstall tide-transformers.")
+    return AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR).eval(), AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+
+
+def _calibrate(base, tokenizer, train, num_samples: int):
+    import tide
+
+    config = tide.TideConfig(checkpoint_interval=DEMO_CHECKPOINT_INTERVAL, target_agreement=0.9)
+    return tide.calibrate(base, tokenizer, dataset=train, config=config, num_samples=num_samples, max_length=128,
+                          batch_size=16)
+
+
+def demo_model_and_texts(routers: str | None = None, num_samples: int = 1024):
+    """(model with routers, tokenizer, prompts, held-out texts) for the shipped model."""
+    import tide
+
+    from .demo_corpus import split_corpus
+
+    base, tokenizer = _load_base()
+    train, heldout = split_corpus()
+    if routers:
+        model = tide.TideForCausalLM.from_pretrained(routers, base_model=base)
+    else:
+        model = _calibrate(base, tokenizer, train, num_samples)
+    return model, tokenizer, DEMO_PROMPTS, heldout
+
+
+def _section(title: str) -> None:
+    print(f"\n=== {title} " + "=" * max(0, 70 - len(title)))
+
+
+def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
+    import torch
+    from transformers import TextStreamer
+
+    import tide
+
+    from .bench import run_bench
+    from .demo_corpus import split_corpus
+
+    torch.manual_seed(0)
+    _section("1. The shipped model")
+    base, tokenizer = _load_base()
+    report = json.loads((DEMO_MODEL_DIR / "training_report.json").read_text())
+    print(f"{DEMO_MODEL_DIR.name}: Llama, {base.config.num_hidden_layers} layers, hidden {base.config.hidden_size}, "
+          f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters; held-out perplexity "
+          f"{report.get('heldout_ppl', float('nan')):.2f}")
+    train, heldout = split_corpus()
+    print(f"text: Python's own documentation, {len(train)} training / {len(heldout)} held-out paragraphs")
+
+    _section("2. Calibrate routers (tide.calibrate)")
+    start = time.perf_counter()
+    model = _calibrate(base, tokenizer, train, num_samples=128 if quick else 1024)
+    print(f"calibrated in {time.perf_counter() - start:.1f} s")
+    from .cli import _calibration_table
+
+    print(_calibration_table(model.config))
+
+    _section("3. Save the router repo and load it back")
+    model.save_pretrained(out_dir)
+    for name in sorted(os.listdir(out_dir)):
+        print(f"  {out_dir}/{name}  ({(Path(out_dir) / name).stat().st_size / 1024:.1f} KiB)")
+    model = tide.TideForCausalLM.from_pretrained(out_dir)
+    print(f"loaded: TideForCausalLM.from_pretrained({out_dir!r}) -> base {model.config.base_model_name_or_path}")
+
+    for mode in ("exit", "lossless"):
+        _section(f"4. Generate, mode={mode!r} (streaming)")
+        for prompt in DEMO_PROMPTS[: 1 if quick else 2]:
+            inputs = tokenizer(prompt, return_tensors="pt")
+            model.generate(**inputs, max_new_tokens=24 if quick else 40, do_sample=False,
+                           streamer=TextStreamer(tokenizer), tide_config={"mode": mode})
+            print(model.last_stats.summary())
+            print()
+
+    _section("5. Speed and quality against the base model")
+    results = run_bench(model, tokenizer, DEMO_PROMPTS[:2], heldout[: 4 if quick else 16], sweep=(),
+                        new_tokens=16 if quick else 32, repeats=1 if quick else 2)
+    print("\n(exit mode trades agreement for speed; lossless output is the base model's, token for token)")
+    return results

@@ -1,0 +1,100 @@
+"""Quality of early exit on held-out text, measured the way generation runs.
+
+`teacher_forced` feeds held-out text through Tide's own decode step one token at a time (so the KV
+strategy's effect on later tokens counts) and compares each step's prediction with the full model's
+on the same prefix: top-1 agreement, and perplexity of both. `oracle_depths` gives, per held-out token,
+the first checkpoint whose top-1 (through the model's own final norm and head) already equals the
+full model's: a perfect router would exit there. Nothing here trains or saves anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from .engine import ExitSession
+
+__all__ = ["teacher_forced", "oracle_depths", "QualityReport"]
+
+
+@dataclass
+class QualityReport:
+    tokens: int
+    agreement: float  # Tide top-1 == full top-1
+    ppl_tide: float
+    ppl_base: float
+    mean_layers: float
+
+    @property
+    def ppl_delta(self) -> float:
+        return self.ppl_tide - self.ppl_base
+
+
+@torch.no_grad()
+def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix: int = 1) -> QualityReport:
+    """Per-token agreement and perplexity of Tide's decode step against the full model."""
+    config = model.config.with_overrides(tide_config)
+    session = ExitSession(model, config)
+    agree = total = 0
+    nll_tide = nll_base = 0.0
+    device = model.base.device
+    with session.installed():
+        for ids in token_lists:
+            if len(ids) <= prefix + 1:
+                continue
+            ids_t = torch.tensor([ids], device=device)
+            full = session._original_forward(input_ids=ids_t, use_cache=False).logits[0].float()  # [T, V]
+            cache = DynamicCache(config=model.base.config)
+            session.forward(input_ids=ids_t[:, :prefix], past_key_values=cache, use_cache=True)
+            for t in range(prefix, len(ids) - 1):
+                logits = session.forward(input_ids=ids_t[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+                logits = logits[0, -1].float()
+                agree += int(logits.argmax() == full[t].argmax())
+                target = ids_t[0, t + 1]
+                nll_tide += float(F.cross_entropy(logits[None], target[None]))
+                nll_base += float(F.cross_entropy(full[t][None], target[None]))
+                total += 1
+    stats = session.stats
+    return QualityReport(
+        tokens=total,
+        agreement=agree / max(total, 1),
+        ppl_tide=math.exp(nll_tide / max(total, 1)),
+        ppl_base=math.exp(nll_base / max(total, 1)),
+        mean_layers=stats.mean_layers,
+    )
+
+
+@torch.no_grad()
+def oracle_depths(model, token_lists: list[list[int]], layers: list[int] | None = None) -> torch.Tensor:
+    """Per token, the number of layers a perfect router would run with exits at `layers`."""
+    parts = model.parts
+    layers = list(model.checkpoints if layers is None else layers)
+    num_layers = parts.num_layers
+    depths = []
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [
+        parts.layers[k].register_forward_hook(lambda _m, _a, out, k=k: captured.__setitem__(k, parts.layer_output(out)))
+        for k in layers
+    ]
+    try:
+        for ids in token_lists:
+            ids_t = torch.tensor([ids], device=model.base.device)
+            full_top1 = model.base(input_ids=ids_t, use_cache=False).logits[0].argmax(-1)
+            depth = torch.full_like(full_top1, num_layers)
+            for k in reversed(layers):
+                top1 = parts.logits_from_normed(parts.final_norm(captured[k][0])).argmax(-1)
+                depth = torch.where(top1 == full_top1, torch.full_like(depth, k + 1), depth)
+            depths.append(depth.cpu())
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat(depths)
+
+
+def oracle_speedup(model, token_lists, layers=None) -> float:
+    """L / mean(oracle depth): the most any router can save with these checkpoints (in layers)."""
+    return model.parts.num_layers / float(oracle_depths(model, token_lists, layers).float().mean())
