@@ -150,3 +150,25 @@ def test_router_dtype_mismatch_is_a_clear_error():
     model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
     with pytest.raises(RuntimeError, match="align_routers"):
         model.routers.score(1, torch.zeros(1, 32, dtype=torch.float64))
+
+
+def test_push_to_hub_uploads_only_the_repo_files(monkeypatch):
+    import huggingface_hub
+
+    calls = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            calls["repo"] = repo_id
+
+        def upload_folder(self, repo_id, folder_path, allow_patterns, commit_message):
+            calls["files"] = sorted(os.listdir(folder_path))
+            calls["allow"] = sorted(allow_patterns)
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    _calibrated().push_to_hub("user/llama-tide")
+    assert calls["repo"] == "user/llama-tide"
+    assert calls["files"] == calls["allow"] == sorted(REPO_FILES)

@@ -98,7 +98,22 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
             row.update(agreement=1.0, ppl_delta=0.0)  # lossless: the base model's output by construction
         results["variants"][name] = row
         progress(_line(name, row))
+    if model.config.thresholds:
+        results["prefill_exit"] = _prefill_effect(model, token_lists)
+        progress("prefill_exit (first half of each text as the prompt): agreement "
+                 f"{results['prefill_exit']['agreement_full_prefill']:.3f} with a full prefill, "
+                 f"{results['prefill_exit']['agreement_prefill_exit']:.3f} with prompt tokens exiting too")
     return results
+
+
+def _prefill_effect(model, token_lists) -> dict:
+    """Agreement of the decode tokens after a prompt (half of each text) prefilled fully vs with exits."""
+    prefix = max(1, min(len(t) for t in token_lists) // 2)
+    with torch.inference_mode():
+        full = teacher_forced(model, token_lists, {"prefill_exit": False}, prefix=prefix)
+        skipped = teacher_forced(model, token_lists, {"prefill_exit": True}, prefix=prefix)
+    return {"prompt_tokens": prefix, "agreement_full_prefill": full.agreement, "agreement_prefill_exit": skipped.agreement,
+            "ppl_full_prefill": full.ppl_tide, "ppl_prefill_exit": skipped.ppl_tide}
 
 
 def _line(name: str, row: dict) -> str:
