@@ -80,7 +80,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                 times[name].append(sum(_decode_seconds(generate(cfg), ids, new_tokens) for ids in prompt_ids))
                 if cfg is not None and model.last_stats is not None:
                     s = model.last_stats
-                    extra[name] = {"mean_layers": s.mean_layers, "layer_passes_per_token": s.layer_passes / max(s.decode_tokens, 1)}
+                    layers = s.layer_passes_per_token if s.mode == "lossless" else s.mean_layers
+                    extra[name] = {"mean_layers": layers, "layer_passes_per_token": s.layer_passes_per_token}
                     if s.mode == "lossless":
                         extra[name].update(acceptance_rate=s.acceptance_rate, drafted=s.drafted, accepted=s.accepted,
                                            verify_passes=s.verify_passes, mean_draft=s.drafted / max(s.verify_passes, 1))

@@ -70,7 +70,7 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
     report = json.loads((DEMO_MODEL_DIR / "training_report.json").read_text())
     print(f"{DEMO_MODEL_DIR.name}: Llama, {base.config.num_hidden_layers} layers, hidden {base.config.hidden_size}, "
           f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters; held-out perplexity "
-          f"{report.get('heldout_ppl', float('nan')):.2f}")
+          f"{report['heldout']['ppl']:.2f}")
     train, heldout = split_corpus()
     print(f"text: Python's own documentation, {len(train)} training / {len(heldout)} held-out paragraphs")
 
@@ -94,7 +94,7 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
         for prompt in DEMO_PROMPTS[: 1 if quick else 2]:
             inputs = tokenizer(prompt, return_tensors="pt")
             model.generate(**inputs, max_new_tokens=24 if quick else 40, do_sample=False,
-                           streamer=TextStreamer(tokenizer), tide_config={"mode": mode})
+                           streamer=TextStreamer(tokenizer, skip_special_tokens=True), tide_config={"mode": mode})
             print(model.last_stats.summary())
             print()
 

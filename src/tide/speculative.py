@@ -114,8 +114,8 @@ class _TideDrafter(CandidateGenerator):
                 step_kwargs = _step_inputs(self._mask(tokens), self.cache.get_seq_length())
                 logits, exit_layer = state.decode_step(token, self.cache, step_kwargs, keep_pending=True)
                 exited = int(exit_layer[0]) < num_layers - 1
-                stats.record_exits(exit_layer.tolist())
-                stats.decode_tokens -= 1  # counted when accepted
+                stats.record_exits(exit_layer.tolist(), emitted=False)
+                stats.decode_steps += 1
                 scores = self.logits_processor(tokens, logits[:, -1].float())
                 token = self._choose(scores)
                 if self._stops(torch.cat([tokens, token], 1), scores):

@@ -29,17 +29,24 @@ class GenerationStats:
     accepted: int = 0
     verify_passes: int = 0
 
-    def record_exits(self, exit_layers: list[int]) -> None:
+    def record_exits(self, exit_layers: list[int], emitted: bool = True) -> None:
+        """Count where tokens left the stack; `emitted=False` for lossless drafts (counted when accepted)."""
         for k in exit_layers:
             key = "full" if k >= self.num_layers - 1 else str(k)
             self.exits[key] = self.exits.get(key, 0) + 1
             self.token_layers += k + 1
-        self.decode_tokens += len(exit_layers)
+        if emitted:
+            self.decode_tokens += len(exit_layers)
 
     @property
     def mean_layers(self) -> float:
         """Mean layers whose output a decode token used (its exit depth)."""
         return self.token_layers / self.decode_tokens if self.decode_tokens else float("nan")
+
+    @property
+    def layer_passes_per_token(self) -> float:
+        """Batched decoder-layer calls per emitted token (lossless: drafting, recompute and verification)."""
+        return self.layer_passes / self.decode_tokens if self.decode_tokens else float("nan")
 
     @property
     def layers_skipped(self) -> int:
@@ -66,26 +73,31 @@ class GenerationStats:
         rows = [
             ("mode / kv strategy", f"{self.mode} / {self.kv_strategy}"),
             ("decode tokens", f"{self.decode_tokens} in {self.decode_steps} steps"),
-            ("mean layers per token", f"{self.mean_layers:.2f} of {self.num_layers}"),
-            ("layer passes (attn+MLP)", f"{self.layer_passes} of {self.decode_steps * self.num_layers}"),
-            ("layers skipped", str(self.layers_skipped)),
-            ("KV-only layer passes", str(self.kv_only_passes)),
         ]
-        if self.kv_strategy == "recompute":
-            rows.append(("recomputed K/V entries", str(self.recomputed_positions)))
         if self.mode == "lossless":
             rows += [
                 ("drafted / accepted", f"{self.drafted} / {self.accepted} ({self.acceptance_rate:.1%})"),
                 ("verification passes", str(self.verify_passes)),
+                ("layer passes per token", f"{self.layer_passes_per_token:.2f} (the base model: {self.num_layers})"),
             ]
+        else:
+            rows += [
+                ("mean layers per token", f"{self.mean_layers:.2f} of {self.num_layers}"),
+                ("layer passes (attn+MLP)", f"{self.layer_passes} of {self.decode_steps * self.num_layers}"),
+                ("layers skipped", str(self.layers_skipped)),
+            ]
+        rows.append(("KV-only layer passes", str(self.kv_only_passes)))
+        if self.kv_strategy == "recompute":
+            rows.append(("recomputed K/V entries", str(self.recomputed_positions)))
         rows += [
             ("wall time", f"{self.wall_time_s:.3f} s (decode {self.decode_time_s:.3f} s)"),
             ("decode tokens/s", f"{self.tokens_per_s:.1f}"),
         ]
-        total = max(self.decode_tokens, 1)
+        total = max(sum(self.exits.values()), 1)
         for key in [str(k) for k in self.checkpoints] + ["full"]:
             n = self.exits.get(key, 0)
             label = f"exits after layer {key}" if key != "full" else "ran all layers"
+            label = ("draft " + label) if self.mode == "lossless" else label
             rows.append((label, f"{n} ({n / total:.1%})"))
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

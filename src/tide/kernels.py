@@ -1,0 +1,149 @@
+"""The router exit step (final norm -> router -> sigmoid -> threshold) and the switch to its fused CUDA kernel.
+
+`router_exit_reference` is the implementation: pure PyTorch, fp32 arithmetic, used on CPU and whenever the
+kernel is unavailable. On CUDA, `load_router_kernel` may replace it with the Hub kernel
+`tide-transformers/tide-kernels` (sources in `hub_kernels/tide_kernels/`), which computes the same thing in
+one launch. `TIDE_KERNELS=auto|torch|kernel` picks the path; the path taken is logged once.
+
+This module does not decide where checkpoints are, move tensors between devices or touch the KV cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GEMMA_RMS_NORM", "KERNEL_REPO", "KERNEL_VERSION", "LAYER_NORM", "RMS_NORM", "load_router_kernel",
+           "norm_params", "router_exit", "router_exit_reference"]
+
+logger = logging.getLogger("tide")
+
+KERNEL_REPO = "tide-transformers/tide-kernels"
+KERNEL_VERSION = 1  # `version` in hub_kernels/tide_kernels/build.toml
+MODES = ("auto", "torch", "kernel")
+RMS_NORM, GEMMA_RMS_NORM, LAYER_NORM = 0, 1, 2  # the op's norm_kind
+
+# Final norms the op reproduces, by class name: a substring rule would be wrong (Gemma3nRMSNorm scales by w,
+# Qwen3NextRMSNorm by 1 + w). Exact in fp32; in fp16/bf16 Llama-style norms round to the dtype before the
+# weight, the op does not. Other norms run as modules.
+NORM_KINDS = {
+    "LlamaRMSNorm": RMS_NORM, "MistralRMSNorm": RMS_NORM, "MixtralRMSNorm": RMS_NORM, "Qwen2RMSNorm": RMS_NORM,
+    "Qwen3RMSNorm": RMS_NORM, "Phi3RMSNorm": RMS_NORM,
+    "GemmaRMSNorm": GEMMA_RMS_NORM, "Gemma2RMSNorm": GEMMA_RMS_NORM, "Gemma3RMSNorm": GEMMA_RMS_NORM,
+}
+
+
+def router_exit_reference(hidden, norm_weight, norm_bias, norm_kind, eps, down_weight, down_bias, up_weight,
+                          up_bias, threshold):
+    """scores fp32 [B] = sigmoid(up(silu(down(norm(hidden))))), exit_mask bool [B] = scores > threshold.
+
+    hidden [B, H]; norm_weight [H]; norm_bias [H] or None; down_weight [R, H]; down_bias [R];
+    up_weight [1, R]; up_bias [1]. norm_kind: RMS_NORM, GEMMA_RMS_NORM or LAYER_NORM.
+    """
+    x = hidden.float()  # [B, H]
+    if norm_kind == LAYER_NORM:
+        x = x - x.mean(-1, keepdim=True)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [B, H]
+    x = x * (norm_weight.float() + (1.0 if norm_kind == GEMMA_RMS_NORM else 0.0))
+    if norm_bias is not None:
+        x = x + norm_bias.float()
+    z = F.silu(F.linear(x, down_weight.float(), down_bias.float()))  # [B, R]
+    scores = torch.sigmoid(F.linear(z, up_weight.float(), up_bias.float()).squeeze(-1))  # [B]
+    return scores, scores > threshold
+
+
+def load_router_kernel(mode: str | None = None) -> Callable:
+    """The router-exit function to use: the fused kernel's `router_exit` or `router_exit_reference`.
+
+    mode (default: env `TIDE_KERNELS`, else "auto"): "torch" always returns the reference; "auto" tries the
+    kernel on CUDA and falls back to the reference; "kernel" raises if the kernel cannot be loaded.
+    A local build is used when `LOCAL_KERNELS` holds `tide-transformers/tide-kernels=<dir>`.
+    """
+    mode = (mode or os.environ.get("TIDE_KERNELS") or "auto").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"TIDE_KERNELS / mode must be one of {', '.join(MODES)}, got {mode!r}.")
+    return _load(mode)
+
+
+@functools.cache
+def _load(mode: str) -> Callable:
+    if mode == "torch":
+        logger.info("Tide router exit: PyTorch reference (TIDE_KERNELS=torch).")
+        return router_exit_reference
+    try:
+        kernel, source = _load_kernel()
+    except Exception as err:  # no CUDA, no matching build variant, Hub unreachable, ...
+        if mode == "kernel":
+            raise RuntimeError(
+                f"TIDE_KERNELS=kernel, but the fused router kernel {KERNEL_REPO} (version {KERNEL_VERSION}) could "
+                f"not be loaded: {err}. Use TIDE_KERNELS=auto to fall back to the PyTorch reference."
+            ) from err
+        log = logger.warning if torch.cuda.is_available() else logger.info
+        log("Tide router exit: PyTorch reference (fused kernel unavailable: %s).", err)
+        return router_exit_reference
+    logger.info("Tide router exit: fused CUDA kernel from %s.", source)
+    return kernel.router_exit
+
+
+def _load_kernel():
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available")
+    import kernels
+
+    local = _local_build()
+    if local is not None:
+        return kernels.get_local_kernel(local), str(local)
+    # Only Tide's own kernel repo is allow-listed, not every untrusted publisher.
+    module = kernels.get_kernel(KERNEL_REPO, version=KERNEL_VERSION, trust_remote_code=[KERNEL_REPO])
+    return module, f"{KERNEL_REPO} (version {KERNEL_VERSION})"
+
+
+def _local_build() -> Path | None:
+    """The directory that `LOCAL_KERNELS` (`repo_id=path:repo_id=path`, as in `kernels`) gives our repo."""
+    for entry in os.environ.get("LOCAL_KERNELS", "").split(":"):
+        repo_id, _, path = entry.partition("=")
+        if repo_id == KERNEL_REPO and path:
+            return Path(path)
+    return None
+
+
+def norm_params(norm: nn.Module):
+    """(weight, bias, norm_kind, eps) for a final norm the fused op reproduces, else None."""
+    if isinstance(norm, nn.LayerNorm):
+        if len(norm.normalized_shape) != 1 or norm.weight is None:
+            return None
+        return norm.weight, norm.bias, LAYER_NORM, float(norm.eps)
+    kind = NORM_KINDS.get(type(norm).__name__)
+    if isinstance(norm, nn.RMSNorm) and norm.eps is not None and len(norm.normalized_shape) == 1:
+        kind = RMS_NORM
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if kind is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+        return None
+    return weight, None, kind, float(eps)
+
+
+def router_exit(hidden: torch.Tensor, norm: nn.Module, router: nn.Module, threshold: float, mode: str | None = None):
+    """Scores fp32 [...] and exit mask bool [...] of `router` on `norm(hidden)`. hidden: [..., H].
+
+    `router` has `down` and `up` nn.Linear layers (tide.router.Router). A norm that `norm_params` does not
+    know is run as a module and the router on its output, in the reference path.
+    """
+    params = norm_params(norm)
+    if params is None:
+        scores = torch.sigmoid(router(norm(hidden)).float())
+        return scores, scores > threshold
+    fn = load_router_kernel(mode)
+    if not hidden.is_cuda:
+        fn = router_exit_reference
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    down, up = router.down, router.up
+    scores, mask = fn(flat, *params, down.weight, down.bias, up.weight, up.bias, float(threshold))
+    return scores.view(hidden.shape[:-1]), mask.view(hidden.shape[:-1])

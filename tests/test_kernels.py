@@ -1,0 +1,332 @@
+"""The router-exit reference, the kernel loader and the Hub kernel's sources (CPU); kernel parity (GPU)."""
+
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tide.kernels as tk
+from tide.architectures import resolve
+from tide.router import Router
+from tiny_models import FAMILIES, tiny_model
+
+KERNEL_DIR = Path(__file__).resolve().parents[1] / "hub_kernels" / "tide_kernels"
+LOCAL_KERNELS = os.environ.get("LOCAL_KERNELS")  # for the GPU tests; the others run without it
+
+
+@pytest.fixture(autouse=True)
+def fresh_loader(monkeypatch):
+    monkeypatch.delenv("TIDE_KERNELS", raising=False)
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+    tk._load.cache_clear()
+    yield
+    tk._load.cache_clear()
+
+
+def _randomized(norm: nn.Module) -> nn.Module:
+    """The norm with random weights (and bias), so that w vs 1 + w and the bias matter."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + 0.5)
+    return norm
+
+
+def _composed(norm, router, hidden, threshold):
+    scores = torch.sigmoid(router(norm(hidden)).float())
+    return scores, scores > threshold
+
+
+def _final_norm(family):
+    return _randomized(resolve(tiny_model(family)).norm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_matches_the_model_norm_and_router(family):
+    norm = _final_norm(family)
+    assert tk.norm_params(norm) is not None, f"add {type(norm).__name__} to tide.kernels.NORM_KINDS"
+    torch.manual_seed(0)
+    router, hidden = Router(32, 8), torch.randn(3, 5, 32) * 2 + 0.3  # [B, T, H]
+    with torch.no_grad():
+        scores, mask = tk.router_exit(hidden, norm, router, threshold=0.5)
+        want_scores, want_mask = _composed(norm, router, hidden, 0.5)
+    assert scores.shape == mask.shape == (3, 5) and scores.dtype == torch.float32 and mask.dtype == torch.bool
+    torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=0)
+    assert torch.equal(mask, want_mask)
+
+
+@pytest.mark.parametrize("family, kind", [("llama", tk.RMS_NORM), ("gemma", tk.GEMMA_RMS_NORM),
+                                          ("gpt2", tk.LAYER_NORM)])
+def test_reference_direct_call(family, kind):
+    norm = _final_norm(family)
+    weight, bias, norm_kind, eps = tk.norm_params(norm)
+    assert norm_kind == kind and (bias is not None) == (kind == tk.LAYER_NORM)
+    router, hidden = Router(32, 16), torch.randn(8, 32)
+    with torch.no_grad():
+        scores, _ = tk.router_exit_reference(hidden, weight, bias, norm_kind, eps, router.down.weight,
+                                             router.down.bias, router.up.weight, router.up.bias, 0.3)
+        torch.testing.assert_close(scores, _composed(norm, router, hidden, 0.3)[0], atol=1e-5, rtol=0)
+
+
+class _ScaledNorm(nn.Module):  # a norm the fused op does not know
+    def forward(self, x):
+        return x / x.abs().amax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("norm", [_ScaledNorm(), nn.Identity(), nn.LayerNorm(32, elementwise_affine=False)])
+def test_unknown_norm_runs_as_a_module(norm):
+    router, hidden = Router(32, 4), torch.randn(2, 32)
+    with torch.no_grad():
+        scores, mask = tk.router_exit(hidden, norm, router, 0.5)
+        want_scores, want_mask = _composed(norm, router, hidden, 0.5)
+    torch.testing.assert_close(scores, want_scores)
+    assert torch.equal(mask, want_mask)
+
+
+def test_auto_falls_back_to_the_reference_on_cpu_and_logs_once(caplog, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.INFO, logger="tide"):
+        assert tk.load_router_kernel() is tk.router_exit_reference
+        assert tk.load_router_kernel("auto") is tk.router_exit_reference
+        tk.router_exit(torch.randn(2, 32), _final_norm("llama"), Router(32, 4), 0.5)
+    records = [r for r in caplog.records if r.name == "tide"]
+    assert len(records) == 1 and "PyTorch reference" in records[0].getMessage()
+    assert "CUDA is not available" in records[0].getMessage()
+
+
+def test_env_torch_forces_the_reference(monkeypatch):
+    monkeypatch.setenv("TIDE_KERNELS", "torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("kernels.get_kernel", _must_not_be_called)
+    assert tk.load_router_kernel() is tk.router_exit_reference
+
+
+def test_kernel_mode_without_cuda_raises_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="TIDE_KERNELS=kernel.*CUDA is not available"):
+        tk.load_router_kernel("kernel")
+    monkeypatch.setenv("TIDE_KERNELS", "kernel")
+    with pytest.raises(RuntimeError, match="TIDE_KERNELS=kernel"):
+        tk.router_exit(torch.randn(2, 32), _final_norm("llama"), Router(32, 4), 0.5)
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(ValueError, match="auto, torch, kernel"):
+        tk.load_router_kernel("triton")
+
+
+def _must_not_be_called(*args, **kwargs):
+    raise AssertionError("unexpected call")
+
+
+class _FakeKernel:
+    @staticmethod
+    def router_exit(*args):
+        return tk.router_exit_reference(*args)
+
+
+def test_hub_kernel_is_pinned_and_only_our_repo_trusted(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("kernels.get_kernel", lambda *a, **kw: calls.append((a, kw)) or _FakeKernel)
+    assert tk.load_router_kernel("kernel") is _FakeKernel.router_exit
+    assert calls == [((tk.KERNEL_REPO,), dict(version=tk.KERNEL_VERSION, trust_remote_code=[tk.KERNEL_REPO]))]
+
+
+def test_local_build_comes_from_local_kernels(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_KERNELS", f"someone/other=/nowhere:{tk.KERNEL_REPO}={tmp_path}")
+    monkeypatch.setattr("kernels.get_local_kernel", lambda path: calls.append(path) or _FakeKernel)
+    monkeypatch.setattr("kernels.get_kernel", _must_not_be_called)
+    assert tk.load_router_kernel() is _FakeKernel.router_exit
+    assert calls == [tmp_path]
+
+
+def test_auto_falls_back_when_no_variant_matches(caplog, monkeypatch):
+    def no_variant(*args, **kwargs):
+        raise FileNotFoundError("Cannot find a build variant for this system")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("kernels.get_kernel", no_variant)
+    with caplog.at_level(logging.INFO, logger="tide"):
+        assert tk.load_router_kernel() is tk.router_exit_reference
+    assert [r.levelno for r in caplog.records if r.name == "tide"] == [logging.WARNING]
+    with pytest.raises(RuntimeError, match="build variant"):
+        tk.load_router_kernel("kernel")
+
+
+# --- the Hub kernel's sources ---------------------------------------------------------------------------------
+
+
+def _build_toml():
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((KERNEL_DIR / "build.toml").read_text())
+
+
+def test_build_toml_has_the_kernel_builder_sections():
+    config = _build_toml()
+    general = config["general"]
+    assert general["name"] == "tide-kernels" and general["backends"] == ["cuda"]
+    assert general["version"] == tk.KERNEL_VERSION and general["hub"]["repo-id"] == tk.KERNEL_REPO
+    assert config["torch"]["src"] == ["torch-ext/torch_binding.cpp", "torch-ext/torch_binding.h"]
+    kernel = config["kernel"]["router_exit"]
+    assert kernel["backend"] == "cuda" and kernel["depends"] == ["torch"]
+    assert kernel["cuda-capabilities"] == ["8.0", "9.0"] and kernel["src"] == ["router_exit/router_exit.cu"]
+    listed = [*config["torch"]["src"], *(s for k in config["kernel"].values() for s in k["src"])]
+    assert [s for s in listed if not (KERNEL_DIR / s).is_file()] == []
+    for path in ("torch-ext/tide_kernels/__init__.py", "torch-ext/tide_kernels/_meta.py", "README.md",
+                 "tests/test_router_exit.py", "build_local.py"):
+        assert (KERNEL_DIR / path).is_file(), path
+
+
+def test_build_toml_passes_kernels_own_validation():
+    rust = pytest.importorskip("kernels._rust")
+    build = rust.Build.open(KERNEL_DIR)
+    assert build.general.backends == [rust.Backend.CUDA]
+
+
+def _build_local():
+    spec = importlib.util.spec_from_file_location("tide_kernels_build_local", KERNEL_DIR / "build_local.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("args, name", [
+    (("2.13.0+cu130", "13.0", True, "x86_64", "Linux"), "torch213-cxx11-cu130-x86_64-linux"),
+    (("2.9.1", "12.8", True, "aarch64", "Linux"), "torch29-cxx11-cu128-aarch64-linux"),
+    (("2.10.0a0+git1234", "12.6", False, "x86_64", "linux"), "torch210-cxx98-cu126-x86_64-linux"),
+    (("2.13.0", "13.0", None, "AMD64", "Windows"), "torch213-cu130-x86_64-windows"),
+])
+def test_variant_name(args, name):
+    assert _build_local().variant_name(*args) == name
+    variants = pytest.importorskip("kernels.variants")
+    assert variants.parse_variant(name).variant_str == name  # `kernels` reads it back unchanged
+
+
+def test_variant_name_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA build of torch"):
+        _build_local().variant_name("2.13.0+cpu", None, True, "x86_64", "Linux")
+
+
+def test_staged_variant_is_what_kernels_loads(tmp_path):
+    build_local = _build_local()
+    ext, variant = "_tide_kernels_local", "torch213-cxx11-cu130-x86_64-linux"
+    library = tmp_path / f"{ext}.cpython-311-x86_64-linux-gnu.so"  # what BuildExtension writes
+    library.write_bytes(b"")
+    meta = build_local.metadata(_build_toml(), ext, variant, ["8.0", "9.0"])
+    out = build_local.stage_variant(tmp_path / "build" / variant, library, ext, meta, KERNEL_DIR)
+    assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "_meta.py", "_ops.py", library.name,
+                                                     "metadata.json"]
+    assert f"from . import {ext}" in (out / "_ops.py").read_text()
+    rust = pytest.importorskip("kernels._rust")
+    parsed = rust.Metadata.read_from_file(out / "metadata.json")
+    assert parsed.name.python_name == "tide_kernels" and parsed.version == tk.KERNEL_VERSION
+    assert parsed.backend.archs == ["8.0", "9.0"]
+
+
+def _binding_schema() -> str:
+    source = (KERNEL_DIR / "torch-ext" / "torch_binding.cpp").read_text()
+    call = re.search(r"ops\.def\((.*?)\);", source, re.S).group(1)
+    return "".join(re.findall(r'"([^"]*)"', call))
+
+
+@pytest.fixture(scope="module")
+def cpu_stand_in(tmp_path_factory):
+    """The torch-ext package over a CPU op with the binding's schema, implemented by the reference."""
+    namespace = "_tide_kernels_cpu_stand_in"
+    library = torch.library.Library(namespace, "DEF")
+    library.define(_binding_schema())
+    library.impl("router_exit", tk.router_exit_reference, "CPU")
+    package = tmp_path_factory.mktemp("pkg") / "tide_kernels"
+    shutil.copytree(KERNEL_DIR / "torch-ext" / "tide_kernels", package)
+    (package / "_ops.py").write_text(_build_local().OPS_PY.format(ext=namespace).replace(
+        f"from . import {namespace}\n", ""))
+    yield _import_package(package, "tide_kernels_cpu_stand_in")
+    library._destroy()
+
+
+def _import_package(package: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, package / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torch_ext_package_calls_the_op_and_registers_its_fake(cpu_stand_in):
+    norm, router = _final_norm("gpt2"), Router(32, 8)
+    weight, bias, kind, eps = tk.norm_params(norm)
+    args = (torch.randn(4, 32), weight.detach(), bias.detach(), kind, eps, router.down.weight.detach(),
+            router.down.bias.detach(), router.up.weight.detach(), router.up.bias.detach(), 0.5)
+    scores, mask = cpu_stand_in.router_exit(*args)
+    torch.testing.assert_close(scores, tk.router_exit_reference(*args)[0])
+    torch.library.opcheck(cpu_stand_in.ops.router_exit.default, args)  # schema + fake vs real
+
+
+def test_torch_ext_package_imports_without_the_op_library(tmp_path):
+    package = tmp_path / "tide_kernels"
+    shutil.copytree(KERNEL_DIR / "torch-ext" / "tide_kernels", package)
+    (package / "_ops.py").write_text(_build_local().OPS_PY.format(ext="_tide_kernels_not_loaded").replace(
+        "from . import _tide_kernels_not_loaded\n", ""))
+    assert callable(_import_package(package, "tide_kernels_not_loaded").router_exit)
+
+
+# --- GPU parity -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_kernel(monkeypatch):
+    """The fused kernel (from LOCAL_KERNELS or the Hub cache); skips where no build exists for this torch/CUDA."""
+    if LOCAL_KERNELS:
+        monkeypatch.setenv("LOCAL_KERNELS", LOCAL_KERNELS)
+    try:
+        return tk.load_router_kernel("kernel")
+    except RuntimeError as err:
+        if tk._local_build() is not None:
+            raise
+        pytest.skip(f"no build of the kernel for this torch/CUDA (see hub_kernels/tide_kernels/build_local.py): {err}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "gemma", "gpt2"])
+def test_kernel_matches_reference_on_gpu(gpu_kernel, family, dtype):
+    norm = _final_norm(family).to("cuda", dtype)
+    router = Router(32, 16).to("cuda", dtype)
+    hidden = torch.randn(4, 3, 32, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        scores, mask = tk.router_exit(hidden, norm, router, 0.5, mode="kernel")
+        weight, bias, kind, eps = tk.norm_params(norm)
+        want, want_mask = tk.router_exit_reference(hidden.reshape(-1, 32), weight, bias, kind, eps,
+                                                   router.down.weight, router.down.bias, router.up.weight,
+                                                   router.up.bias, 0.5)
+    assert scores.shape == mask.shape == (4, 3) and scores.is_cuda
+    torch.testing.assert_close(scores.reshape(-1), want, atol=1e-4, rtol=0)
+    decided = (want - 0.5).abs() > 1e-4
+    assert torch.equal(mask.reshape(-1)[decided], want_mask[decided])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden_size, bottleneck", [(64, 16), (4096, 128)])
+def test_kernel_runs_without_host_sync(gpu_kernel, hidden_size, bottleneck):
+    torch.manual_seed(0)
+    norm, router = nn.LayerNorm(hidden_size).cuda(), Router(hidden_size, bottleneck).cuda()
+    weight, bias, kind, eps = tk.norm_params(norm)
+    args = (torch.randn(8, hidden_size, device="cuda"), weight.detach(), bias.detach(), kind, eps,
+            router.down.weight.detach(), router.down.bias.detach(), router.up.weight.detach(),
+            router.up.bias.detach(), 0.5)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scores, _ = gpu_kernel(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(scores, tk.router_exit_reference(*args)[0], atol=1e-5, rtol=0)
