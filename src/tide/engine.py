@@ -18,6 +18,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import TideConfig
+from .kernels import router_exit
 from .layercalls import LayerCall, capture_layer_calls, write_kv_only
 from .router import exit_decision
 from .stats import GenerationStats
@@ -181,7 +182,14 @@ class ExitSession:
         return hidden, exit_layer
 
     def exits_at(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """bool [B, T]: tokens whose router at `layer` scores above the threshold. hidden: [B, T, H]."""
+        """bool [B, T]: tokens whose router at `layer` scores above the threshold. hidden: [B, T, H].
+
+        Norm, router, sigmoid and threshold go through `kernels.router_exit` (the fused CUDA kernel when
+        loaded, else its PyTorch reference) when they share a device; across devices, step by step.
+        """
+        self.model.routers.check_placement(layer, hidden)
+        if self.router_devices[layer] == self.norm_device == hidden.device:
+            return router_exit(hidden, self.parts.norm, self.model.routers[layer], self.thresholds[layer])[1]
         normed = self.parts.final_norm(_to(hidden, self.norm_device)).to(self.router_devices[layer])
         scores = self.model.routers.score(layer, normed)
         return exit_decision(scores, self.thresholds[layer]).to(hidden.device)

@@ -39,16 +39,19 @@ class RouterBank(nn.Module):
     def __getitem__(self, layer: int) -> Router:
         return self.routers[str(layer)]
 
-    def score(self, layer: int, normed: torch.Tensor) -> torch.Tensor:
-        """Exit probability in [0, 1] at checkpoint `layer`. normed: [..., H] -> [...]."""
-        router = self[layer]
-        weight = router.down.weight
-        if normed.device != weight.device or normed.dtype != weight.dtype:
+    def check_placement(self, layer: int, states: torch.Tensor) -> None:
+        """Raise unless the router at `layer` is on the device and dtype of its layer's states."""
+        weight = self[layer].down.weight
+        if states.device != weight.device or states.dtype != weight.dtype:
             raise RuntimeError(
                 f"The router at layer {layer} is on {weight.device}/{weight.dtype} but its layer's states are "
-                f"on {normed.device}/{normed.dtype}; call model.align_routers() after moving the base model."
+                f"on {states.device}/{states.dtype}; call model.align_routers() after moving the base model."
             )
-        return torch.sigmoid(router(normed).float())
+
+    def score(self, layer: int, normed: torch.Tensor) -> torch.Tensor:
+        """Exit probability in [0, 1] at checkpoint `layer`. normed: [..., H] -> [...]."""
+        self.check_placement(layer, normed)
+        return torch.sigmoid(self[layer](normed).float())
 
 
 def exit_decision(scores: torch.Tensor, threshold: float) -> torch.Tensor:
