@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # (e.g. `$(BIN)/pip install torch --index-url https://download.pytorch.org/whl/cu128`), then run make.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test
+.PHONY: setup test demo
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,3 +18,6 @@ setup: $(BIN)/.installed
 
 test: setup
 	$(BIN)/python -m pytest
+
+demo: setup
+	$(BIN)/tide demo

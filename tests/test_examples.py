@@ -20,9 +20,11 @@ SCRIPTS = {
 }
 
 
-def test_every_example_is_tested():
-    scripts = {str(p.relative_to(EXAMPLES)) for p in EXAMPLES.glob("*/*.py") if (p.parent / "README.md").exists()}
-    assert scripts == set(SCRIPTS)
+def test_each_example_is_one_script_and_a_readme():
+    for script in SCRIPTS:
+        folder = (EXAMPLES / script).parent
+        assert (folder / "README.md").is_file(), folder
+        assert [p.name for p in folder.glob("*.py")] == [Path(script).name], folder
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))

@@ -26,9 +26,10 @@ parser.add_argument("--dataset-config", default="wikitext-2-raw-v1")
 parser.add_argument("--out", default="imported-routers")
 args = parser.parse_args()
 tiny = args.tiny or not args.model
+device = "cuda" if torch.cuda.is_available() else "cpu"
 
 name = _tiny.model_dir(args)
-base = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+base = AutoModelForCausalLM.from_pretrained(name, dtype="auto").to(device)
 tok = AutoTokenizer.from_pretrained(name)
 
 if args.router is None:  # TIDE's format: plain tensors and ints, routers hidden -> 128 -> 1 without biases
@@ -46,7 +47,7 @@ with warnings.catch_warnings(record=True) as caught:
 for w in caught:
     print("warning:", w.message)
 c = model.config
-inputs = tok("The assignment statement", return_tensors="pt")
+inputs = tok("The assignment statement", return_tensors="pt").to(device)
 model.generate(**inputs, max_new_tokens=24, do_sample=False)
 print(f"imported checkpoints {model.checkpoints} with TIDE's operating point (exit_threshold={c.exit_threshold}, "
       f"min_layers={c.min_layers}): {model.last_stats.mean_layers:.2f} layers/token, no guarantee")

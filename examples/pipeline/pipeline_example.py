@@ -11,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # examples/_tiny.py
 
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import _tiny
@@ -24,19 +25,20 @@ parser.add_argument("--dataset", default="wikitext")
 parser.add_argument("--dataset-config", default="wikitext-2-raw-v1")
 args = parser.parse_args()
 tiny = args.tiny or not args.model
+device = "cuda" if torch.cuda.is_available() else "cpu"
 
 repo = args.routers
 if repo is None:  # make a router repo first
     name = _tiny.model_dir(args)
     data = _tiny.calibration_data() if tiny else dict(dataset=args.dataset, dataset_config=args.dataset_config)
     config = tide.TideConfig(checkpoint_interval=2, target_agreement=_tiny.TARGET if tiny else 0.99)
-    base = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+    base = AutoModelForCausalLM.from_pretrained(name, dtype="auto").to(device)
     tide.calibrate(base, AutoTokenizer.from_pretrained(name), config=config, progress=False, **data).save_pretrained(
         "pipeline-routers")
-    repo = "pipeline-routers"
+    repo, base = "pipeline-routers", None  # free the calibration copy
 
 # 1. A TideForCausalLM object in a pipeline; tide_config goes through the pipeline call to generate().
-model = tide.TideForCausalLM.from_pretrained(repo, dtype="auto")
+model = tide.TideForCausalLM.from_pretrained(repo, dtype="auto").to(device)
 tok = AutoTokenizer.from_pretrained(model.config.base_model_name_or_path)  # a router repo has no tokenizer
 generator = pipeline("text-generation", model=model, tokenizer=tok)
 prompt, greedy = "The assignment statement", dict(max_new_tokens=24, do_sample=False)
@@ -54,7 +56,7 @@ for label, tide_config in [("base model", False), ("calibrated", None), ("thresh
 
 # 2. A router repo by name: after `import tide`, AutoModelForCausalLM resolves it to TideForCausalLM and
 #    loads the base model named in its config.
-generator = pipeline("text-generation", model=repo, tokenizer=model.config.base_model_name_or_path)
+generator = pipeline("text-generation", model=repo, tokenizer=model.config.base_model_name_or_path, device=device)
 print(f"\npipeline(model={repo!r}) -> {type(generator.model).__name__} over {generator.model.config.base_model_type}")
 print(generator(prompt, **greedy)[0]["generated_text"])
 print(generator.model.last_stats.summary())

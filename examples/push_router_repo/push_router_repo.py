@@ -29,9 +29,10 @@ parser.add_argument("--push", metavar="REPO", help="also upload to this Hub repo
 parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
 args = parser.parse_args()
 tiny = args.tiny or not args.model
+device = "cuda" if torch.cuda.is_available() else "cpu"
 
 name = _tiny.model_dir(args)
-base = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+base = AutoModelForCausalLM.from_pretrained(name, dtype="auto").to(device)
 data = _tiny.calibration_data() if tiny else dict(dataset=args.dataset, dataset_config=args.dataset_config)
 config = tide.TideConfig(checkpoint_interval=2, target_agreement=_tiny.TARGET if tiny else 0.99)
 model = tide.calibrate(base, AutoTokenizer.from_pretrained(name), config=config, progress=False, **data)
@@ -47,8 +48,8 @@ with safe_open(os.path.join(args.out, "routers.safetensors"), "pt") as f:
     print("routers.safetensors:", sorted(f.keys()), f.metadata())
 print("README.md:", next(line for line in open(os.path.join(args.out, "README.md")) if line.startswith("# ")).strip())
 
-# 2. Load it back: the base model is loaded by the name in config.json (or pass base_model=...).
-loaded = tide.TideForCausalLM.from_pretrained(args.out)
+# 2. Load it back. Without base_model=, from_pretrained loads the base by the name in config.json.
+loaded = tide.TideForCausalLM.from_pretrained(args.out, base_model=base)
 same = all(torch.equal(a, b) for a, b in zip(model.routers.state_dict().values(), loaded.routers.state_dict().values()))
 print("\nreloaded routers identical:", same, "| thresholds identical:", loaded.config.thresholds == model.config.thresholds)
 

@@ -25,6 +25,7 @@ parser.add_argument("--tiny", action="store_true", help="tiny random-init model 
 parser.add_argument("--dataset", default="wikitext")
 parser.add_argument("--dataset-config", default="wikitext-2-raw-v1")
 parser.add_argument("--heldout-split", default="test", help="split for the sweep (never the calibration split)")
+parser.add_argument("--heldout-texts", type=int, default=8, help="held-out texts for the sweep (128 tokens each)")
 parser.add_argument("--target", type=float, default=0.99)
 args = parser.parse_args()
 tiny = args.tiny or not args.model
@@ -38,8 +39,8 @@ if tiny:
     heldout = _tiny.sample_texts(64)[-3:]  # not among the 48 calibration texts
 else:
     heldout = [t for t in load_texts(args.dataset, dataset_config=args.dataset_config, split=args.heldout_split)
-               if len(t) > 200][:16]
-tokens = [tok(text)["input_ids"][:48 if tiny else 256] for text in heldout]
+               if len(t) > 200][: args.heldout_texts]
+tokens = [tok(text)["input_ids"][:48 if tiny else 128] for text in heldout]
 
 # Checkpoints after every other layer; the guarantee: agreement >= target with 95% confidence.
 config = tide.TideConfig(checkpoint_interval=2, target_agreement=_tiny.TARGET if tiny else args.target, confidence=0.95)

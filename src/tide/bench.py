@@ -1,5 +1,5 @@
 """`tide bench`: one model, one process, side by side: base `generate`, exit mode over a threshold
-sweep, both KV strategies, lossless mode (and TIDE itself when `tide-inference` is installed).
+sweep, both KV strategies, lossless mode over a draft-threshold sweep.
 
 Speed is decode tokens/s of greedy `generate` on the prompts (median over interleaved repeats);
 quality is teacher-forced top-1 agreement and perplexity on held-out text (`evaluate.py`); the
@@ -22,6 +22,7 @@ from .evaluate import oracle_depths, teacher_forced
 __all__ = ["run_bench", "plot_bench"]
 
 DEFAULT_SWEEP = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+LOSSLESS_SWEEP = (0.3, 0.5, 0.7)
 
 
 def _variants(model, sweep) -> dict[str, dict | None]:
@@ -33,6 +34,8 @@ def _variants(model, sweep) -> dict[str, dict | None]:
         variants[f"exit threshold {t}"] = {"exit_threshold": t}
     if model.config.thresholds:
         variants["lossless calibrated"] = {"mode": "lossless"}
+    for t in LOSSLESS_SWEEP:  # drafts are verified: lossless can draft far more aggressively
+        variants[f"lossless threshold {t}"] = {"mode": "lossless", "exit_threshold": t}
     return variants
 
 

@@ -155,7 +155,8 @@ def _probe(tide: TideForCausalLM, batch, cfg: TideConfig, score: bool = False) -
             label = F.cosine_similarity(states[k][keep].float(), final_raw, dim=-1) > cfg.cosine_threshold
         out.normed[k], out.labels[k], out.agree[k] = normed, label, agree
         if score:
-            out.scores[k] = tide.routers.score(k, normed).cpu()
+            router_device = next(tide.routers[k].parameters()).device  # may differ under a device_map
+            out.scores[k] = tide.routers.score(k, normed.to(router_device)).cpu()
     return out
 
 

@@ -250,7 +250,8 @@ def import_tide_checkpoint(path, base_model, config: TideConfig | None = None):
     config.checkpoint_layers = checkpoints
     config.router_hidden_size = int(bottleneck)
     config.exit_threshold = 0.85  # TIDE's default operating point
-    config.min_layers = min(8, checkpoints[-1] + 1)
+    # TIDE consults routers at layer indices >= min_layers (8); Tide consults k when k + 1 >= min_layers.
+    config.min_layers = min(8 + 1, checkpoints[-1] + 1)
     model = TideForCausalLM.from_base(base_model, config)
     if int(hidden) != model.config.base_hidden_size:
         raise ValueError(f"TIDE routers have hidden_dim {hidden}, the base model has {model.config.base_hidden_size}.")
