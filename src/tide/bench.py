@@ -100,6 +100,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                        eval_mean_layers=q.mean_layers, eval_tokens=q.tokens)
         elif cfg is not None:
             row.update(agreement=1.0, ppl_delta=0.0)  # lossless: the base model's output by construction
+        if cfg is None:
+            row["agreement"] = 1.0
         results["variants"][name] = row
         progress(_line(name, row))
     if model.config.thresholds:
@@ -145,24 +147,18 @@ def plot_bench(results: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for name, row in results["variants"].items():
         if "agreement" not in row:
             continue
-        marker = "*" if "lossless" in name else ("s" if "calibrated" in name else "o")
-        ax.scatter(row["ratio_to_base"], row["agreement"], marker=marker, s=60)
-        ax.annotate(name.replace("exit ", ""), (row["ratio_to_base"], row["agreement"]), fontsize=7,
-                    xytext=(4, 2), textcoords="offset points")
-    base = results["variants"]["base"]
-    ax.scatter(base["ratio_to_base"], 1.0, marker="D", color="black")
-    ax.annotate("base", (1.0, 1.0), fontsize=7, xytext=(4, -10), textcoords="offset points")
+        marker = "D" if name == "base" else "*" if "lossless" in name else ("s" if "calibrated" in name else "o")
+        ax.scatter(row["ratio_to_base"], row["agreement"], marker=marker, s=60, label=name)
     oracle = results["oracle"]["speedup"]
-    ax.axvline(oracle, linestyle="--", color="gray")
-    ax.annotate(f"oracle bound x{oracle:.2f} (layers)", (oracle, ax.get_ylim()[0]), rotation=90, fontsize=7,
-                xytext=(3, 5), textcoords="offset points")
+    ax.axvline(oracle, linestyle="--", color="gray", label=f"oracle bound x{oracle:.2f} (layers)")
+    ax.legend(fontsize=7, loc="lower left")
     ax.set_xlabel("decode tokens/s relative to the base model")
     ax.set_ylabel("top-1 agreement with the full model (held-out)")
-    ax.set_title(f"Tide on {results['model']} ({results['machine']})", fontsize=9)
+    ax.set_title(f"Tide on {Path(str(results['model'])).name} ({results['machine']})", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
