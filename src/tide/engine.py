@@ -176,9 +176,10 @@ class ExitSession:
             if i in self.thresholds:
                 exited = exited.to(hidden.device)
                 leaving = self.exits_at(i, hidden) & ~exited
-                exit_layer = torch.where(leaving, torch.full_like(exit_layer, i), exit_layer.to(hidden.device))
-                exited = exited | leaving
-                left = int(exited.sum())  # the one host sync per checkpoint
+                if leaving.any():  # the one host sync per checkpoint
+                    exit_layer = exit_layer.to(hidden.device).masked_fill(leaving, i)
+                    exited = exited | leaving
+                    left = int(exited.sum())
         return hidden, exit_layer
 
     def exits_at(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ def router_exit_reference(hidden, norm_weight, norm_bias, norm_kind, eps, down_w
     if norm_kind == LAYER_NORM:
         x = x - x.mean(-1, keepdim=True)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [B, H]
-    x = x * (norm_weight.float() + (1.0 if norm_kind == GEMMA_RMS_NORM else 0.0))
+    x = x * (norm_weight.float() + 1.0 if norm_kind == GEMMA_RMS_NORM else norm_weight.float())
     if norm_bias is not None:
         x = x + norm_bias.float()
     z = F.silu(F.linear(x, down_weight.float(), down_bias.float()))  # [B, R]
