@@ -79,3 +79,12 @@ def test_errors_are_one_line_with_what_to_do(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "missing"), "Hello"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tide generate: error:")
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    """The README's demo command: the shipped model, calibrated, saved, reloaded, generating, measured."""
+    assert main(["demo", "--quick", "--out", str(tmp_path / "routers")]) == 0
+    out = capsys.readouterr().out
+    for section in ("1. The shipped model", "2. Calibrate", "3. Save", "mode='exit'", "mode='lossless'", "5. Speed"):
+        assert section in out
+    assert sorted(p.name for p in (tmp_path / "routers").iterdir()) == ["README.md", "config.json", "routers.safetensors"]

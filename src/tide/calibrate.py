@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import math
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +20,9 @@ from tqdm.auto import tqdm
 
 from .config import TideConfig
 from .data import load_texts
+from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
-from .thresholds import calibrate_cascade
+from .thresholds import calibrate_cascade, oracle_depth
 
 __all__ = ["calibrate", "CalibrationOptions"]
 
@@ -123,24 +123,10 @@ class _Probe:
     num_tokens: int
 
 
-@contextmanager
-def _capture_outputs(parts, layers: list[int]):
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [
-        parts.layers[k].register_forward_hook(lambda _m, _a, out, k=k: captured.__setitem__(k, parts.layer_output(out)))
-        for k in layers
-    ]
-    try:
-        yield captured
-    finally:
-        for h in hooks:
-            h.remove()
-
-
 @torch.no_grad()
 def _probe(tide: TideForCausalLM, batch, cfg: TideConfig, score: bool = False) -> _Probe:
     parts, last = tide.parts, tide.parts.num_layers - 1
-    with _capture_outputs(parts, tide.checkpoints + [last]) as states:
+    with capture_outputs(parts, tide.checkpoints + [last]) as states:
         logits = tide.base(**batch, use_cache=False).logits
     keep = batch["attention_mask"].bool()
     full_top1 = logits[keep].argmax(-1)
@@ -250,7 +236,4 @@ def _summary(results, held: _Heldout, cfg, num_layers, dataset, num_samples, tra
 
 def _oracle_mean_layers(agree: dict[int, torch.Tensor], layers: list[int], num_layers: int) -> float:
     """Mean depth if every token left at the first checkpoint whose top-1 already matches the full model."""
-    depth = torch.full_like(next(iter(agree.values())), num_layers, dtype=torch.float64)
-    for k in reversed(layers):
-        depth = torch.where(agree[k], torch.full_like(depth, k + 1), depth)
-    return float(depth.mean())
+    return float(oracle_depth(agree, layers, num_layers).mean())

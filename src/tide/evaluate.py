@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from .engine import ExitSession
+from .layercalls import capture_outputs
+from .thresholds import oracle_depth
 
 __all__ = ["teacher_forced", "oracle_depths", "QualityReport"]
 
@@ -73,25 +75,13 @@ def oracle_depths(model, token_lists: list[list[int]], layers: list[int] | None 
     """Per token, the number of layers a perfect router would run with exits at `layers`."""
     parts = model.parts
     layers = list(model.checkpoints if layers is None else layers)
-    num_layers = parts.num_layers
     depths = []
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [
-        parts.layers[k].register_forward_hook(lambda _m, _a, out, k=k: captured.__setitem__(k, parts.layer_output(out)))
-        for k in layers
-    ]
-    try:
-        for ids in token_lists:
-            ids_t = torch.tensor([ids], device=model.base.device)
+    for ids in token_lists:
+        ids_t = torch.tensor([ids], device=model.base.device)
+        with capture_outputs(parts, layers) as states:
             full_top1 = model.base(input_ids=ids_t, use_cache=False).logits[0].argmax(-1)
-            depth = torch.full_like(full_top1, num_layers)
-            for k in reversed(layers):
-                top1 = parts.logits_from_normed(parts.final_norm(captured[k][0])).argmax(-1)
-                depth = torch.where(top1 == full_top1, torch.full_like(depth, k + 1), depth)
-            depths.append(depth.cpu())
-    finally:
-        for h in hooks:
-            h.remove()
+        agree = {k: parts.logits_from_normed(parts.final_norm(states[k][0])).argmax(-1) == full_top1 for k in layers}
+        depths.append(oracle_depth(agree, layers, parts.num_layers).cpu())
     return torch.cat(depths)
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from .architectures import ModelParts
 
-__all__ = ["LayerCall", "capture_layer_calls", "write_kv_only"]
+__all__ = ["LayerCall", "capture_layer_calls", "capture_outputs", "write_kv_only"]
 
 
 @dataclass
@@ -78,6 +78,21 @@ def capture_layer_calls(parts: ModelParts, **backbone_inputs) -> list[LayerCall]
     if len(store) != parts.num_layers:
         raise RuntimeError(f"The backbone called {len(store)} of {parts.num_layers} decoder layers.")
     return [store[i] for i in range(parts.num_layers)]
+
+
+@contextmanager
+def capture_outputs(parts: ModelParts, layers: list[int]):
+    """Collect the hidden state each of `layers` outputs during a forward: {layer: [B, T, H]}."""
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [
+        parts.layers[k].register_forward_hook(lambda _m, _a, out, k=k: captured.__setitem__(k, parts.layer_output(out)))
+        for k in layers
+    ]
+    try:
+        yield captured
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 class _KVWritten(Exception):

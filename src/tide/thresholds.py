@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["binomial_upper_bound", "select_threshold", "calibrate_cascade", "CheckpointCalibration"]
+__all__ = ["binomial_upper_bound", "select_threshold", "calibrate_cascade", "CheckpointCalibration", "oracle_depth"]
 
 NEVER = 1.0  # scores are sigmoids in [0, 1] and a token exits when score > threshold
 
@@ -132,3 +132,14 @@ def calibrate_cascade(
         )
         running &= ~exits
     return out
+
+
+def oracle_depth(agree: dict[int, torch.Tensor], layers: list[int], num_layers: int) -> torch.Tensor:
+    """Per token, the layers a perfect router would run: the first checkpoint whose top-1 agrees, else all.
+
+    agree: {layer: bool [N]} -> float64 [N].
+    """
+    depth = torch.full_like(agree[layers[0]], num_layers, dtype=torch.float64)
+    for k in reversed(layers):
+        depth = torch.where(agree[k], torch.full_like(depth, k + 1), depth)
+    return depth
