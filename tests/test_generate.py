@@ -336,7 +336,7 @@ def test_pipeline_with_model_object_and_router_repo(tmp_path):
     pipe = pipeline("text-generation", model=model, tokenizer=tok)
     a = pipe("Hello", max_new_tokens=5, do_sample=False, tide_config={"exit_threshold": -1})[0]["generated_text"]
     assert a.startswith("Hello") and model.last_stats.decode_tokens == 4
-    pipe2 = pipeline("text-generation", model=str(tmp_path / "routers"), tokenizer=tok)
+    pipe2 = pipeline("text-generation", model=str(tmp_path / "routers"))  # the base's tokenizer, found by name
     b = pipe2("Hello", max_new_tokens=5, do_sample=False, tide_config={"exit_threshold": -1})[0]["generated_text"]
     assert a == b
 

@@ -39,7 +39,7 @@ if repo is None:  # make a router repo first
 
 # 1. A TideForCausalLM object in a pipeline; tide_config goes through the pipeline call to generate().
 model = tide.TideForCausalLM.from_pretrained(repo, dtype="auto").to(device)
-tok = AutoTokenizer.from_pretrained(model.config.base_model_name_or_path)  # a router repo has no tokenizer
+tok = AutoTokenizer.from_pretrained(repo)  # after `import tide`: the base model's tokenizer
 generator = pipeline("text-generation", model=model, tokenizer=tok)
 prompt, greedy = "The assignment statement", dict(max_new_tokens=24, do_sample=False)
 for label, tide_config in [("base model", False), ("calibrated", None), ("threshold 0.5", {"exit_threshold": 0.5}),
@@ -55,8 +55,8 @@ for label, tide_config in [("base model", False), ("calibrated", None), ("thresh
     print(f"{label:<14} {note:<20} {text!r}")
 
 # 2. A router repo by name: after `import tide`, AutoModelForCausalLM resolves it to TideForCausalLM and
-#    loads the base model named in its config.
-generator = pipeline("text-generation", model=repo, tokenizer=model.config.base_model_name_or_path, device=device)
+#    loads the base model named in its config; AutoTokenizer finds that base model's tokenizer.
+generator = pipeline("text-generation", model=repo, device=device)
 print(f"\npipeline(model={repo!r}) -> {type(generator.model).__name__} over {generator.model.config.base_model_type}")
 print(generator(prompt, **greedy)[0]["generated_text"])
 print(generator.model.last_stats.summary())

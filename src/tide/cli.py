@@ -21,7 +21,7 @@ def _load(name_or_path: str, dtype: str = "auto"):
     config = AutoConfig.from_pretrained(name_or_path)
     if isinstance(config, tide.TideConfig):
         model = tide.TideForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-        return model, AutoTokenizer.from_pretrained(config.base_model_name_or_path)
+        return model, AutoTokenizer.from_pretrained(name_or_path)  # the base model's, named in the repo
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype), AutoTokenizer.from_pretrained(name_or_path)
 
 

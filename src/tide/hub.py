@@ -160,6 +160,29 @@ def load_router_weights(model, weights: dict[str, torch.Tensor]) -> None:
         router.load_state_dict(state)
 
 
+class BaseModelTokenizer:
+    """`AutoTokenizer` entry for router repos: a router repo holds no tokenizer, so its base model's is loaded.
+
+    This is what lets `AutoTokenizer.from_pretrained(router_repo)` and
+    `pipeline("text-generation", model=router_repo)` work after `import tide`.
+    """
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, *args, **kwargs):
+        from transformers import AutoTokenizer
+
+        repo_kwargs = {k: kwargs.pop(k) for k in _REPO_KWARGS if k in kwargs}
+        config = TideConfig.from_pretrained(resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs))
+        if not config.base_model_name_or_path:
+            raise ValueError(
+                f"Router repo {name_or_path} names no base model, so it has no tokenizer to load; pass the base "
+                "model's tokenizer explicitly."
+            )
+        if config.base_model_revision is not None:
+            kwargs.setdefault("revision", config.base_model_revision)
+        return AutoTokenizer.from_pretrained(config.base_model_name_or_path, *args, **kwargs)
+
+
 # ---------------------------------------------------------------------- model card
 def model_card(config: TideConfig) -> str:
     base = config.base_model_name_or_path or "(unnamed base model)"

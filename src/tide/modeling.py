@@ -118,8 +118,13 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
 
 
 def _register_auto_classes() -> None:
+    from transformers import AutoTokenizer
+
+    from .hub import BaseModelTokenizer
+
     AutoConfig.register("tide", TideConfig, exist_ok=True)
     AutoModelForCausalLM.register(TideConfig, TideForCausalLM, exist_ok=True)
+    AutoTokenizer.register(TideConfig, tokenizer_class=BaseModelTokenizer, exist_ok=True)
 
 
 _register_auto_classes()
