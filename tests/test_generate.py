@@ -361,3 +361,11 @@ def test_router_on_wrong_dtype_is_a_clear_error():
         model.generate(_prompt(), tide_config={"exit_threshold": 0.5}, **GREEDY)
     model.align_routers()
     model.generate(_prompt(), tide_config={"exit_threshold": 0.5}, **GREEDY)
+
+
+def test_tide_config_without_thresholds_warns_and_runs_the_base():
+    model, base = _wrap("llama")
+    ids = _prompt()
+    with pytest.warns(UserWarning, match="no thresholds"):
+        out = model.generate(ids, tide_config={"mode": "lossless"}, **GREEDY)
+    assert torch.equal(out, base.generate(ids, **GREEDY))

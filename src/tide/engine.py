@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -34,7 +35,15 @@ def resolve_run_config(model, tide_config) -> TideConfig | None:
         return None
     run = model.config.with_overrides(tide_config)
     run.validate(num_layers=model.parts.num_layers)
-    return run if run.has_operating_point else None
+    if run.has_operating_point:
+        return run
+    if tide_config is not None:
+        warnings.warn(
+            "tide_config was given, but these routers have no thresholds (not calibrated) and no exit_threshold "
+            "was set, so the base model runs unchanged. Calibrate with tide.calibrate or pass exit_threshold.",
+            stacklevel=3,
+        )
+    return None
 
 
 def generate_with_tide(model, tide_config, *args, **kwargs):
