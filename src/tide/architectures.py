@@ -95,6 +95,12 @@ class ModelParts:
     lm_head: nn.Module
     softcap: float | None
     layer_types: list[str] | None
+    registered: bool = True  # False for a probed model: nothing is assumed about its layers' arguments
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every decoder layer receives the same arguments (one attention type, a registered family)."""
+        return self.registered and (not self.layer_types or len(set(self.layer_types)) == 1)
 
     @property
     def num_layers(self) -> int:
@@ -170,6 +176,7 @@ def _probe_parts(model: nn.Module) -> ModelParts:
     parts = _parts_from_spec(model, probe_spec(model))
     if parts is None or not _reproduces_logits(model, parts):
         raise ValueError(_unsupported_message(model, "its final norm and head do not reproduce its logits"))
+    parts.registered = False
     return parts
 
 

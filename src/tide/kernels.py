@@ -48,12 +48,15 @@ def router_exit_reference(hidden, norm_weight, norm_bias, norm_kind, eps, down_w
     up_weight [1, R]; up_bias [1]. norm_kind: RMS_NORM, GEMMA_RMS_NORM or LAYER_NORM.
     """
     x = hidden.float()  # [B, H]
+    shape = (x.shape[-1],)
+    bias = None if norm_bias is None else norm_bias.float()
     if norm_kind == LAYER_NORM:
-        x = x - x.mean(-1, keepdim=True)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [B, H]
-    x = x * (norm_weight.float() + 1.0 if norm_kind == GEMMA_RMS_NORM else norm_weight.float())
-    if norm_bias is not None:
-        x = x + norm_bias.float()
+        x = F.layer_norm(x, shape, norm_weight.float(), bias, eps)  # [B, H]
+    else:
+        weight = norm_weight.float() + 1.0 if norm_kind == GEMMA_RMS_NORM else norm_weight.float()
+        x = F.rms_norm(x, shape, weight, eps)  # [B, H]
+        if bias is not None:
+            x = x + bias
     z = F.silu(F.linear(x, down_weight.float(), down_bias.float()))  # [B, R]
     scores = torch.sigmoid(F.linear(z, up_weight.float(), up_bias.float()).squeeze(-1))  # [B]
     return scores, scores > threshold

@@ -72,12 +72,41 @@ def _recording(parts: ModelParts):
 
 @torch.no_grad()
 def capture_layer_calls(parts: ModelParts, **backbone_inputs) -> list[LayerCall]:
-    """The arguments the backbone would pass to each decoder layer for these inputs."""
+    """The arguments the backbone would pass to each decoder layer for these inputs.
+
+    When every layer receives the same arguments (`parts.uniform_layers`), the backbone is stopped at the
+    first layer and its call serves them all; otherwise every layer's call is recorded.
+    """
+    if parts.uniform_layers:
+        return [_first_layer_call(parts, backbone_inputs)] * parts.num_layers
     with _recording(parts) as store:
         parts.backbone(**backbone_inputs)
     if len(store) != parts.num_layers:
         raise RuntimeError(f"The backbone called {len(store)} of {parts.num_layers} decoder layers.")
     return [store[i] for i in range(parts.num_layers)]
+
+
+class _Captured(Exception):
+    pass
+
+
+def _first_layer_call(parts: ModelParts, backbone_inputs: dict) -> LayerCall:
+    store = []
+
+    def stop(_module, args, kwargs):
+        store.append(LayerCall(args, kwargs))
+        raise _Captured
+
+    hook = parts.layers[0].register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        parts.backbone(**backbone_inputs)
+    except _Captured:
+        pass
+    finally:
+        hook.remove()
+    if not store:
+        raise RuntimeError("The backbone returned without calling its first decoder layer.")
+    return store[0]
 
 
 @contextmanager
