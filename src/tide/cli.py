@@ -18,6 +18,8 @@ def _load(name_or_path: str, dtype: str = "auto"):
 
     import tide
 
+    if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
+        raise FileNotFoundError(f"{name_or_path}: no such directory (pass a router repo or model directory, or a Hub id)")
     config = AutoConfig.from_pretrained(name_or_path)
     if isinstance(config, tide.TideConfig):
         model = tide.TideForCausalLM.from_pretrained(name_or_path, dtype=dtype)

@@ -94,11 +94,12 @@ class GenerationStats:
             ("decode tokens/s", f"{self.tokens_per_s:.1f}"),
         ]
         total = max(sum(self.exits.values()), 1)
-        for key in [str(k) for k in self.checkpoints] + ["full"]:
+        prefix = "draft " if self.mode == "lossless" else ""
+        rows.append((f"{prefix}checkpoints", ", ".join(map(str, self.checkpoints)) or "none"))
+        for key in [str(k) for k in self.checkpoints if self.exits.get(str(k))] + ["full"]:
             n = self.exits.get(key, 0)
             label = f"exits after layer {key}" if key != "full" else "ran all layers"
-            label = ("draft " + label) if self.mode == "lossless" else label
-            rows.append((label, f"{n} ({n / total:.1%})"))
+            rows.append((prefix + label, f"{n} ({n / total:.1%})"))
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
