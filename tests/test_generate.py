@@ -369,3 +369,16 @@ def test_tide_config_without_thresholds_warns_and_runs_the_base():
     with pytest.warns(UserWarning, match="no thresholds"):
         out = model.generate(ids, tide_config={"mode": "lossless"}, **GREEDY)
     assert torch.equal(out, base.generate(ids, **GREEDY))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+def test_bfloat16_model(family):
+    """Routers follow their layer's dtype; no exit and lossless mode still give the base model's tokens."""
+    base = tiny_model(family).to(torch.bfloat16)
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    assert model.routers[1].down.weight.dtype == torch.bfloat16
+    ids = _prompt()
+    ref = base.generate(ids, **GREEDY)
+    assert torch.equal(model.generate(ids, tide_config={"exit_threshold": 1.0}, **GREEDY), ref)
+    assert torch.equal(model.generate(ids, tide_config={"exit_threshold": 0.5, "mode": "lossless"}, **GREEDY), ref)
+    assert model.generate(ids, tide_config={"exit_threshold": 0.5}, **GREEDY).shape == ref.shape
