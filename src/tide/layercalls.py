@@ -10,6 +10,7 @@ o_proj and the MLP never run. Nothing here decides anything.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -153,6 +154,11 @@ class _ZeroQuery(nn.Module):
         return x.new_zeros(*x.shape[:-1], self.out_features)
 
 
+@functools.lru_cache(maxsize=None)
+def _zero_query(out_features: int) -> _ZeroQuery:
+    return _ZeroQuery(out_features)  # stateless: one per width, shared by every layer
+
+
 @contextmanager
 def _query_skipped(parts: ModelParts, index: int):
     path = parts.spec.query_proj
@@ -162,7 +168,7 @@ def _query_skipped(parts: ModelParts, index: int):
     owner_path, _, name = path.rpartition(".")
     owner = parts.layers[index].get_submodule(owner_path)
     original = getattr(owner, name)
-    setattr(owner, name, _ZeroQuery(original.out_features))
+    setattr(owner, name, _zero_query(original.out_features))
     try:
         yield
     finally:
