@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 
 from .config import TideConfig
 from .data import load_texts
-from .kernels import router_exit
 from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
 from .thresholds import calibrate_cascade, oracle_depth
@@ -142,18 +141,8 @@ def _probe(tide: TideForCausalLM, batch, cfg: TideConfig, score: bool = False) -
             label = F.cosine_similarity(states[k][keep].float(), final_raw, dim=-1) > cfg.cosine_threshold
         out.normed[k], out.labels[k], out.agree[k] = normed, label, agree
         if score:
-            out.scores[k] = _heldout_scores(tide, k, states[k][keep], normed)
+            out.scores[k] = tide.route(k, states[k][keep], 1.0)[0].cpu()  # as generation scores them
     return out
-
-
-def _heldout_scores(tide: TideForCausalLM, layer: int, hidden: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-    """Scores as generation computes them (`kernels.router_exit`), so thresholds fit the exit decision."""
-    router = tide.routers[layer]
-    router_device = next(router.parameters()).device
-    norm_param = next(tide.parts.norm.parameters(), None)
-    if norm_param is not None and norm_param.device == router_device == hidden.device:
-        return router_exit(hidden, tide.parts.norm, router, 1.0)[0].cpu()
-    return tide.routers.score(layer, normed.to(router_device)).cpu()  # split across devices: step by step
 
 
 # ---------------------------------------------------------------------- router training

@@ -19,9 +19,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import TideConfig
-from .kernels import router_exit
 from .layercalls import LayerCall, capture_layer_calls, write_kv_only
-from .router import exit_decision
 from .stats import GenerationStats
 
 __all__ = ["generate_with_tide", "ExitSession"]
@@ -78,7 +76,6 @@ class ExitSession:
         self.checkpoints = [k for k in model.checkpoints if k + 1 >= config.min_layers]
         # Checkpoints whose threshold is >= 1.0 can never fire (scores are sigmoids): they are not consulted.
         self.thresholds = {k: t for k in self.checkpoints if (t := config.threshold_for(k)) < 1.0}
-        self.router_devices = {k: next(model.routers[k].parameters()).device for k in self.thresholds}
         norm_param = next(self.parts.norm.parameters(), None)
         self.norm_device = norm_param.device if norm_param is not None else None
         self.stats = GenerationStats(self.parts.num_layers, self.checkpoints, kv_strategy=config.kv_strategy)
@@ -192,17 +189,8 @@ class ExitSession:
         return hidden, exit_layer
 
     def exits_at(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """bool [B, T]: tokens whose router at `layer` scores above the threshold. hidden: [B, T, H].
-
-        Norm, router, sigmoid and threshold go through `kernels.router_exit` (the fused CUDA kernel when
-        loaded, else its PyTorch reference) when they share a device; across devices, step by step.
-        """
-        self.model.routers.check_placement(layer, hidden)
-        if self.router_devices[layer] == self.norm_device == hidden.device:
-            return router_exit(hidden, self.parts.norm, self.model.routers[layer], self.thresholds[layer])[1]
-        normed = self.parts.final_norm(_to(hidden, self.norm_device)).to(self.router_devices[layer])
-        scores = self.model.routers.score(layer, normed)
-        return exit_decision(scores, self.thresholds[layer]).to(hidden.device)
+        """bool [B, T]: tokens whose router at `layer` scores above the threshold. hidden: [B, T, H]."""
+        return self.model.route(layer, hidden, self.thresholds[layer])[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self.parts.final_norm(_to(hidden, self.norm_device))

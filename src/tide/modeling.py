@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 
 from .architectures import ModelParts, resolve
 from .config import TideConfig
-from .router import RouterBank
+from .router import RouterBank, exit_decision
 
 __all__ = ["TideForCausalLM"]
 
@@ -92,6 +92,26 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         for layer in self.routers.checkpoints:
             param = next(self.parts.layers[layer].parameters())
             self.routers[layer].to(device=param.device, dtype=param.dtype)
+
+    def route(self, layer: int, hidden: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router scores fp32 [...] and exit mask bool [...] at checkpoint `layer`. hidden: [..., H] (pre-norm).
+
+        Norm, router, sigmoid and threshold go through `kernels.router_exit` (the fused CUDA kernel when
+        loaded, else its PyTorch reference) when they share a device; across devices, step by step. Used
+        both to score held-out tokens at calibration and to decide exits at generation.
+        """
+        from .kernels import router_exit
+
+        self.routers.check_placement(layer, hidden)
+        router = self.routers[layer]
+        router_device = router.down.weight.device
+        norm_param = next(self.parts.norm.parameters(), None)
+        norm_device = norm_param.device if norm_param is not None else hidden.device
+        if router_device == norm_device == hidden.device:
+            return router_exit(hidden, self.parts.norm, router, threshold)
+        scores = self.routers.score(layer, self.parts.final_norm(hidden.to(norm_device)).to(router_device))
+        scores = scores.to(hidden.device)
+        return scores, exit_decision(scores, threshold)
 
     # ------------------------------------------------------------------ the base model's API
     def forward(self, *args, **kwargs):
