@@ -165,7 +165,8 @@ def test_recompute_rewrites_stale_kv_exactly(family):
     scripted = iter([True, False] * 10)
     session_cls = tide.engine.ExitSession
     original = session_cls.exits_at
-    session_cls.exits_at = lambda self, layer, hidden: torch.full(hidden.shape[:2], next(scripted) if layer == 1 else False)
+    session_cls.exits_at = lambda self, layer, hidden: (
+        torch.full(hidden.shape[:2], next(scripted) if layer == 1 else False), hidden)
     try:
         out = model.generate(ids, tide_config={"exit_threshold": 0.5, "kv_strategy": "recompute"},
                              do_sample=False, max_new_tokens=5, return_dict_in_generate=True)
@@ -367,7 +368,7 @@ def test_tide_config_without_thresholds_warns_and_runs_the_base():
     model, base = _wrap("llama")
     ids = _prompt()
     with pytest.warns(UserWarning, match="no thresholds"):
-        out = model.generate(ids, tide_config={"mode": "lossless"}, **GREEDY)
+        out = model.generate(ids, tide_config={"kv_strategy": "propagate"}, **GREEDY)
     assert torch.equal(out, base.generate(ids, **GREEDY))
 
 

@@ -48,7 +48,8 @@ def test_router_file_is_safetensors_with_metadata(tmp_path):
     _calibrated().save_pretrained(tmp_path)
     with safe_open(tmp_path / "routers.safetensors", "pt") as f:
         assert f.metadata()["checkpoints"] == "1,3"
-        assert sorted(f.keys()) == sorted(f"{k}.{p}" for k in (1, 3) for p in ("down.weight", "down.bias", "up.weight", "up.bias"))
+        params = ("down.weight", "down.bias", "up.weight", "up.bias", "translator.weight", "translator.bias")
+        assert sorted(f.keys()) == sorted(f"{k}.{p}" for k in (1, 3) for p in params)
     card = (tmp_path / "README.md").read_text()
     assert "tide.calibrate" in card and "| 3 |" in card
 

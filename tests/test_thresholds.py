@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from tide.thresholds import binomial_upper_bound, calibrate_cascade, select_threshold
+from tide.thresholds import auc, binomial_upper_bound, calibrate_cascade, select_threshold
 
 
 def test_clopper_pearson_zero_errors_closed_form():
@@ -31,7 +31,35 @@ def test_cascade_removes_earlier_exits():
     n = 4000
     scores = {1: torch.rand(n), 3: torch.rand(n)}
     agree = {1: scores[1] > 0.7, 3: torch.ones(n, dtype=torch.bool)}
-    out = calibrate_cascade([1, 3], scores, agree, agree, 0.99, 0.95)
+    out = calibrate_cascade([1, 3], scores, agree, agree, 0.99, 0.95).checkpoints
     assert out[0].exits + out[1].exits <= n
     assert out[1].exits == int(((scores[1] <= out[0].threshold) & (scores[3] > out[1].threshold)).sum())
     assert sum(r.errors for r in out) / n <= 0.01
+
+
+def test_cascade_guarantees_overall_agreement_not_per_exit():
+    """The bound is on all tokens: exits may disagree more than 1 - target as long as the total stays within it."""
+    torch.manual_seed(0)
+    n = 20000
+    scores = {2: torch.rand(n)}
+    agree = {2: torch.rand(n) < 0.2 + 0.8 * scores[2]}  # higher scores agree more often
+    selection = calibrate_cascade([2], scores, agree, agree, 0.95, 0.95)
+    row = selection.checkpoints[0]
+    assert row.exits > 0 and row.errors / row.exits > 0.05  # per exit: worse than 0.95
+    assert 1 - row.errors / n >= 0.95 and selection.agreement_bound >= 0.95
+
+
+def test_unreachable_target_never_exits():
+    scores = {1: torch.rand(500)}
+    agree = {1: torch.zeros(500, dtype=torch.bool)}
+    for target in (0.99, 1.0):
+        selection = calibrate_cascade([1], scores, agree, agree, target, 0.95)
+        assert selection.checkpoints[0].threshold == 1.0 and selection.checkpoints[0].exits == 0
+    assert calibrate_cascade([1], scores, agree, agree, 1.0, 0.95).exit_error_budget == 0.0
+
+
+def test_auc():
+    scores = torch.tensor([0.1, 0.4, 0.35, 0.8])
+    assert auc(scores, torch.tensor([False, False, True, True])) == 0.75
+    assert auc(torch.ones(4), torch.tensor([False, True, False, True])) == 0.5
+    assert auc(scores, torch.zeros(4, dtype=torch.bool)) is None

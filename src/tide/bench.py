@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
+from .calibrate import thresholds_for_target
+from .costs import measure_costs
 from .evaluate import oracle_depths, teacher_forced
 
 __all__ = ["run_bench", "plot_bench"]
 
-DEFAULT_SWEEP = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
-LOSSLESS_SWEEP = (0.3, 0.5, 0.7)
+DEFAULT_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.97)  # calibration targets (re-selected from the held-out scores)
 
 
 def _variants(model, sweep) -> dict[str, dict | None]:
@@ -30,13 +31,28 @@ def _variants(model, sweep) -> dict[str, dict | None]:
     if model.config.thresholds:
         variants["exit calibrated (propagate)"] = {"kv_strategy": "propagate"}
         variants["exit calibrated (recompute)"] = {"kv_strategy": "recompute"}
-    for t in sweep:
-        variants[f"exit threshold {t}"] = {"exit_threshold": t}
-    if model.config.thresholds:
-        variants["lossless calibrated"] = {"mode": "lossless"}
-    for t in LOSSLESS_SWEEP:  # drafts are verified: lossless can draft far more aggressively
-        variants[f"lossless threshold {t}"] = {"mode": "lossless", "exit_threshold": t}
+    for target in sweep:
+        thresholds = thresholds_for_target(model, target)
+        if thresholds is not None:
+            variants[f"exit target {target}"] = {"thresholds": thresholds}
+    variants["lossless"] = {"mode": "lossless"}
     return variants
+
+
+def device_name(device) -> str:
+    """The accelerator's or the CPU's own name, as the machine reports it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({torch.get_num_threads()} threads)"
 
 
 def _decode_seconds(fn, ids, new_tokens: int) -> float:
@@ -57,27 +73,46 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     prompt_ids = [tokenizer(p, return_tensors="pt")["input_ids"].to(base.device) for p in prompts]
     gen_kwargs = dict(do_sample=False, pad_token_id=base.generation_config.pad_token_id or 0)
 
+    def run_config(cfg):
+        if cfg is None or "thresholds" not in cfg:
+            return cfg
+        run = model.config.with_overrides({k: v for k, v in cfg.items() if k != "thresholds"})
+        run.thresholds = cfg["thresholds"]
+        return run
+
     def generate(cfg):
         if cfg is None:
             return lambda ids, n: base.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen_kwargs)
-        return lambda ids, n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, tide_config=cfg, **gen_kwargs)
+        return lambda ids, n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, tide_config=run_config(cfg),
+                                             **gen_kwargs)
 
-    results = {"machine": f"{platform.machine()} CPU ({torch.get_num_threads()} threads), torch {torch.__version__}",
-               "model": base.config.name_or_path or type(base).__name__, "num_layers": model.parts.num_layers,
-               "checkpoints": model.checkpoints, "new_tokens": new_tokens, "repeats": repeats, "variants": {}}
+    num_layers = model.parts.num_layers
+    results = {"machine": f"{device_name(base.device)}, torch {torch.__version__}",
+               "model": base.config.name_or_path or type(base).__name__, "num_layers": num_layers,
+               "checkpoints": model.checkpoints, "exit_head": model.config.exit_head, "new_tokens": new_tokens,
+               "repeats": repeats, "variants": {}}
     with torch.inference_mode():
-        depths = oracle_depths(model, token_lists).float()
-        every = oracle_depths(model, token_lists, list(range(model.parts.num_layers - 1))).float()
-    results["oracle"] = {"mean_layers": float(depths.mean()), "speedup": model.parts.num_layers / float(depths.mean()),
-                         "every_layer_speedup": model.parts.num_layers / float(every.mean())}
-    progress(f"oracle bound: x{results['oracle']['speedup']:.3f} with checkpoints {model.checkpoints} "
-             f"(x{results['oracle']['every_layer_speedup']:.3f} with every layer)")
+        costs = measure_costs(model)
+        oracle = {}
+        for name, lens in (("lens", True), ("exits", False)):
+            depths = oracle_depths(model, token_lists, lens=lens).float()
+            oracle[name] = num_layers / float(depths.mean())
+        every = oracle_depths(model, token_lists, list(range(num_layers - 1)), lens=True).float()
+        oracle["lens_every_layer"] = num_layers / float(every.mean())
+    results["costs"] = costs.as_dict()
+    results["oracle"] = oracle
+    progress(f"costs on {results['machine']}: consulted checkpoint {costs.checkpoint:.2f} layer, skipped layer's K/V "
+             f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer")
+    progress(f"oracle bound with checkpoints {model.checkpoints}: x{oracle['exits']:.3f} through the "
+             f"{model.config.exit_head} exit heads, x{oracle['lens']:.3f} through the logit lens "
+             f"(x{oracle['lens_every_layer']:.3f} lens with every layer)")
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     extra: dict[str, dict] = {name: {} for name in variants}
+    outputs: dict[str, list] = {}
     with torch.inference_mode():
-        for fn in (generate(cfg) for cfg in variants.values()):
-            fn(prompt_ids[0], 2)  # warm-up
+        for name, cfg in variants.items():
+            outputs[name] = [generate(cfg)(ids, new_tokens + 1)[0, ids.shape[1]:] for ids in prompt_ids]
         for _ in range(repeats):
             for name, cfg in variants.items():
                 times[name].append(sum(_decode_seconds(generate(cfg), ids, new_tokens) for ids in prompt_ids))
@@ -93,15 +128,14 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     for name, cfg in variants.items():
         tps = total_tokens / statistics.median(times[name])
         row = {"tide_config": cfg, "decode_tokens_per_s": tps, "ratio_to_base": tps / base_tps, **extra[name]}
-        if cfg is not None and cfg.get("mode") != "lossless":
+        same = [bool(torch.equal(a, b)) for a, b in zip(outputs[name], outputs["base"])]
+        matched = sum(int((a == b).sum()) for a, b in zip(outputs[name], outputs["base"]))
+        row.update(greedy_identical=all(same), greedy_token_match=matched / sum(len(b) for b in outputs["base"]))
+        if cfg is None or cfg.get("mode") != "lossless":
             with torch.inference_mode():
-                q = teacher_forced(model, token_lists, cfg)
+                q = teacher_forced(model, token_lists, run_config(cfg) if cfg is not None else {"exit_threshold": 1.0})
             row.update(agreement=q.agreement, ppl=q.ppl_tide, ppl_base=q.ppl_base, ppl_delta=q.ppl_delta,
                        eval_mean_layers=q.mean_layers, eval_tokens=q.tokens)
-        elif cfg is not None:
-            row.update(agreement=1.0, ppl_delta=0.0)  # lossless: the base model's output by construction
-        if cfg is None:
-            row["agreement"] = 1.0
         results["variants"][name] = row
         progress(_line(name, row))
     if model.config.thresholds:
@@ -123,7 +157,8 @@ def _prefill_effect(model, token_lists) -> dict:
 
 
 def _line(name: str, row: dict) -> str:
-    parts = [f"{name:30s} {row['decode_tokens_per_s']:8.1f} tok/s  x{row['ratio_to_base']:.3f}"]
+    parts = [f"{name:30s} {row['decode_tokens_per_s']:8.1f} tok/s  x{row['ratio_to_base']:.3f}",
+             "greedy output = base" if row["greedy_identical"] else f"greedy tokens = base {row['greedy_token_match']:.0%}"]
     if "mean_layers" in row:
         parts.append(f"layers {row['mean_layers']:.2f}")
     if "agreement" in row:
@@ -153,8 +188,8 @@ def plot_bench(results: dict, path) -> None:
             continue
         marker = "D" if name == "base" else "*" if "lossless" in name else ("s" if "calibrated" in name else "o")
         ax.scatter(row["ratio_to_base"], row["agreement"], marker=marker, s=60, label=name)
-    oracle = results["oracle"]["speedup"]
-    ax.axvline(oracle, linestyle="--", color="gray", label=f"oracle bound x{oracle:.2f} (layers)")
+    oracle = results["oracle"]["exits"]
+    ax.axvline(oracle, linestyle="--", color="gray", label=f"oracle bound x{oracle:.2f} (layers, {results['exit_head']} exits)")
     ax.legend(fontsize=7, loc="lower left")
     ax.set_xlabel("decode tokens/s relative to the base model")
     ax.set_ylabel("top-1 agreement with the full model (held-out)")

@@ -19,12 +19,13 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .config import TideConfig
+from .costs import choose_draft, layer_cost_of_cascade, measure_costs, prune_checkpoints
 from .data import load_texts
 from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
-from .thresholds import calibrate_cascade, oracle_depth
+from .thresholds import CheckpointCalibration, auc, calibrate_cascade, oracle_depth
 
-__all__ = ["calibrate", "CalibrationOptions"]
+__all__ = ["calibrate", "calibration_table", "thresholds_for_target", "CalibrationOptions"]
 
 
 @dataclass
@@ -33,11 +34,14 @@ class CalibrationOptions:
     max_length: int = 256
     batch_size: int = 8
     heldout_fraction: float = 0.2
-    buffer_size: int = 16384  # states kept per checkpoint for minibatch training
+    buffer_size: int | None = None  # training tokens kept for minibatches (None: up to 32768 within ~1 GiB)
     minibatch: int = 256
-    passes: int = 2  # minibatch sweeps over the new tokens after each base forward
-    lr: float = 1e-3
+    head_steps: int = 200  # Adam steps of the exit heads (translators), spread over the training stream
+    head_lr: float = 1e-3
+    passes: int = 4  # router training sweeps over the buffered tokens, after the exit heads are trained
+    lr: float = 1e-3  # router learning rate
     seed: int = 0
+    measure_costs: bool = True  # time checkpoints and layers here; drop checkpoints that do not pay; pick drafts
     progress: bool = True
 
 
@@ -52,7 +56,7 @@ def calibrate(
     text_column: str | None = None,
     **options,
 ) -> TideForCausalLM:
-    """Train routers on `dataset` and calibrate per-checkpoint thresholds; returns a `TideForCausalLM`.
+    """Train exit heads and routers on `dataset` and calibrate per-checkpoint thresholds; returns a `TideForCausalLM`.
 
     `model` is a base causal LM (fresh routers are created from `config`) or a `TideForCausalLM` (its
     routers are retrained). Extra keyword arguments set `CalibrationOptions` fields.
@@ -73,28 +77,38 @@ def calibrate(
     tide.base.eval()
     bar = tqdm(total=len(texts), desc="Tide calibration", unit="text", disable=not opts.progress)
     try:
-        trainers = {k: _RouterTrainer(tide.routers[k], opts) for k in tide.checkpoints}
-        train_tokens = 0
+        trainer = _Trainer(tide, opts, num_batches=math.ceil(len(train_texts) / opts.batch_size))
         for batch in _batches(train_texts, tokenizer, opts, tide.base.device):
-            probe = _probe(tide, batch, cfg)
-            for k, trainer in trainers.items():
-                trainer.add(probe.normed[k], probe.labels[k])
-            train_tokens += probe.num_tokens
+            trainer.add(_capture(tide, batch))
             bar.update(batch["input_ids"].shape[0])
-            bar.set_postfix(loss=f"{sum(t.last_loss for t in trainers.values()) / len(trainers):.3f}")
-        for trainer in trainers.values():
-            trainer.finish()
+            bar.set_postfix(kl=f"{trainer.last_kl:.3f}")
+        trainer.finish()
         held = _Heldout()
         for batch in _batches(held_texts, tokenizer, opts, tide.base.device):
-            held.add(_probe(tide, batch, cfg, score=True))
+            held.add(_score(tide, _capture(tide, batch), cfg))
             bar.update(batch["input_ids"].shape[0])
     finally:
         bar.close()
         tide.base.train(was_training)
 
-    results = calibrate_cascade(layers, held.scores(), held.agree(), held.labels(), cfg.target_agreement, cfg.confidence)
-    cfg.thresholds = {str(r.layer): r.threshold for r in results}
-    cfg.calibration = _summary(results, held, cfg, tide.parts.num_layers, dataset, len(texts), train_tokens)
+    num_layers = tide.parts.num_layers
+    costs = measure_costs(tide) if opts.measure_costs else None
+    tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(), held.num_tokens,
+                                               num_layers, cfg.confidence, costs)
+    selection, dropped = tide.heldout_selection.select(cfg.target_agreement)
+    draft_speedup = None
+    if costs is not None:
+        cfg.draft_layer, cfg.max_draft, draft_speedup = choose_draft(held.agree(), num_layers, costs, cfg.max_draft or 8)
+        if cfg.draft_layer is None:
+            cfg.max_draft = 0  # no draft pays on this model and machine: lossless mode decodes plainly
+    cfg.thresholds = tide.heldout_selection.thresholds(selection, tide.checkpoints)
+    cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), trainer.train_tokens)
+    cfg.calibration.update(
+        costs=costs.as_dict() if costs else None,
+        dropped_checkpoints={str(k): why for k, why in dropped.items()},
+        expected_layer_cost=layer_cost_of_cascade(selection.checkpoints, held.num_tokens, num_layers, costs) if costs else None,
+        expected_draft_speedup=draft_speedup,
+    )
     return tide
 
 
@@ -115,77 +129,183 @@ def _batches(texts, tokenizer, opts: CalibrationOptions, device):
 
 # ---------------------------------------------------------------------- one base forward
 @dataclass
-class _Probe:
-    normed: dict[int, torch.Tensor]  # [N, H] final-norm view at each checkpoint (real tokens only)
-    labels: dict[int, torch.Tensor]  # [N] bool training label
-    agree: dict[int, torch.Tensor]  # [N] bool checkpoint top-1 == full top-1
-    scores: dict[int, torch.Tensor]  # [N] router scores (held-out only)
-    num_tokens: int
+class _Capture:
+    states: dict[int, torch.Tensor]  # [N, H] raw output of each checkpoint layer (real tokens only)
+    final: torch.Tensor  # [N, H] raw output of the last layer
+    full_top1: torch.Tensor  # [N] the full model's top-1
 
 
 @torch.no_grad()
-def _probe(tide: TideForCausalLM, batch, cfg: TideConfig, score: bool = False) -> _Probe:
+def _capture(tide: TideForCausalLM, batch) -> _Capture:
     parts, last = tide.parts, tide.parts.num_layers - 1
     with capture_outputs(parts, tide.checkpoints + [last]) as states:
         logits = tide.base(**batch, use_cache=False).logits
     keep = batch["attention_mask"].bool()
-    full_top1 = logits[keep].argmax(-1)
-    final_raw = states[last][keep].float()
-    out = _Probe({}, {}, {}, {}, int(keep.sum()))
-    for k in tide.checkpoints:
-        normed = parts.final_norm(states[k][keep])
-        agree = parts.logits_from_normed(normed).argmax(-1) == full_top1
-        if cfg.label == "top1":
-            label = agree
-        else:
-            label = F.cosine_similarity(states[k][keep].float(), final_raw, dim=-1) > cfg.cosine_threshold
-        out.normed[k], out.labels[k], out.agree[k] = normed, label, agree
-        if score:
-            out.scores[k] = tide.route(k, states[k][keep], 1.0)[0].cpu()  # as generation scores them
+    return _Capture({k: states[k][keep] for k in tide.checkpoints}, states[last][keep], logits[keep].argmax(-1))
+
+
+def _labels(tide, k: int, states: torch.Tensor, final: torch.Tensor, full_top1: torch.Tensor, cfg: TideConfig):
+    """(agree, label) bool [N]: the exit's top-1 equals the full model's, and the training label."""
+    agree = tide.exit_logits(k, states).argmax(-1) == full_top1
+    if cfg.label == "top1":
+        return agree, agree
+    return agree, F.cosine_similarity(states.float(), final.float(), dim=-1) > cfg.cosine_threshold
+
+
+@torch.no_grad()
+def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig) -> dict:
+    """Held-out scalars per checkpoint: router scores (as generation computes them), agreement, label."""
+    out = {"scores": {}, "agree": {}, "labels": {}}
+    for k, states in cap.states.items():
+        agree, label = _labels(tide, k, states, cap.final, cap.full_top1, cfg)
+        out["scores"][k] = tide.route(k, states, 1.0)[0].cpu()
+        out["agree"][k], out["labels"][k] = agree.cpu(), label.cpu()
     return out
 
 
-# ---------------------------------------------------------------------- router training
-class _RouterTrainer:
-    """Bounded ring buffer of (state, label) plus minibatch Adam steps on an fp32 copy of one router."""
+# ---------------------------------------------------------------------- training
+class _Trainer:
+    """Exit heads then routers, from a bounded ring buffer of training tokens.
 
-    def __init__(self, router, opts: CalibrationOptions):
-        self.target = router
-        param = next(router.parameters())
-        self.router = copy.deepcopy(router).float()
-        self.optim = torch.optim.Adam(self.router.parameters(), lr=opts.lr)
-        self.opts = opts
-        self.states = torch.empty(opts.buffer_size, param.shape[-1], device=param.device)
-        self.labels = torch.empty(opts.buffer_size, device=param.device)
-        self.filled = self.cursor = 0
-        self.last_loss = float("nan")
+    While the training texts stream, each batch's states enter the buffer and the exit heads (translators)
+    take Adam steps minimising KL(full model || exit) on buffered tokens, `head_steps` in all. Then every
+    buffered token is labelled through the trained exits and the routers (on fp32 copies) sweep the buffer
+    `passes` times. Memory: the buffer, (checkpoints + 1) x buffer_size x H floats.
+    """
+
+    def __init__(self, tide: TideForCausalLM, opts: CalibrationOptions, num_batches: int):
+        self.tide, self.opts, self.parts = tide, opts, tide.parts
+        self.layers = list(tide.checkpoints)
+        hidden = tide.config.base_hidden_size or self.parts.norm.weight.shape[-1]
+        size = opts.buffer_size or max(opts.minibatch, min(32768, (1 << 30) // (4 * hidden * (len(self.layers) + 1))))
+        device = tide.base.device
+        self.states = {k: torch.empty(size, hidden, device=device) for k in self.layers}
+        self.final = torch.empty(size, hidden, device=device)
+        self.top1 = torch.empty(size, dtype=torch.long, device=device)
+        self.size, self.filled, self.cursor, self.train_tokens = size, 0, 0, 0
+        self.translators = {k: copy.deepcopy(tide.routers[k].translator).float() for k in self.layers
+                            if tide.routers[k].translator is not None}
+        params = [p for t in self.translators.values() for p in t.parameters()]
+        self.head_optim = torch.optim.Adam(params, lr=opts.head_lr) if params else None
+        self.steps_per_batch = math.ceil(opts.head_steps / max(num_batches, 1))
+        self.head_steps_left = opts.head_steps if params else 0
         self.generator = torch.Generator(device="cpu").manual_seed(opts.seed)
+        self.last_kl = float("nan")
 
-    def add(self, normed: torch.Tensor, labels: torch.Tensor) -> None:
-        n = min(normed.shape[0], self.opts.buffer_size)
-        idx = (torch.arange(n) + self.cursor) % self.opts.buffer_size
-        self.states[idx.to(self.states.device)] = normed[-n:].float().to(self.states.device)
-        self.labels[idx.to(self.labels.device)] = labels[-n:].float().to(self.labels.device)
-        self.cursor = (self.cursor + n) % self.opts.buffer_size
-        self.filled = min(self.filled + n, self.opts.buffer_size)
-        self._train(steps=self.opts.passes * math.ceil(n / self.opts.minibatch))
+    def add(self, cap: _Capture) -> None:
+        n = min(cap.final.shape[0], self.size)
+        idx = ((torch.arange(n) + self.cursor) % self.size).to(self.final.device)
+        for k in self.layers:
+            self.states[k][idx] = cap.states[k][-n:].float()
+        self.final[idx], self.top1[idx] = cap.final[-n:].float(), cap.full_top1[-n:]
+        self.cursor = (self.cursor + n) % self.size
+        self.filled = min(self.filled + n, self.size)
+        self.train_tokens += cap.final.shape[0]
+        for _ in range(min(self.steps_per_batch, self.head_steps_left)):
+            self._head_step()
 
-    def _train(self, steps: int) -> None:
+    def _pick(self) -> torch.Tensor:
+        pick = torch.randint(self.filled, (min(self.opts.minibatch, self.filled),), generator=self.generator)
+        return pick.to(self.final.device)
+
+    def _logits(self, normed_input: torch.Tensor) -> torch.Tensor:
+        """Final norm + head of the model on fp32 states (cast to the model's dtype). [N, H] -> fp32 [N, V]."""
+        dtype = self.parts.norm.weight.dtype if hasattr(self.parts.norm, "weight") else normed_input.dtype
+        return self.parts.logits_from_normed(self.parts.final_norm(normed_input.to(dtype))).float()
+
+    def _head_step(self) -> None:
+        self.head_steps_left -= 1
+        pick = self._pick()
+        with torch.no_grad():
+            teacher = F.log_softmax(self._logits(self.final[pick]), -1)  # [M, V]
         with torch.enable_grad():
-            for _ in range(steps):
-                pick = torch.randint(self.filled, (min(self.opts.minibatch, self.filled),), generator=self.generator)
-                pick = pick.to(self.states.device)
-                loss = F.binary_cross_entropy_with_logits(self.router(self.states[pick]), self.labels[pick])
-                self.optim.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optim.step()
-                self.last_loss = loss.item()
+            loss = sum(
+                F.kl_div(F.log_softmax(self._logits(t(self.states[k][pick])), -1), teacher, log_target=True,
+                         reduction="batchmean")
+                for k, t in self.translators.items()
+            ) / len(self.translators)
+            params = [p for t in self.translators.values() for p in t.parameters()]
+            grads = torch.autograd.grad(loss, params)  # the base model's own parameters get no .grad
+        for p, g in zip(params, grads):
+            p.grad = g
+        self.head_optim.step()
+        self.last_kl = float(loss.detach())
 
     def finish(self) -> None:
-        """Copy the trained fp32 weights back into the model's router (its own device and dtype)."""
+        """Copy the trained exit heads into the model, then train the routers on labels through them."""
         with torch.no_grad():
-            for dst, src in zip(self.target.parameters(), self.router.parameters()):
-                dst.copy_(src.to(dst.dtype))
+            for k, trained in self.translators.items():
+                target = self.tide.routers[k].translator
+                for dst, src in zip(target.parameters(), trained.parameters()):
+                    dst.copy_(src.to(dst.dtype))
+        for k in self.layers:
+            self._train_router(k)
+
+    def _train_router(self, k: int) -> None:
+        tide, n = self.tide, self.filled
+        router = tide.routers[k]
+        with torch.no_grad():
+            states, final, top1 = self.states[k][:n].to(router.down.weight.dtype), self.final[:n], self.top1[:n]
+            normed, labels = [], []
+            for part in range(0, n, 4096):
+                chunk = slice(part, part + 4096)
+                normed.append(self.parts.final_norm(router.exit_state(states[chunk])).float())
+                labels.append(_labels(tide, k, states[chunk], final[chunk], top1[chunk], tide.config)[1].float())
+            normed, labels = torch.cat(normed), torch.cat(labels)
+        trained = copy.deepcopy(router).float()
+        trained.translator = None
+        optim = torch.optim.Adam(trained.parameters(), lr=self.opts.lr)
+        with torch.enable_grad():
+            for _ in range(self.opts.passes * math.ceil(n / self.opts.minibatch)):
+                pick = self._pick()
+                loss = F.binary_cross_entropy_with_logits(trained(normed[pick]), labels[pick])
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+                optim.step()
+        with torch.no_grad():
+            for name in ("down", "up"):
+                for dst, src in zip(getattr(router, name).parameters(), getattr(trained, name).parameters()):
+                    dst.copy_(src.to(dst.dtype))
+
+
+# ---------------------------------------------------------------------- threshold selection
+@dataclass
+class _HeldoutSelection:
+    """Held-out scores of a calibration, kept in memory (never saved) to select thresholds for other targets."""
+
+    layers: list[int]
+    scores: dict
+    agree: dict
+    labels: dict
+    num_tokens: int
+    num_layers: int
+    confidence: float
+    costs: object  # StepCosts or None
+
+    def select(self, target: float):
+        """(CascadeSelection, dropped checkpoints {layer: reason}) for `target` agreement."""
+
+        def select(active):
+            return calibrate_cascade(active, self.scores, self.agree, self.labels, target, self.confidence)
+
+        if self.costs is None:
+            return select(self.layers), {}
+        return prune_checkpoints(select, self.layers, self.num_tokens, self.num_layers, self.costs)
+
+    @staticmethod
+    def thresholds(selection, checkpoints) -> dict[str, float]:
+        out = {str(k): 1.0 for k in checkpoints}  # never: not consulted
+        out.update({str(r.layer): r.threshold for r in selection.checkpoints})
+        return out
+
+
+def thresholds_for_target(model, target_agreement: float) -> dict[str, float] | None:
+    """Thresholds for another agreement target, from the held-out scores of a calibration run in this process
+    (None if the model was not calibrated here)."""
+    held = getattr(model, "heldout_selection", None)
+    if held is None:
+        return None
+    return held.thresholds(held.select(target_agreement)[0], model.checkpoints)
 
 
 # ---------------------------------------------------------------------- held-out statistics
@@ -193,8 +313,8 @@ class _Heldout:
     def __init__(self):
         self._scores, self._agree, self._labels = {}, {}, {}
 
-    def add(self, probe: _Probe) -> None:
-        for store, values in ((self._scores, probe.scores), (self._agree, probe.agree), (self._labels, probe.labels)):
+    def add(self, scored: dict) -> None:
+        for store, values in ((self._scores, scored["scores"]), (self._agree, scored["agree"]), (self._labels, scored["labels"])):
             for k, v in values.items():
                 store.setdefault(k, []).append(v.cpu())
 
@@ -215,7 +335,10 @@ class _Heldout:
         return sum(v.numel() for v in next(iter(self._scores.values())))
 
 
-def _summary(results, held: _Heldout, cfg, num_layers, dataset, num_samples, train_tokens) -> dict:
+def _summary(selection, held: _Heldout, cfg, num_layers, dataset, num_samples, train_tokens) -> dict:
+    labels, chosen = held.labels(), {r.layer: r for r in selection.checkpoints}
+    results = [chosen.get(k) or CheckpointCalibration(k, 1.0, float(labels[k].float().mean()), 0.0, None, 0, 0)
+               for k in sorted(labels)]  # dropped checkpoints: never consulted
     agree = held.agree()
     exits = sum(r.exits for r in results)
     disagreements = sum(r.errors for r in results)
@@ -227,12 +350,46 @@ def _summary(results, held: _Heldout, cfg, num_layers, dataset, num_samples, tra
         "train_tokens": train_tokens,
         "heldout_tokens": total,
         "expected_agreement": 1.0 - disagreements / max(total, 1),
+        "agreement_lower_bound": selection.agreement_bound,
+        "exit_error_budget": selection.exit_error_budget,
+        "exit_head": cfg.exit_head,
         "expected_mean_layers": mean_layers,
         "oracle_mean_layers": _oracle_mean_layers(agree, cfg.resolve_checkpoints(num_layers), num_layers),
         "checkpoints": {str(r.layer): r.as_dict() for r in results},
+        "router_auc": {str(k): auc(scores, agree[k]) for k, scores in held.scores().items()},
     }
 
 
 def _oracle_mean_layers(agree: dict[int, torch.Tensor], layers: list[int], num_layers: int) -> float:
     """Mean depth if every token left at the first checkpoint whose top-1 already matches the full model."""
     return float(oracle_depth(agree, layers, num_layers).mean())
+
+
+def calibration_table(config) -> str:
+    """A readable summary of a calibration: thresholds, exits, dropped checkpoints, measured costs, drafts."""
+    cal = config.calibration or {}
+    lines = ["checkpoint  threshold  label rate  exit rate  agreement of exits"]
+    for layer, row in cal.get("checkpoints", {}).items():
+        agreement = "n/a" if row["heldout_agreement"] is None else f"{row['heldout_agreement']:.3f}"
+        lines.append(f"{layer:>10}  {row['threshold']:9.4f}  {row['label_rate']:10.3f}  {row['exit_rate']:9.3f}  {agreement:>18}")
+    if not cal:
+        return "\n".join(lines)
+    active = [k for k, t in (config.thresholds or {}).items() if t < 1.0]
+    lines.append(f"exit head: {cal.get('exit_head', 'lens')}; active checkpoints (consulted): {', '.join(active) or 'none'}")
+    for layer, why in (cal.get("dropped_checkpoints") or {}).items():
+        lines.append(f"  checkpoint {layer} dropped: {why}")
+    lines.append(f"expected agreement {cal['expected_agreement']:.4f} (lower bound {cal.get('agreement_lower_bound', 0):.4f}), "
+                 f"mean layers {cal['expected_mean_layers']:.2f} of {config.base_num_layers} "
+                 f"(oracle {cal['oracle_mean_layers']:.2f})")
+    costs = cal.get("costs")
+    if costs:
+        lines.append(f"measured on {costs['device']}: a consulted checkpoint costs {costs['checkpoint']:.2f} layer, a skipped "
+                     f"layer's K/V {costs['skipped_layer']:.2f} layer, the head {costs['head']:.2f} layer")
+        lines.append(f"expected cost per token {cal['expected_layer_cost']:.2f} layers -> x{config.base_num_layers / cal['expected_layer_cost']:.3f} "
+                     "in layer work")
+        if config.draft_layer is not None:
+            lines.append(f"lossless drafts: from layer {config.draft_layer}, up to {config.max_draft} per verification "
+                         f"(expected x{cal['expected_draft_speedup']:.3f})")
+        else:
+            lines.append("lossless drafts: none pay on this model and machine (lossless mode decodes plainly)")
+    return "\n".join(lines)

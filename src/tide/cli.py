@@ -9,6 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .calibrate import calibration_table
+
 __all__ = ["main"]
 
 
@@ -45,22 +47,10 @@ def cmd_calibrate(args) -> None:
                            max_length=args.max_length, batch_size=args.batch_size)
     model.save_pretrained(args.out)
     print(f"Router repo written to {args.out}")
-    print(_calibration_table(model.config))
+    print(calibration_table(model.config))
     if args.push_to_hub:
         model.push_to_hub(args.push_to_hub)
         print(f"Pushed to https://huggingface.co/{args.push_to_hub}")
-
-
-def _calibration_table(config) -> str:
-    cal = config.calibration or {}
-    lines = ["checkpoint  threshold  label rate  exit rate  agreement of exits"]
-    for layer, row in cal.get("checkpoints", {}).items():
-        agreement = "n/a" if row["heldout_agreement"] is None else f"{row['heldout_agreement']:.3f}"
-        lines.append(f"{layer:>10}  {row['threshold']:9.4f}  {row['label_rate']:10.3f}  {row['exit_rate']:9.3f}  {agreement:>18}")
-    if cal:
-        lines.append(f"expected agreement {cal['expected_agreement']:.4f}, mean layers {cal['expected_mean_layers']:.2f} "
-                     f"of {config.base_num_layers} (oracle {cal['oracle_mean_layers']:.2f})")
-    return "\n".join(lines)
 
 
 def _tide_overrides(args) -> dict:

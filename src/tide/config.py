@@ -17,14 +17,15 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-__all__ = ["TideConfig", "INFERENCE_FIELDS", "LABEL_RULES", "KV_STRATEGIES", "MODES"]
+__all__ = ["TideConfig", "INFERENCE_FIELDS", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS"]
 
 LABEL_RULES = ("top1", "cosine")
+EXIT_HEADS = ("tuned", "lens")
 KV_STRATEGIES = ("propagate", "recompute")
 MODES = ("exit", "lossless")
 
 # The fields a `generate(..., tide_config=...)` call may override.
-INFERENCE_FIELDS = ("exit_threshold", "min_layers", "kv_strategy", "mode", "prefill_exit", "max_draft")
+INFERENCE_FIELDS = ("exit_threshold", "min_layers", "kv_strategy", "mode", "prefill_exit", "max_draft", "draft_layer")
 
 # Keys that transformers itself writes into every config.json, never "unknown".
 _TRANSFORMERS_KEYS = {"model_type", "transformers_version", "architectures", "_name_or_path", "name_or_path", "torch_dtype", "dtype"}
@@ -42,6 +43,13 @@ class TideConfig(PreTrainedConfig):
             Used when `checkpoint_layers` is unset: checkpoints after layers 3, 7, 11, ... (never the last).
         router_hidden_size (`int`, *optional*, defaults to 128):
             Bottleneck width of each router MLP (hidden → r → 1).
+        exit_head (`str`, *optional*, defaults to `"tuned"`):
+            How an exiting state becomes logits. `"tuned"`: a learned affine map per checkpoint (initialised to
+            the identity, trained in calibration to match the full model's distribution) before the model's own
+            final norm and head; `"lens"`: the final norm and head applied to the raw state.
+        exit_head_rank (`int`, *optional*):
+            With `exit_head="tuned"`, a low-rank map `h + U(V h) + b` of this rank instead of a full `H x H`
+            matrix (for wide models: rank 64 on a 4096-wide model costs ~3% of the full map).
         label (`str`, *optional*, defaults to `"top1"`):
             Calibration label: `"top1"` (the checkpoint's top-1 through the model's own final norm and head
             equals the full model's top-1) or `"cosine"` (cosine(h_checkpoint, h_final) > `cosine_threshold`).
@@ -62,6 +70,11 @@ class TideConfig(PreTrainedConfig):
             `"exit"` (early exit) or `"lossless"` (router-driven self-speculative decoding).
         prefill_exit (`bool`, *optional*, defaults to `False`):
             Let prompt tokens exit early too (with propagated K/V).
+        max_draft (`int`, *optional*, defaults to 8):
+            Lossless mode: most draft tokens per verification.
+        draft_layer (`int`, *optional*):
+            Lossless mode: the checkpoint whose exit head drafts tokens (0-based layer index). If unset, the one
+            calibration chose, else the first checkpoint at or after a quarter of the stack.
         base_model_name_or_path (`str`, *optional*):
             Hub id or local path of the base model the routers were trained on.
         base_model_revision (`str`, *optional*):
@@ -73,6 +86,8 @@ class TideConfig(PreTrainedConfig):
     checkpoint_layers: list[int] | None = None
     checkpoint_interval: int = 4
     router_hidden_size: int = 128
+    exit_head: str = "tuned"
+    exit_head_rank: int | None = None
     label: str = "top1"
     cosine_threshold: float = 0.98
     target_agreement: float = 0.99
@@ -84,6 +99,7 @@ class TideConfig(PreTrainedConfig):
     mode: str = "exit"
     prefill_exit: bool = False
     max_draft: int = 8
+    draft_layer: int | None = None
     base_model_name_or_path: str | None = None
     base_model_revision: str | None = None
     base_model_type: str | None = None
@@ -118,10 +134,15 @@ class TideConfig(PreTrainedConfig):
         _check_choice("label", self.label, LABEL_RULES)
         _check_choice("kv_strategy", self.kv_strategy, KV_STRATEGIES)
         _check_choice("mode", self.mode, MODES)
+        _check_choice("exit_head", self.exit_head, EXIT_HEADS)
+        if self.exit_head_rank is not None:
+            _check_int("exit_head_rank", self.exit_head_rank, minimum=1)
+        if self.draft_layer is not None:
+            _check_int("draft_layer", self.draft_layer, minimum=0)
         _check_int("checkpoint_interval", self.checkpoint_interval, minimum=1)
         _check_int("router_hidden_size", self.router_hidden_size, minimum=1)
         _check_int("min_layers", self.min_layers, minimum=0)
-        _check_int("max_draft", self.max_draft, minimum=1)
+        _check_int("max_draft", self.max_draft, minimum=0)
         _check_unit("target_agreement", self.target_agreement)
         _check_unit("confidence", self.confidence)
         _check_unit("cosine_threshold", self.cosine_threshold)
@@ -157,6 +178,11 @@ class TideConfig(PreTrainedConfig):
                 f"TideConfig.checkpoint_layers={layers}: the last usable checkpoint of a {num_layers}-layer "
                 f"model is layer {num_layers - 2} (leaving after the last layer is not an exit)."
             )
+        if self.draft_layer is not None and self.draft_layer not in layers:
+            raise ValueError(
+                f"TideConfig.draft_layer={self.draft_layer} is not a checkpoint; lossless drafts come from a "
+                f"checkpoint's exit head: pick one of {layers}."
+            )
         if self.min_layers > layers[-1] + 1:
             raise ValueError(
                 f"TideConfig.min_layers={self.min_layers} is past the last checkpoint (layer {layers[-1]}, "
@@ -181,6 +207,14 @@ class TideConfig(PreTrainedConfig):
         if self.thresholds is not None and str(layer) in self.thresholds:
             return float(self.thresholds[str(layer)])
         return 1.0
+
+    def resolve_draft_layer(self, num_layers: int | None = None) -> int:
+        """The checkpoint lossless mode drafts from: set, else the first at or after a quarter of the stack."""
+        if self.draft_layer is not None:
+            return self.draft_layer
+        layers = self.resolve_checkpoints(num_layers)
+        quarter = (num_layers or self.base_num_layers or 0) // 4
+        return next((k for k in layers if k + 1 >= quarter), layers[-1])
 
     @property
     def has_operating_point(self) -> bool:

@@ -64,6 +64,7 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
     import tide
 
     from .bench import run_bench
+    from .calibrate import calibration_table
     from .demo_corpus import split_corpus
 
     torch.manual_seed(0)
@@ -80,9 +81,7 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
     start = time.perf_counter()
     model = _calibrate(base, tokenizer, train, num_samples=128 if quick else 1024)
     print(f"calibrated in {time.perf_counter() - start:.1f} s")
-    from .cli import _calibration_table
-
-    print(_calibration_table(model.config))
+    print(calibration_table(model.config))
 
     _section("3. Save the router repo and load it back")
     model.save_pretrained(out_dir)

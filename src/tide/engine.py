@@ -14,12 +14,14 @@ import functools
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import TideConfig
-from .layercalls import LayerCall, capture_layer_calls, write_kv_only
+from .kvfill import fill_kv
+from .layercalls import LayerCall, capture_layer_calls
 from .stats import GenerationStats
 
 __all__ = ["generate_with_tide", "ExitSession"]
@@ -33,7 +35,7 @@ def resolve_run_config(model, tide_config) -> TideConfig | None:
         return None
     run = model.config.with_overrides(tide_config)
     run.validate(num_layers=model.parts.num_layers)
-    if run.has_operating_point:
+    if run.has_operating_point or run.mode == "lossless":  # lossless drafts need no thresholds
         return run
     if tide_config is not None:
         warnings.warn(
@@ -141,60 +143,83 @@ class ExitSession:
             return logits
         inputs = {k: v for k, v in kwargs.items() if k in _BACKBONE_KEYS}
         calls = capture_layer_calls(self.parts, input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs)
-        hidden, exit_layer = self.run_layers(calls, calls[0].hidden, cache)
+        walk = self.run_layers(calls, calls[0].hidden, cache)
         self.stats.decode_steps += 1
-        self.stats.record_exits(exit_layer[:, -1].tolist())
-        return self.logits(hidden)
+        self.stats.layer_passes += walk.full_passes
+        self.stats.kv_only_passes += walk.kv_only_passes
+        self.stats.record_exits(walk.exit_layer[:, -1].tolist())
+        return self.logits(walk.states)
 
     @torch.no_grad()
     def prefill_step(self, input_ids, cache, kwargs) -> torch.Tensor:
         """Prompt tokens exit by router too (`prefill_exit=True`); skipped layers get propagated KV."""
         inputs = {k: v for k, v in kwargs.items() if k in _BACKBONE_KEYS}
         calls = capture_layer_calls(self.parts, input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs)
-        passes = self.stats.layer_passes, self.stats.kv_only_passes
-        hidden, exit_layer = self.run_layers(calls, calls[0].hidden, cache)
-        self.stats.layer_passes, self.stats.kv_only_passes = passes  # decode counters only
-        self.stats.prefill_token_layers += int((exit_layer + 1).sum())
-        return self.logits(hidden)
+        walk = self.run_layers(calls, calls[0].hidden, cache)
+        self.stats.prefill_token_layers += int((walk.exit_layer + 1).sum())
+        return self.logits(walk.states)
 
     def run_layers(self, calls: list[LayerCall], hidden: torch.Tensor, cache):
-        """Run the stack with per-token exits; fill KV (propagate) once every token has left.
+        """One walk through the stack with per-token exits (`walk_layers` with this session's thresholds)."""
+        return walk_layers(self.model, calls, hidden, cache, self.thresholds)
 
-        hidden: [B, T, H]. A token that exits keeps its state, and the layers after its exit see that
-        state (so its K/V there is propagated from it). Returns exit states [B, T, H], exit layers [B, T].
-        """
-        num_layers = self.parts.num_layers
-        exit_layer = torch.full(hidden.shape[:2], num_layers - 1, dtype=torch.long, device=hidden.device)
-        exited = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-        left = 0  # tokens that have exited, as of the last checkpoint
-        for i in range(num_layers):
-            if left == exited.numel():
-                write_kv_only(calls[i], self.parts, i, hidden, cache)
-                self.stats.kv_only_passes += 1
-                continue
-            out = calls[i].run(self.parts, i, hidden)
-            self.stats.layer_passes += 1
-            if left:
-                exited = exited.to(out.device)
-                hidden = torch.where(exited[..., None], hidden.to(out.device), out)
-            else:
-                hidden = out
-            if i in self.thresholds:
-                exited = exited.to(hidden.device)
-                leaving = self.exits_at(i, hidden) & ~exited
-                if leaving.any():  # the one host sync per checkpoint
-                    exit_layer = exit_layer.to(hidden.device).masked_fill(leaving, i)
-                    exited = exited | leaving
-                    left = int(exited.sum())
-        return hidden, exit_layer
-
-    def exits_at(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """bool [B, T]: tokens whose router at `layer` scores above the threshold. hidden: [B, T, H]."""
-        return self.model.route(layer, hidden, self.thresholds[layer])[1]
+    def exits_at(self, layer: int, hidden: torch.Tensor):
+        """(bool [B, T] exits, exit states [B, T, H]) at checkpoint `layer`. hidden: [B, T, H]."""
+        _, exits, state = self.model.route(layer, hidden, self.thresholds[layer])
+        return exits, state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self.parts.final_norm(_to(hidden, self.norm_device))
         return self.parts.logits_from_normed(normed)
+
+
+@dataclass
+class WalkResult:
+    """What one walk through the layer stack did."""
+
+    states: torch.Tensor  # [B, T, H] pre-norm states for the head: exit states, or the last layer's output
+    exit_layer: torch.Tensor  # [B, T] layer each token left after (num_layers - 1: it ran every layer)
+    full_passes: int  # batched decoder-layer calls that ran attention + MLP
+    kv_only_passes: int  # layers that only had K/V written (after every token had left)
+
+
+def walk_layers(model, calls: list[LayerCall], hidden: torch.Tensor, cache, thresholds: dict[int, float]) -> WalkResult:
+    """Run the stack with per-token exits at the checkpoints in `thresholds` ({layer: threshold}).
+
+    hidden: [B, T, H]. A token that exits keeps its raw state, and the layers after its exit see that state
+    (so its K/V there is propagated from it); once every token has left, the remaining layers only get K/V,
+    all of them in one batched fill (`kvfill.fill_kv`). The one host sync is at a checkpoint where a token
+    leaves.
+    """
+    num_layers = model.parts.num_layers
+    ran_all = num_layers - 1
+    exit_layer = torch.full(hidden.shape[:2], ran_all, dtype=torch.long, device=hidden.device)
+    exited = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+    exit_states = hidden
+    num_exited, full_passes = 0, 0  # num_exited: tokens that have left, as of the last checkpoint
+    for i in range(num_layers):
+        if num_exited == exited.numel():
+            fill_kv(model.parts, calls, list(range(i, num_layers)), hidden, cache)
+            return WalkResult(exit_states, exit_layer, full_passes, num_layers - i)
+        out = calls[i].run(model.parts, i, hidden)
+        full_passes += 1
+        if num_exited:
+            exited = exited.to(out.device)
+            hidden = torch.where(exited[..., None], hidden.to(out.device), out)
+        else:
+            hidden = out
+        if i in thresholds:
+            _, exits, state = model.route(i, hidden, thresholds[i])
+            exited = exited.to(hidden.device)
+            leaving = exits & ~exited
+            if leaving.any():  # the one host sync per checkpoint
+                exit_layer = exit_layer.to(hidden.device).masked_fill(leaving, i)
+                exit_states = torch.where(leaving[..., None], state, exit_states.to(state.device))
+                exited = exited | leaving
+                num_exited = int(exited.sum())
+    if num_exited:
+        hidden = torch.where(exited[..., None], exit_states.to(hidden.device), hidden)
+    return WalkResult(hidden, exit_layer, full_passes, 0)
 
 
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:

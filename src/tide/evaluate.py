@@ -71,16 +71,26 @@ def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix
 
 
 @torch.no_grad()
-def oracle_depths(model, token_lists: list[list[int]], layers: list[int] | None = None) -> torch.Tensor:
-    """Per token, the number of layers a perfect router would run with exits at `layers`."""
+def oracle_depths(model, token_lists: list[list[int]], layers: list[int] | None = None, lens: bool = False) -> torch.Tensor:
+    """Per token, the number of layers a perfect router would run with exits at `layers`.
+
+    Exits are read through the checkpoints' exit heads, or through the final norm and head alone with
+    `lens=True` (and at layers that are not checkpoints).
+    """
     parts = model.parts
     layers = list(model.checkpoints if layers is None else layers)
+
+    def exit_logits(k, states):
+        if lens or k not in model.checkpoints:
+            return parts.logits_from_normed(parts.final_norm(states))
+        return model.exit_logits(k, states)
+
     depths = []
     for ids in token_lists:
         ids_t = torch.tensor([ids], device=model.base.device)
         with capture_outputs(parts, layers) as states:
             full_top1 = model.base(input_ids=ids_t, use_cache=False).logits[0].argmax(-1)
-        agree = {k: parts.logits_from_normed(parts.final_norm(states[k][0])).argmax(-1) == full_top1 for k in layers}
+        agree = {k: exit_logits(k, states[k][0]).argmax(-1) == full_top1 for k in layers}
         depths.append(oracle_depth(agree, layers, parts.num_layers).cpu())
     return torch.cat(depths)
 

@@ -8,6 +8,7 @@ when `HF_HUB_OFFLINE=1`), loads or reuses the base model, and checks that the ro
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -99,7 +100,10 @@ def resolve_repo_file(name_or_path, filename: str, **repo_kwargs) -> str:
 def load_router_repo(cls, name_or_path, base_model=None, config: TideConfig | None = None, **kwargs):
     repo_kwargs = {k: kwargs.pop(k) for k in _REPO_KWARGS if k in kwargs}
     if not isinstance(config, TideConfig):
-        config = TideConfig.from_pretrained(resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs))
+        config_file = resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs)
+        config = TideConfig.from_pretrained(config_file)
+        if "exit_head" not in json.loads(Path(config_file).read_text()):
+            config.exit_head = "lens"  # written before exit heads existed: its routers read the raw states
     weights = load_file(resolve_repo_file(name_or_path, ROUTERS_NAME, **repo_kwargs))
     if base_model is None:
         base_model = load_base_model(config, **kwargs)
@@ -201,6 +205,9 @@ def model_card(config: TideConfig) -> str:
         f"- Base model: `{base}` ({config.base_model_type}, {config.base_num_layers} layers, hidden {config.base_hidden_size})",
         f"- Checkpoints (0-based layer indices): {config.resolve_checkpoints()}",
         f"- Router: hidden -> {config.router_hidden_size} -> 1, label rule `{config.label}`",
+        f"- Exit head: `{config.exit_head}`" + (f" (rank {config.exit_head_rank})" if config.exit_head_rank else "")
+        + (" (a learned affine map per checkpoint before the model's own final norm and head)" if config.exit_head == "tuned" else
+           " (the model's own final norm and head on the raw state)"),
         f"- Quality target: top-1 agreement >= {config.target_agreement} with confidence {config.confidence}",
     ]
     if cal:
@@ -218,6 +225,14 @@ def model_card(config: TideConfig) -> str:
             )
         lines += ["", f"Expected overall held-out top-1 agreement: {_fmt(cal.get('expected_agreement'))}; "
                   f"expected mean layers per token: {_fmt(cal.get('expected_mean_layers'))}."]
+        for layer, why in (cal.get("dropped_checkpoints") or {}).items():
+            lines.append(f"Checkpoint {layer} is not consulted: {why}.")
+        costs = cal.get("costs")
+        if costs:
+            lines.append(f"Costs measured on {costs['device']} at calibration: a consulted checkpoint "
+                         f"{costs['checkpoint']:.2f} decoder layer, a skipped layer's K/V {costs['skipped_layer']:.2f} layer.")
+        if config.draft_layer is not None:
+            lines.append(f"Lossless mode drafts from layer {config.draft_layer}, up to {config.max_draft} tokens per verification.")
     lines += [
         "",
         "## Use",
@@ -272,6 +287,7 @@ def import_tide_checkpoint(path, base_model, config: TideConfig | None = None):
     config = config or TideConfig()
     config.checkpoint_layers = checkpoints
     config.router_hidden_size = int(bottleneck)
+    config.exit_head = "lens"  # TIDE reads exits through the final norm and head alone
     config.exit_threshold = 0.85  # TIDE's default operating point
     # TIDE consults routers at layer indices >= min_layers (8); Tide consults k when k + 1 >= min_layers.
     config.min_layers = min(8 + 1, checkpoints[-1] + 1)

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 
 from .architectures import ModelParts, resolve
 from .config import TideConfig
+from .kernels import router_exit
 from .router import RouterBank, exit_decision
 
 __all__ = ["TideForCausalLM"]
@@ -39,6 +40,8 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
             hidden_size=base_model.config.get_text_config().hidden_size,
             checkpoints=config.resolve_checkpoints(self.parts.num_layers),
             bottleneck=config.router_hidden_size,
+            exit_head=config.exit_head,
+            rank=config.exit_head_rank,
         )
         self.generation_config = base_model.generation_config
         self.last_stats = None
@@ -93,25 +96,31 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
             param = next(self.parts.layers[layer].parameters())
             self.routers[layer].to(device=param.device, dtype=param.dtype)
 
-    def route(self, layer: int, hidden: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router scores fp32 [...] and exit mask bool [...] at checkpoint `layer`. hidden: [..., H] (pre-norm).
+    def route(self, layer: int, hidden: torch.Tensor, threshold: float):
+        """Scores fp32 [...], exit mask bool [...] and exit states [..., H] at checkpoint `layer`.
 
-        Norm, router, sigmoid and threshold go through `kernels.router_exit` (the fused CUDA kernel when
-        loaded, else its PyTorch reference) when they share a device; across devices, step by step. Used
-        both to score held-out tokens at calibration and to decide exits at generation.
+        hidden: [..., H], the layer's raw output. The exit state is the checkpoint's exit head applied to it
+        (`Router.exit_state`); norm, router, sigmoid and threshold on it go through `kernels.router_exit` (the
+        fused CUDA kernel when loaded, else its PyTorch reference) when they share a device; across devices,
+        step by step. Used both to score held-out tokens at calibration and to decide exits at generation.
         """
-        from .kernels import router_exit
-
         self.routers.check_placement(layer, hidden)
         router = self.routers[layer]
+        state = router.exit_state(hidden)
         router_device = router.down.weight.device
         norm_param = next(self.parts.norm.parameters(), None)
         norm_device = norm_param.device if norm_param is not None else hidden.device
         if router_device == norm_device == hidden.device:
-            return router_exit(hidden, self.parts.norm, router, threshold)
-        scores = self.routers.score(layer, self.parts.final_norm(hidden.to(norm_device)).to(router_device))
+            scores, exits = router_exit(state, self.parts.norm, router, threshold)
+            return scores, exits, state
+        scores = self.routers.score(layer, self.parts.final_norm(state.to(norm_device)).to(router_device))
         scores = scores.to(hidden.device)
-        return scores, exit_decision(scores, threshold)
+        return scores, exit_decision(scores, threshold), state
+
+    def exit_logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of a token leaving after checkpoint `layer`: head(final_norm(exit head(hidden))). [..., H] -> [..., V]."""
+        state = self.routers[layer].exit_state(hidden)
+        return self.parts.logits_from_normed(self.parts.final_norm(state))
 
     # ------------------------------------------------------------------ the base model's API
     def forward(self, *args, **kwargs):

@@ -127,7 +127,9 @@ class RecomputeState:
             deepest = i
             current = torch.where(exited[:, None, None], current, chain)
             if allow_exit and i in session.thresholds:
-                leaving = session.exits_at(i, current)[:, -1] & ~exited
+                exits, state = session.exits_at(i, current)
+                leaving = exits[:, -1] & ~exited
+                current = torch.where(leaving[:, None, None], state, current)
                 exit_layer = torch.where(leaving, torch.full_like(exit_layer, i), exit_layer)
                 exited |= leaving
                 everyone_left = bool(exited.all())  # the one host sync per checkpoint

@@ -1,9 +1,12 @@
-"""Routers: one small MLP per checkpoint that scores whether a token's state has converged.
+"""Routers and exit heads: per checkpoint, a small MLP that scores whether a token may leave the stack, and
+the map that turns the state it leaves with into logits.
 
-A router reads the state exactly as the model's own final norm would hand it to the head
-(`ModelParts.final_norm(h)`), at calibration and at inference alike, and returns a logit; the score is
-its sigmoid. This module holds the modules and pure scoring math; it knows nothing about data,
-thresholds or generation.
+A checkpoint's `Router` holds an optional `translator` (the exit head: an affine map into the last layer's
+space, initialised to the identity, the "tuned lens") and the scoring MLP. The exit state of a token is
+`translator(h)`; its logits are the model's own final norm and head on that state; the router reads the
+final-norm view of the same state and returns a logit whose sigmoid is the score. Without a translator the
+exit is the "logit lens" (final norm and head on the raw state). This module holds the modules and pure
+scoring math; it knows nothing about data, thresholds or generation.
 """
 
 from __future__ import annotations
@@ -11,30 +14,60 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Router", "RouterBank", "exit_decision"]
+__all__ = ["Router", "RouterBank", "Translator", "exit_decision"]
+
+
+class Translator(nn.Module):
+    """h -> W h + b (W initialised to the identity), or with `rank`: h -> h + U (V h) + b (U initialised to 0)."""
+
+    def __init__(self, hidden_size: int, rank: int | None = None):
+        super().__init__()
+        self.rank = rank
+        if rank is None:
+            self.weight = nn.Parameter(torch.eye(hidden_size))
+        else:
+            self.down = nn.Parameter(torch.randn(rank, hidden_size) / hidden_size**0.5)
+            self.up = nn.Parameter(torch.zeros(hidden_size, rank))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., H] -> [..., H]
+        if self.rank is None:
+            return nn.functional.linear(hidden, self.weight, self.bias)
+        return hidden + nn.functional.linear(nn.functional.linear(hidden, self.down), self.up, self.bias)
 
 
 class Router(nn.Module):
-    """hidden -> r -> 1 with SiLU, returning a logit per token."""
+    """hidden -> r -> 1 with SiLU, returning a logit per token; optionally with the checkpoint's exit head."""
 
-    def __init__(self, hidden_size: int, bottleneck: int):
+    def __init__(self, hidden_size: int, bottleneck: int, translator: Translator | None = None):
         super().__init__()
         self.down = nn.Linear(hidden_size, bottleneck)
         self.act = nn.SiLU()
         self.up = nn.Linear(bottleneck, 1)
+        self.translator = translator
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
         # normed: [..., H] -> logits [...]
         return self.up(self.act(self.down(normed))).squeeze(-1)
 
+    def exit_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The state the exit head hands to the final norm. hidden: [..., H] -> [..., H]."""
+        return hidden if self.translator is None else self.translator(hidden)
+
 
 class RouterBank(nn.Module):
     """The routers of one model, keyed by checkpoint layer index."""
 
-    def __init__(self, hidden_size: int, checkpoints: list[int], bottleneck: int):
+    def __init__(self, hidden_size: int, checkpoints: list[int], bottleneck: int, exit_head: str = "lens",
+                 rank: int | None = None):
         super().__init__()
         self.checkpoints = list(checkpoints)
-        self.routers = nn.ModuleDict({str(k): Router(hidden_size, bottleneck) for k in checkpoints})
+
+        def make(_k):
+            return Router(hidden_size, bottleneck, Translator(hidden_size, rank) if exit_head == "tuned" else None)
+
+        self.routers = nn.ModuleDict({str(k): make(k) for k in checkpoints})
 
     def __getitem__(self, layer: int) -> Router:
         return self.routers[str(layer)]

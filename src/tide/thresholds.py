@@ -1,10 +1,13 @@
 """Threshold selection with a statistical guarantee: pure math, no models, no I/O.
 
-For each checkpoint, in exit order, the threshold is the lowest candidate (scanned from high to low,
-stopping at the first failure: Learn-then-Test's fixed-sequence procedure) for which the one-sided
-Clopper-Pearson upper bound on the disagreement rate of the tokens that would exit there is at most
-`1 - target_agreement`, at the stated confidence. Tokens that exit at an earlier checkpoint are removed
-before the next checkpoint is calibrated, so the bound holds for the cascade that generation runs.
+The guarantee is on what a user is told: the top-1 agreement of *all* tokens with the full model. The
+cascade is indexed by a per-exit error budget `eps`: at each checkpoint, in exit order, the threshold is
+the lowest candidate (scanned from high to low, stopping at the first failure) whose exiting tokens
+disagree with the full model at a rate of at most `eps`; tokens that exit at an earlier checkpoint are
+removed before the next checkpoint is calibrated, as generation runs the cascade. Budgets are tried from
+small to large (Learn-then-Test's fixed sequence) and the largest one kept is the last for which the
+one-sided Clopper-Pearson upper bound on the overall disagreement rate, over all held-out tokens, is at
+most `1 - target_agreement` at the stated confidence.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["binomial_upper_bound", "select_threshold", "calibrate_cascade", "CheckpointCalibration", "oracle_depth"]
+__all__ = ["auc", "binomial_upper_bound", "select_threshold", "calibrate_cascade", "CascadeSelection", "CheckpointCalibration",
+           "oracle_depth"]
 
 NEVER = 1.0  # scores are sigmoids in [0, 1] and a token exits when score > threshold
+# Per-exit error budgets tried, in this fixed order, by `calibrate_cascade`.
+EXIT_ERROR_BUDGETS = tuple(round(0.001 * 1.25**i, 6) for i in range(30))  # 0.001 ... ~0.65
 
 
 def _binom_cdf(k: int, n: int, p: float) -> float:
@@ -54,19 +60,23 @@ def binomial_upper_bound(errors: int, n: int, confidence: float) -> float:
 
 
 def select_threshold(
-    scores: torch.Tensor, agree: torch.Tensor, max_error: float, confidence: float, num_candidates: int = 64
+    scores: torch.Tensor, agree: torch.Tensor, max_error: float, confidence: float | None, num_candidates: int = 64
 ) -> float:
-    """Lowest threshold whose exiting tokens' disagreement bound stays <= max_error.
+    """Lowest threshold whose exiting tokens' disagreement rate (its upper bound at `confidence`, or the
+    observed rate when `confidence` is None) stays <= max_error.
 
     scores: [N] float router scores, agree: [N] bool (checkpoint top-1 == full top-1).
     """
-    if scores.numel() == 0:
+    if scores.numel() == 0 or max_error <= 0.0:
         return NEVER
     quantiles = torch.linspace(1.0, 0.0, num_candidates + 1, dtype=torch.float64)[1:]
     candidates = torch.quantile(scores.double(), quantiles).unique().flip(0)  # high -> low
     # Fewer exits than this cannot pass even with zero errors; the scan starts where a pass is possible
     # (a rule on scores alone, so the fixed sequence stays fixed before any label is looked at).
-    min_exits = math.ceil(math.log(1.0 - confidence) / math.log1p(-max_error)) if max_error < 1.0 else 1
+    if confidence is None:
+        min_exits = 1
+    else:
+        min_exits = math.ceil(math.log(1.0 - confidence) / math.log1p(-max_error)) if max_error < 1.0 else 1
     chosen = NEVER
     for t in candidates.tolist():
         exits = scores > t
@@ -74,7 +84,8 @@ def select_threshold(
         if n < min_exits:
             continue
         errors = int((exits & ~agree).sum())
-        if binomial_upper_bound(errors, n, confidence) > max_error:
+        rate = errors / n if confidence is None else binomial_upper_bound(errors, n, confidence)
+        if rate > max_error:
             break
         chosen = t
     return chosen
@@ -101,21 +112,20 @@ class CheckpointCalibration:
         }
 
 
-def calibrate_cascade(
-    layers: list[int],
-    scores: dict[int, torch.Tensor],
-    agree: dict[int, torch.Tensor],
-    labels: dict[int, torch.Tensor],
-    target_agreement: float,
-    confidence: float,
-) -> list[CheckpointCalibration]:
-    """Thresholds for each checkpoint in order, each calibrated on the tokens still running there."""
+@dataclass
+class CascadeSelection:
+    checkpoints: list[CheckpointCalibration]
+    exit_error_budget: float  # the per-exit budget chosen (0.0: no budget passed, nothing exits)
+    agreement_bound: float  # lower confidence bound on held-out overall agreement with these thresholds
+
+
+def cascade(layers, scores, agree, labels, exit_error: float) -> list[CheckpointCalibration]:
+    """Thresholds for each checkpoint in order, each chosen on the tokens still running there."""
     total = next(iter(scores.values())).numel()
     running = torch.ones(total, dtype=torch.bool)
     out = []
     for layer in layers:
-        s, a = scores[layer][running], agree[layer][running]
-        threshold = select_threshold(s, a, 1.0 - target_agreement, confidence)
+        threshold = select_threshold(scores[layer][running], agree[layer][running], exit_error, None)
         exits = torch.zeros_like(running)
         exits[running] = scores[layer][running] > threshold
         n = int(exits.sum())
@@ -132,6 +142,46 @@ def calibrate_cascade(
         )
         running &= ~exits
     return out
+
+
+def calibrate_cascade(
+    layers: list[int],
+    scores: dict[int, torch.Tensor],
+    agree: dict[int, torch.Tensor],
+    labels: dict[int, torch.Tensor],
+    target_agreement: float,
+    confidence: float,
+) -> CascadeSelection:
+    """Per-checkpoint thresholds whose held-out overall agreement is >= target at `confidence` (module doc)."""
+    total = next(iter(scores.values())).numel()
+    never = [CheckpointCalibration(k, NEVER, float(labels[k].float().mean()), 0.0, None, 0, 0) for k in layers]
+    best = CascadeSelection(never, 0.0, 1.0 - binomial_upper_bound(0, total, confidence))
+    for budget in EXIT_ERROR_BUDGETS:
+        rows = cascade(layers, scores, agree, labels, budget)
+        bound = binomial_upper_bound(sum(r.errors for r in rows), total, confidence)
+        if bound > 1.0 - target_agreement:
+            break
+        best = CascadeSelection(rows, budget, 1.0 - bound)
+    return best
+
+
+def auc(scores: torch.Tensor, positive: torch.Tensor) -> float | None:
+    """Area under the ROC curve: P(score of a positive > score of a negative), ties counted half.
+
+    scores: [N] float, positive: [N] bool. None when either class is empty.
+    """
+    pos, neg = int(positive.sum()), int((~positive).sum())
+    if pos == 0 or neg == 0:
+        return None
+    ranks = _average_ranks(scores.double())
+    return float((ranks[positive].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def _average_ranks(x: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of x [N], tied values sharing their mean rank."""
+    values, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    return (ends - (counts.double() - 1) / 2)[inverse]
 
 
 def oracle_depth(agree: dict[int, torch.Tensor], layers: list[int], num_layers: int) -> torch.Tensor:

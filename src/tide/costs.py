@@ -1,0 +1,186 @@
+"""What the pieces of a decode step cost on this machine, and which checkpoints pay for themselves.
+
+`measure_costs` times, on the loaded model and its device, one decode token's pieces as the engine runs them:
+every decoder layer in turn (so each layer's weights come from memory as in a real step), the checkpoint
+test (exit head + norm + router + threshold + host sync) at every checkpoint in turn, the batched K/V fill
+of the skipped layers, the head, and capturing the layers' arguments. Costs are reported relative to a
+decoder layer. `prune_checkpoints` turns those costs and calibration's held-out cascade into the set of
+checkpoints worth consulting; `choose_draft` picks lossless mode's draft layer and length the same way.
+Nothing here trains or saves anything.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import DynamicCache
+
+from .kvfill import fill_kv
+from .layercalls import capture_layer_calls
+
+__all__ = ["StepCosts", "measure_costs", "prune_checkpoints", "choose_draft"]
+
+
+@dataclass
+class StepCosts:
+    """Seconds per decode token of each piece, and the same relative to one decoder layer."""
+
+    layer_s: float  # one decoder layer (attention + MLP)
+    checkpoint_s: float  # one consulted checkpoint (exit head, norm, router, threshold, host sync)
+    skipped_layer_s: float  # one skipped layer's K/V (batched fill, per layer)
+    head_s: float  # final norm + head
+    capture_s: float  # embedding, masks and rotary for one step (the backbone up to its first layer)
+    device: str
+
+    @property
+    def checkpoint(self) -> float:
+        return self.checkpoint_s / self.layer_s
+
+    @property
+    def skipped_layer(self) -> float:
+        return self.skipped_layer_s / self.layer_s
+
+    @property
+    def head(self) -> float:
+        return self.head_s / self.layer_s
+
+    @property
+    def capture(self) -> float:
+        return self.capture_s / self.layer_s
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(checkpoint=self.checkpoint, skipped_layer=self.skipped_layer, head=self.head, capture=self.capture)
+        return out
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_costs(model, prompt_length: int = 32, repeats: int = 20) -> StepCosts:
+    """Time one decode token's pieces on `model` (a `TideForCausalLM`) with a `prompt_length` cache."""
+    parts, base = model.parts, model.base
+    device = base.device
+    window = getattr(base.config.get_text_config(), "sliding_window", None)
+    if window:  # stay inside the window: a sliding layer that has evicted keys cannot be cropped back
+        prompt_length = max(1, min(prompt_length, window - 2))
+    ids = torch.arange(prompt_length + 1, device=device).remainder(base.config.get_text_config().vocab_size)[None] + 0
+    cache = DynamicCache(config=base.config)
+    base(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+    step = dict(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+    calls = capture_layer_calls(parts, **step)
+    hidden = calls[0].hidden
+    num_layers = parts.num_layers
+
+    checkpoints = set(model.checkpoints)
+
+    def layers(consult: bool = False, head: bool = False):
+        def run():
+            h = hidden
+            for i in range(num_layers):
+                h = calls[i].run(parts, i, h)
+                if consult and i in checkpoints:
+                    bool(model.route(i, h, 0.5)[1].any())  # the decision and its host sync
+            if head:
+                parts.logits_from_normed(parts.final_norm(h))
+            cache.crop(-1)
+        return run
+
+    def skipped():
+        fill_kv(parts, calls, list(range(num_layers)), hidden, cache)
+        cache.crop(-1)
+
+    # Interleaved with the layers, so each piece's weights come from memory as in a real decode step.
+    full = _median_time(layers(), repeats)
+    one_s = _median_time(lambda: (fill_kv(parts, calls, [num_layers - 1], hidden, cache), cache.layers[-1].crop(-1)), repeats)
+    return StepCosts(
+        layer_s=full / num_layers,
+        checkpoint_s=max(_median_time(layers(consult=True), repeats) - full, 0.0) / max(len(checkpoints), 1),
+        skipped_layer_s=max(_median_time(skipped, repeats) - one_s, 0.0) / max(num_layers - 1, 1),
+        head_s=max(_median_time(layers(head=True), repeats) - full, 0.0),
+        capture_s=_median_time(lambda: capture_layer_calls(parts, **step), repeats),
+        device=str(device),
+    )
+
+
+def layer_cost_of_cascade(rows, total: int, num_layers: int, costs: StepCosts) -> float:
+    """Mean cost per token, in decoder layers, of the cascade `rows` (CheckpointCalibration list, exit order).
+
+    A token that reaches a checkpoint with a threshold < 1 pays for consulting it; one that exits after layer
+    k runs k + 1 layers and fills the other layers' K/V.
+    """
+    running, cost = total, 0.0
+    for row in rows:
+        if row.threshold < 1.0:
+            cost += running * costs.checkpoint
+        cost += row.exits * ((row.layer + 1) + (num_layers - row.layer - 1) * costs.skipped_layer)
+        running -= row.exits
+    return (cost + running * num_layers) / max(total, 1)
+
+
+def prune_checkpoints(select, layers: list[int], total: int, num_layers: int, costs: StepCosts):
+    """Drop consulted checkpoints that cost more than they save; returns (selection, dropped {layer: reason}).
+
+    `select(layers)` runs threshold selection on a subset of checkpoints (a `CascadeSelection`). A checkpoint
+    is dropped when removing it lowers the cascade's expected cost per token; the worst is dropped first and
+    the thresholds are selected again each time.
+    """
+    active, dropped = list(layers), {}
+    selection = select(active)
+    while True:
+        cost = layer_cost_of_cascade(selection.checkpoints, total, num_layers, costs)
+        trials = []
+        for row in selection.checkpoints:
+            if row.threshold >= 1.0:
+                continue
+            rest = [k for k in active if k != row.layer]
+            if not rest:
+                continue
+            trial = select(rest)
+            trials.append((layer_cost_of_cascade(trial.checkpoints, total, num_layers, costs), row.layer, rest, trial))
+        if not trials:
+            return selection, dropped
+        best_cost, layer, rest, trial = min(trials, key=lambda t: t[0])
+        if best_cost >= cost:
+            return selection, dropped
+        exits = next(r.exits for r in selection.checkpoints if r.layer == layer)
+        dropped[layer] = (f"{exits / max(total, 1):.1%} of tokens exit there; consulting it costs "
+                          f"{costs.checkpoint:.2f} layer per token that reaches it")
+        active, selection = rest, trial
+
+
+def choose_draft(agree: dict[int, torch.Tensor], num_layers: int, costs: StepCosts, max_draft: int = 8):
+    """Lossless mode's (draft layer, draft length, expected speed-up) from held-out exit agreement.
+
+    agree: {layer: bool [N]} in text order. A draft step from layer E costs E + 1 layers, the head and a
+    capture; a verification costs the whole stack, the head and a capture, whatever the number of drafts
+    (one pass over a few positions costs about one pass at small batch). The tokens a cycle emits are the
+    run of drafts that agree with the full model, plus one. Length 0 means drafting does not pay.
+    """
+    base = num_layers + costs.head + costs.capture
+    best = (None, 0, 1.0)
+    for layer, ok in agree.items():
+        flags, runs, current = ok.tolist(), [], 0
+        for flag in reversed(flags):  # runs[t]: consecutive agreeing positions from t on
+            current = current + 1 if flag else 0
+            runs.append(current)
+        run = torch.tensor(runs[::-1], dtype=torch.float64)
+        for length in range(1, max_draft + 1):
+            cycle = length * (layer + 1 + costs.head + costs.capture) + base
+            speedup = float(run.clamp(max=length).mean() + 1) / cycle * base
+            if speedup > best[2]:
+                best = (layer, length, speedup)
+    return best
