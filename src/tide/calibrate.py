@@ -156,9 +156,10 @@ def _labels(tide, k: int, states: torch.Tensor, final: torch.Tensor, full_top1: 
 def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig) -> dict:
     """Held-out scalars per checkpoint: router scores (as generation computes them), agreement, label."""
     out = {"scores": {}, "agree": {}, "labels": {}}
+    tests = tide.exit_tests({k: 1.0 for k in cap.states})  # the decode step's own checkpoint test
     for k, states in cap.states.items():
         agree, label = _labels(tide, k, states, cap.final, cap.full_top1, cfg)
-        out["scores"][k] = tide.route(k, states, 1.0)[0].cpu()
+        out["scores"][k] = tests[k](states)[0].cpu()
         out["agree"][k], out["labels"][k] = agree.cpu(), label.cpu()
     return out
 

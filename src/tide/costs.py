@@ -57,20 +57,31 @@ class StepCosts:
         return out
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
+
+
 def _median_time(fn, repeats: int) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_seconds(fn) for _ in range(repeats))
+
+
+def _median_extra(base_fn, fn, repeats: int) -> float:
+    """Median over alternating runs of (time of fn - time of base_fn): drift and noise hit both alike."""
+    base_fn(), fn()  # warm-up
+    return max(statistics.median(_seconds(fn) - _seconds(base_fn) for _ in range(repeats)), 0.0)
 
 
 @torch.no_grad()
-def measure_costs(model, prompt_length: int = 32, repeats: int = 20) -> StepCosts:
+def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCosts:
     """Time one decode token's pieces on `model` (a `TideForCausalLM`) with a `prompt_length` cache."""
     parts, base = model.parts, model.base
     device = base.device
@@ -86,6 +97,7 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 20) -> StepCost
     num_layers = parts.num_layers
 
     checkpoints = set(model.checkpoints)
+    tests = model.exit_tests({k: 0.5 for k in checkpoints})
 
     def layers(consult: bool = False, head: bool = False):
         def run():
@@ -93,7 +105,7 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 20) -> StepCost
             for i in range(num_layers):
                 h = calls[i].run(parts, i, h)
                 if consult and i in checkpoints:
-                    bool(model.route(i, h, 0.5)[1].any())  # the decision and its host sync
+                    bool(tests[i](h.reshape(-1, h.shape[-1]))[1].any())  # the decision and its host sync
             if head:
                 parts.logits_from_normed(parts.final_norm(h))
             cache.crop(-1)
@@ -104,13 +116,12 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 20) -> StepCost
         cache.crop(-1)
 
     # Interleaved with the layers, so each piece's weights come from memory as in a real decode step.
-    full = _median_time(layers(), repeats)
-    one_s = _median_time(lambda: (fill_kv(parts, calls, [num_layers - 1], hidden, cache), cache.layers[-1].crop(-1)), repeats)
+    one_layer_fill = lambda: (fill_kv(parts, calls, [num_layers - 1], hidden, cache), cache.layers[-1].crop(-1))  # noqa: E731
     return StepCosts(
-        layer_s=full / num_layers,
-        checkpoint_s=max(_median_time(layers(consult=True), repeats) - full, 0.0) / max(len(checkpoints), 1),
-        skipped_layer_s=max(_median_time(skipped, repeats) - one_s, 0.0) / max(num_layers - 1, 1),
-        head_s=max(_median_time(layers(head=True), repeats) - full, 0.0),
+        layer_s=_median_time(layers(), repeats) / num_layers,
+        checkpoint_s=_median_extra(layers(), layers(consult=True), repeats) / max(len(checkpoints), 1),
+        skipped_layer_s=_median_extra(one_layer_fill, skipped, repeats) / max(num_layers - 1, 1),
+        head_s=_median_extra(layers(), layers(head=True), repeats),
         capture_s=_median_time(lambda: capture_layer_calls(parts, **step), repeats),
         device=str(device),
     )
@@ -147,9 +158,7 @@ def prune_checkpoints(select, layers: list[int], total: int, num_layers: int, co
             if row.threshold >= 1.0:
                 continue
             rest = [k for k in active if k != row.layer]
-            if not rest:
-                continue
-            trial = select(rest)
+            trial = select(rest)  # may be empty: no checkpoint at all, every token runs the whole stack
             trials.append((layer_cost_of_cascade(trial.checkpoints, total, num_layers, costs), row.layer, rest, trial))
         if not trials:
             return selection, dropped

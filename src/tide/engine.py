@@ -78,6 +78,7 @@ class ExitSession:
         self.checkpoints = [k for k in model.checkpoints if k + 1 >= config.min_layers]
         # Checkpoints whose threshold is >= 1.0 can never fire (scores are sigmoids): they are not consulted.
         self.thresholds = {k: t for k in self.checkpoints if (t := config.threshold_for(k)) < 1.0}
+        self.exit_tests = model.exit_tests(self.thresholds)
         norm_param = next(self.parts.norm.parameters(), None)
         self.norm_device = norm_param.device if norm_param is not None else None
         self.stats = GenerationStats(self.parts.num_layers, self.checkpoints, kv_strategy=config.kv_strategy)
@@ -161,12 +162,12 @@ class ExitSession:
 
     def run_layers(self, calls: list[LayerCall], hidden: torch.Tensor, cache):
         """One walk through the stack with per-token exits (`walk_layers` with this session's thresholds)."""
-        return walk_layers(self.model, calls, hidden, cache, self.thresholds)
+        return walk_layers(self.model, calls, hidden, cache, self.exit_tests)
 
     def exits_at(self, layer: int, hidden: torch.Tensor):
         """(bool [B, T] exits, exit states [B, T, H]) at checkpoint `layer`. hidden: [B, T, H]."""
-        _, exits, state = self.model.route(layer, hidden, self.thresholds[layer])
-        return exits, state
+        _, exits, state = self.exit_tests[layer](hidden.reshape(-1, hidden.shape[-1]))
+        return exits.view(hidden.shape[:-1]), state.view(hidden.shape)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self.parts.final_norm(_to(hidden, self.norm_device))
@@ -183,8 +184,9 @@ class WalkResult:
     kv_only_passes: int  # layers that only had K/V written (after every token had left)
 
 
-def walk_layers(model, calls: list[LayerCall], hidden: torch.Tensor, cache, thresholds: dict[int, float]) -> WalkResult:
-    """Run the stack with per-token exits at the checkpoints in `thresholds` ({layer: threshold}).
+def walk_layers(model, calls: list[LayerCall], hidden: torch.Tensor, cache, exit_tests: dict) -> WalkResult:
+    """Run the stack with per-token exits at the checkpoints in `exit_tests` ({layer: test}, see
+    `TideForCausalLM.exit_tests`).
 
     hidden: [B, T, H]. A token that exits keeps its raw state, and the layers after its exit see that state
     (so its K/V there is propagated from it); once every token has left, the remaining layers only get K/V,
@@ -208,8 +210,9 @@ def walk_layers(model, calls: list[LayerCall], hidden: torch.Tensor, cache, thre
             hidden = torch.where(exited[..., None], hidden.to(out.device), out)
         else:
             hidden = out
-        if i in thresholds:
-            _, exits, state = model.route(i, hidden, thresholds[i])
+        if i in exit_tests:
+            _, exits, state = exit_tests[i](hidden.reshape(-1, hidden.shape[-1]))
+            exits, state = exits.view(hidden.shape[:-1]), state.view(hidden.shape)
             exited = exited.to(hidden.device)
             leaving = exits & ~exited
             if leaving.any():  # the one host sync per checkpoint

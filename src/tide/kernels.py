@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .router import GEMMA_RMS_NORM, LAYER_NORM, RMS_NORM  # the op's norm_kind
+
 __all__ = ["GEMMA_RMS_NORM", "KERNEL_REPO", "KERNEL_VERSION", "LAYER_NORM", "RMS_NORM", "load_router_kernel",
            "norm_params", "router_exit", "router_exit_reference"]
 
@@ -28,7 +30,7 @@ logger = logging.getLogger("tide")
 KERNEL_REPO = "tide-transformers/tide-kernels"
 KERNEL_VERSION = 1  # `version` in hub_kernels/tide_kernels/build.toml
 MODES = ("auto", "torch", "kernel")
-RMS_NORM, GEMMA_RMS_NORM, LAYER_NORM = 0, 1, 2  # the op's norm_kind
+
 
 # Final norms the op reproduces, by class name: a substring rule would be wrong (Gemma3nRMSNorm scales by w,
 # Qwen3NextRMSNorm by 1 + w). Exact in fp32; in fp16/bf16 Llama-style norms round to the dtype before the

@@ -8,14 +8,16 @@ I/O lives in `hub.py`; the decode step in `engine.py`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
 from .architectures import ModelParts, resolve
 from .config import TideConfig
-from .kernels import router_exit
-from .router import RouterBank, exit_decision
+from .kernels import norm_params, router_exit
+from .router import CheckpointTest, RouterBank, exit_decision
 
 __all__ = ["TideForCausalLM"]
 
@@ -116,6 +118,26 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         scores = self.routers.score(layer, self.parts.final_norm(state.to(norm_device)).to(router_device))
         scores = scores.to(hidden.device)
         return scores, exit_decision(scores, threshold), state
+
+    def exit_tests(self, thresholds: dict[int, float]) -> dict:
+        """{layer: test} for the checkpoints in `thresholds`; test(hidden [N, H]) -> (scores, exits, exit states).
+
+        A `CheckpointTest` (few small ops, the same result as `route` up to float rounding) where the final
+        norm is one `norm_params` describes and the fused CUDA kernel does not apply; `route` otherwise.
+        """
+        params = norm_params(self.parts.norm)
+        tests = {}
+        for layer, threshold in thresholds.items():
+            router = self.routers[layer]
+            self.routers.check_placement(layer, next(self.parts.layers[layer].parameters()))
+            device = router.down.weight.device
+            if params is None or (device.type == "cuda" and router.translator is None):
+                tests[layer] = functools.partial(self.route, layer, threshold=threshold)
+            else:
+                weight, bias, kind, eps = params
+                bias = None if bias is None else bias.to(device)
+                tests[layer] = CheckpointTest(router, weight.to(device), bias, kind, eps, threshold)
+        return tests
 
     def exit_logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a token leaving after checkpoint `layer`: head(final_norm(exit head(hidden))). [..., H] -> [..., V]."""

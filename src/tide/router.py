@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Router", "RouterBank", "Translator", "exit_decision"]
+__all__ = ["CheckpointTest", "Router", "RouterBank", "Translator", "exit_decision"]
 
 
 class Translator(nn.Module):
@@ -90,3 +90,48 @@ class RouterBank(nn.Module):
 def exit_decision(scores: torch.Tensor, threshold: float) -> torch.Tensor:
     """A token exits when its score is strictly above the threshold. scores: [B] -> bool [B]."""
     return scores > threshold
+
+
+class CheckpointTest:
+    """One checkpoint's exit test with its weights laid out for few, small ops (the decode step's hot path).
+
+    Computes the same as `TideForCausalLM.route` (exit head, final norm, router, sigmoid, threshold) in fp32,
+    with the norm's weight (and bias) folded into the router's first projection: 6-8 tensor ops and no
+    module calls. Built per generate call for the checkpoints it consults, from `norm_params`' description
+    of the final norm (RMS, Gemma RMS or LayerNorm); other norms use `route`.
+    """
+
+    def __init__(self, router: Router, weight, bias, kind: int, eps: float, threshold: float):
+        with torch.no_grad():
+            translator = router.translator
+            self.translate = None
+            if translator is not None and translator.rank is None:
+                self.translate = (translator.weight.float().t().contiguous(), translator.bias.float())
+            elif translator is not None:
+                self.translate = translator  # low rank: two small projections, kept as a module
+            scale = weight.float() + 1.0 if kind == GEMMA_RMS_NORM else weight.float()
+            down_w, down_b = router.down.weight.float(), router.down.bias.float()
+            if bias is not None:
+                down_b = down_b + down_w @ bias.float()
+            self.down = (down_b, (down_w * scale).t().contiguous())  # [R], [H, R]
+            self.up = (router.up.bias.float(), router.up.weight.float().t().contiguous())  # [1], [R, 1]
+        self.layer_norm, self.eps, self.threshold = kind == LAYER_NORM, eps, float(threshold)
+
+    def __call__(self, hidden: torch.Tensor):
+        """hidden [N, H] -> (scores fp32 [N], exits bool [N], exit states [N, H] in hidden's dtype)."""
+        x = hidden.float()
+        if isinstance(self.translate, tuple):
+            x = torch.addmm(self.translate[1], x, self.translate[0])
+        elif self.translate is not None:
+            x = self.translate(x)
+        state = x.to(hidden.dtype)
+        if self.layer_norm:
+            x = x - x.mean(-1, keepdim=True)
+        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [N, 1]
+        z = torch.nn.functional.silu(torch.addcmul(self.down[0], x @ self.down[1], inv_rms))  # [N, R]
+        scores = torch.sigmoid(torch.addmm(self.up[0], z, self.up[1])).squeeze(-1)  # [N]
+        return scores, scores > self.threshold, state
+
+
+# the fused op's norm kinds (kernels.py re-exports them)
+RMS_NORM, GEMMA_RMS_NORM, LAYER_NORM = 0, 1, 2
