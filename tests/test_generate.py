@@ -97,7 +97,8 @@ def test_forced_exit_matches_reference_and_skips_the_work(family):
     for h in hooks:
         h.remove()
     assert torch.equal(out, expected)
-    assert called, "the skipped layers should still write K/V"
+    if model.parts.spec.kv_projections is None:  # else the batched fill writes K/V without calling the layers
+        assert called, "the skipped layers should still write K/V"
     ran_after_update = {name for (j, name) in called if j == 3} & after_update
     assert not ran_after_update, f"layers after the exit ran {ran_after_update} for decode tokens"
     if model.parts.spec.query_proj:  # K/V-only passes skip the query projection too

@@ -16,7 +16,22 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-__all__ = ["ArchSpec", "ModelParts", "ARCHITECTURES", "register", "resolve", "supported_model_types"]
+__all__ = ["ArchSpec", "KVProjections", "ModelParts", "ARCHITECTURES", "register", "resolve", "supported_model_types"]
+
+
+@dataclass(frozen=True)
+class KVProjections:
+    """Where a decoder layer's K/V come from, for the batched K/V fill of skipped layers (`kvfill.py`).
+
+    K = rotary(k_norm(k_proj(input_norm(h)))), V = v_proj(input_norm(h)), with llama-style rotary
+    (rotate_half, the layer call's `position_embeddings`) and an RMS input norm (`gemma`: scale 1 + w).
+    """
+
+    input_norm: str = "input_layernorm"
+    k_proj: str = "self_attn.k_proj"
+    v_proj: str = "self_attn.v_proj"
+    k_norm: str | None = None  # per-head RMS norm on K before rotary (Qwen3)
+    gemma_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -33,21 +48,24 @@ class ArchSpec:
     softcap_attr: str | None = None  # config attribute holding the final-logit soft-cap
     layer_types_attr: str | None = "layer_types"  # config attribute listing per-layer attention types
     query_proj: str | None = None  # separate query projection inside a layer (skipped on K/V-only passes)
+    kv_projections: KVProjections | None = None  # enables the batched K/V fill of skipped layers
 
 
-_DECODER = ArchSpec(backbone="model", layers="model.layers", norm="model.norm", query_proj="self_attn.q_proj")
+_DECODER = ArchSpec(backbone="model", layers="model.layers", norm="model.norm", query_proj="self_attn.q_proj",
+                    kv_projections=KVProjections())
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": _DECODER,
     "mistral": _DECODER,
     "mixtral": _DECODER,
     "qwen2": _DECODER,
-    "qwen3": _DECODER,
-    "gemma": _DECODER,
-    "gemma2": replace(_DECODER, softcap_attr="final_logit_softcapping"),
-    "gemma3_text": replace(_DECODER, softcap_attr="final_logit_softcapping"),
-    "phi3": replace(_DECODER, query_proj=None),  # fused qkv_proj
-    "phi": replace(_DECODER, norm="model.final_layernorm"),
+    "qwen3": replace(_DECODER, kv_projections=KVProjections(k_norm="self_attn.k_norm")),
+    "gemma": replace(_DECODER, kv_projections=KVProjections(gemma_norm=True)),
+    # Gemma 2/3 have per-layer-type masks and rotary (and k-norms): their skipped layers fill K/V one at a time.
+    "gemma2": replace(_DECODER, softcap_attr="final_logit_softcapping", kv_projections=None),
+    "gemma3_text": replace(_DECODER, softcap_attr="final_logit_softcapping", kv_projections=None),
+    "phi3": replace(_DECODER, query_proj=None, kv_projections=None),  # fused qkv_proj
+    "phi": replace(_DECODER, norm="model.final_layernorm", kv_projections=None),  # LayerNorm, partial rotary
     "gpt2": ArchSpec(backbone="transformer", layers="transformer.h", norm="transformer.ln_f", cache_arg=1),
     "gpt_neox": ArchSpec(
         backbone="gpt_neox",
