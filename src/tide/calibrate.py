@@ -21,9 +21,10 @@ from tqdm.auto import tqdm
 from .config import TideConfig
 from .costs import choose_draft, layer_cost_of_cascade, measure_costs, prune_checkpoints
 from .data import load_texts
+from .evaluate import teacher_forced
 from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
-from .thresholds import CheckpointCalibration, auc, calibrate_cascade, oracle_depth
+from .thresholds import EXIT_ERROR_BUDGETS, CheckpointCalibration, auc, binomial_upper_bound, calibrate_cascade, oracle_depth
 
 __all__ = ["calibrate", "calibration_table", "thresholds_for_target", "CalibrationOptions"]
 
@@ -42,6 +43,7 @@ class CalibrationOptions:
     lr: float = 1e-3  # router learning rate
     seed: int = 0
     measure_costs: bool = True  # time checkpoints and layers here; drop checkpoints that do not pay; pick drafts
+    validation_tokens: int = 1024  # held-out tokens decoded through the decode step to check the target (0: skip)
     progress: bool = True
 
 
@@ -96,6 +98,10 @@ def calibrate(
     tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(), held.num_tokens,
                                                num_layers, cfg.confidence, costs)
     selection, dropped = tide.heldout_selection.select(cfg.target_agreement)
+    validation = None
+    if opts.validation_tokens:
+        tokens = _validation_tokens(held_texts, tokenizer, opts)
+        selection, dropped, validation = _validate(tide, tokens, selection, dropped, cfg)
     draft_speedup = None
     if costs is not None:
         cfg.draft_layer, cfg.max_draft, draft_speedup = choose_draft(held.agree(), num_layers, costs, cfg.max_draft or 8)
@@ -108,6 +114,7 @@ def calibrate(
         dropped_checkpoints={str(k): why for k, why in dropped.items()},
         expected_layer_cost=layer_cost_of_cascade(selection.checkpoints, held.num_tokens, num_layers, costs) if costs else None,
         expected_draft_speedup=draft_speedup,
+        decode_validation=validation,
     )
     return tide
 
@@ -283,11 +290,11 @@ class _HeldoutSelection:
     confidence: float
     costs: object  # StepCosts or None
 
-    def select(self, target: float):
+    def select(self, target: float, max_budget: float = 1.0):
         """(CascadeSelection, dropped checkpoints {layer: reason}) for `target` agreement."""
 
         def select(active):
-            return calibrate_cascade(active, self.scores, self.agree, self.labels, target, self.confidence)
+            return calibrate_cascade(active, self.scores, self.agree, self.labels, target, self.confidence, max_budget)
 
         if self.costs is None:
             return select(self.layers), {}
@@ -298,6 +305,45 @@ class _HeldoutSelection:
         out = {str(k): 1.0 for k in checkpoints}  # never: not consulted
         out.update({str(r.layer): r.threshold for r in selection.checkpoints})
         return out
+
+
+def _validation_tokens(texts, tokenizer, opts: CalibrationOptions) -> list[list[int]]:
+    """Held-out texts as token lists, up to `opts.validation_tokens` tokens in all."""
+    out, total = [], 0
+    for text in texts:
+        ids = tokenizer(text, truncation=True, max_length=opts.max_length)["input_ids"]
+        if len(ids) > 2:
+            out.append(ids[: opts.validation_tokens - total + 2])
+            total += len(out[-1]) - 2
+        if total >= opts.validation_tokens:
+            break
+    return out
+
+
+def _validate(tide, token_lists, selection, dropped, cfg):
+    """Check the target through the decode step itself (teacher-forced, with the configured KV strategy,
+    whose approximate K/V for skipped layers also changes later tokens); lower the per-exit budget until
+    the one-sided lower confidence bound on the decoded agreement reaches the target.
+    Returns (selection, dropped, {agreement, tokens, lower_bound, exit_error_budget, mean_layers})."""
+    held = tide.heldout_selection
+    while True:
+        run = copy.deepcopy(cfg)
+        run.thresholds, run.exit_threshold, run.mode = held.thresholds(selection, tide.checkpoints), None, "exit"
+        active = any(t < 1.0 for t in run.thresholds.values())
+        report = teacher_forced(tide, token_lists, run) if active else None
+        if report is None:
+            return selection, dropped, None
+        errors = round((1.0 - report.agreement) * report.tokens)
+        bound = 1.0 - binomial_upper_bound(errors, report.tokens, cfg.confidence)
+        result = {"agreement": report.agreement, "tokens": report.tokens, "lower_bound": bound,
+                  "exit_error_budget": selection.exit_error_budget, "mean_layers": report.mean_layers}
+        if bound >= cfg.target_agreement:
+            return selection, dropped, result
+        smaller = [b for b in EXIT_ERROR_BUDGETS if b < selection.exit_error_budget]
+        if not smaller:
+            selection, dropped = held.select(cfg.target_agreement, max_budget=0.0)
+            return selection, dropped, result
+        selection, dropped = held.select(cfg.target_agreement, max_budget=smaller[-1])
 
 
 def thresholds_for_target(model, target_agreement: float) -> dict[str, float] | None:

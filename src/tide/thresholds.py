@@ -151,12 +151,16 @@ def calibrate_cascade(
     labels: dict[int, torch.Tensor],
     target_agreement: float,
     confidence: float,
+    max_budget: float = 1.0,
 ) -> CascadeSelection:
-    """Per-checkpoint thresholds whose held-out overall agreement is >= target at `confidence` (module doc)."""
+    """Per-checkpoint thresholds whose held-out overall agreement is >= target at `confidence` (module doc).
+
+    Budgets above `max_budget` are not tried.
+    """
     total = next(iter(scores.values())).numel()
     never = [CheckpointCalibration(k, NEVER, float(labels[k].float().mean()), 0.0, None, 0, 0) for k in layers]
     best = CascadeSelection(never, 0.0, 1.0 - binomial_upper_bound(0, total, confidence))
-    for budget in EXIT_ERROR_BUDGETS:
+    for budget in (b for b in EXIT_ERROR_BUDGETS if b <= max_budget):
         rows = cascade(layers, scores, agree, labels, budget)
         bound = binomial_upper_bound(sum(r.errors for r in rows), total, confidence)
         if bound > 1.0 - target_agreement:
