@@ -382,5 +382,5 @@ def test_bfloat16_model(family):
     ids = _prompt()
     ref = base.generate(ids, **GREEDY)
     assert torch.equal(model.generate(ids, tide_config={"exit_threshold": 1.0}, **GREEDY), ref)
-    assert torch.equal(model.generate(ids, tide_config={"exit_threshold": 0.5, "mode": "lossless"}, **GREEDY), ref)
+    assert torch.equal(model.generate(ids, tide_config={"mode": "lossless"}, **GREEDY), ref)
     assert model.generate(ids, tide_config={"exit_threshold": 0.5}, **GREEDY).shape == ref.shape

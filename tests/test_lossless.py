@@ -1,4 +1,4 @@
-"""Lossless mode: output identical to the base model's for any routers and thresholds."""
+"""Lossless mode: output identical to the base model's for any exit heads, draft layer and draft length."""
 
 from collections import Counter
 
@@ -7,7 +7,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, TextIteratorStreamer
 
 import tide
-from test_generate import BanToken, StopAfter, _spread_router_scores
+from test_generate import BanToken, StopAfter
 from tiny_models import FAMILIES, tiny_model, tiny_tokenizer
 
 # Sliding-window caches cannot be rewritten: those families are tested with full attention.
@@ -22,8 +22,16 @@ FULL_ATTENTION = {
 def _wrap(family="llama", **cfg):
     base = tiny_model(family, **FULL_ATTENTION.get(family, {}))
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2, **cfg))
-    _spread_router_scores(model)
+    torch.manual_seed(1)
+    with torch.no_grad():  # exit heads that are right only sometimes: drafts get accepted and rejected
+        for k in model.checkpoints:
+            if model.routers[k].translator is not None:
+                for p in model.routers[k].translator.parameters():
+                    p.add_(torch.randn_like(p) * 0.3)
     return model, base
+
+
+LOSSLESS = {"mode": "lossless"}
 
 
 def _ids(length=9, seed=0):
@@ -31,33 +39,46 @@ def _ids(length=9, seed=0):
     return torch.randint(4, 100, (1, length))
 
 
-@pytest.mark.parametrize("threshold", [1.0, 0.5, -1])
+@pytest.mark.parametrize("exit_head", ["tuned", "lens"])
+@pytest.mark.parametrize("draft_layer, max_draft", [(1, 1), (1, 4), (3, 8)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_is_token_identical(family, threshold):
-    model, base = _wrap(family)
+def test_greedy_is_token_identical(family, draft_layer, max_draft, exit_head):
+    model, base = _wrap(family, exit_head=exit_head)
     ids = _ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=16)
-    out = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config={"mode": "lossless", "exit_threshold": threshold})
+    out = model.generate(ids, do_sample=False, max_new_tokens=16,
+                         tide_config={"mode": "lossless", "draft_layer": draft_layer, "max_draft": max_draft})
     assert torch.equal(out, ref)
     stats = model.last_stats
-    assert stats.decode_tokens == 16 and stats.verify_passes >= 1
-    if threshold == 1.0:
-        assert stats.drafted == 0
-    if threshold == -1:
-        assert stats.drafted > 0 and stats.verify_passes < 16
+    assert stats.decode_tokens == 16 and stats.verify_passes >= 1 and stats.drafted > 0
+    # every draft ran layers 0..E once, every verification the whole stack once
+    assert stats.layer_passes == stats.drafted * (draft_layer + 1) + stats.verify_passes * model.parts.num_layers
+
+
+def test_max_draft_zero_is_the_plain_base_model():
+    model, base = _wrap()
+    ids = _ids()
+    out = model.generate(ids, do_sample=False, max_new_tokens=8, tide_config={"mode": "lossless", "max_draft": 0})
+    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=8)) and model.last_stats is None
+
+
+def test_exit_threshold_with_lossless_is_a_clear_error():
+    model, _ = _wrap()
+    with pytest.raises(ValueError, match="exit_threshold"):
+        model.generate(_ids(), max_new_tokens=4, tide_config={"mode": "lossless", "exit_threshold": 0.5})
 
 
 def test_sliding_window_model_is_a_clear_error():
     base = tiny_model("mistral")
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
     with pytest.raises(ValueError, match="sliding-window"):
-        model.generate(_ids(), max_new_tokens=4, tide_config={"mode": "lossless", "exit_threshold": 0.5})
+        model.generate(_ids(), max_new_tokens=4, tide_config=LOSSLESS)
 
 
 def test_batch_is_a_clear_error():
     model, _ = _wrap()
     with pytest.raises(ValueError, match="batch size 1"):
-        model.generate(torch.randint(4, 100, (2, 5)), max_new_tokens=4, tide_config={"mode": "lossless", "exit_threshold": 0.5})
+        model.generate(torch.randint(4, 100, (2, 5)), max_new_tokens=4, tide_config=LOSSLESS)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
@@ -69,7 +90,7 @@ def test_eos_inside_a_draft(family):
     for m in (base, model.base):
         m.generation_config.eos_token_id = eos
     ref = base.generate(ids, do_sample=False, max_new_tokens=12)
-    out = model.generate(ids, do_sample=False, max_new_tokens=12, tide_config={"mode": "lossless", "exit_threshold": -1})
+    out = model.generate(ids, do_sample=False, max_new_tokens=12, tide_config=LOSSLESS)
     assert torch.equal(out, ref) and int(out[0, -1]) == eos
 
 
@@ -78,7 +99,7 @@ def test_max_new_tokens_mid_draft(new_tokens):
     model, base = _wrap(max_draft=8)
     ids = _ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=new_tokens)
-    out = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, tide_config={"mode": "lossless", "exit_threshold": -1})
+    out = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, tide_config=LOSSLESS)
     assert torch.equal(out, ref)
 
 
@@ -89,7 +110,7 @@ def test_stopping_criterion_mid_draft(stop_after):
     criteria = StoppingCriteriaList([StopAfter(ids.shape[1] + stop_after)])
     ref = base.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria)
     out = model.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria,
-                         tide_config={"mode": "lossless", "exit_threshold": -1})
+                         tide_config=LOSSLESS)
     assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + stop_after
 
 
@@ -99,7 +120,7 @@ def test_logits_processor_applies_to_verified_tokens():
     banned = int(base.generate(ids, do_sample=False, max_new_tokens=3)[0, -1])
     ref = base.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]))
     out = model.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]),
-                         tide_config={"mode": "lossless", "exit_threshold": -1})
+                         tide_config=LOSSLESS)
     assert torch.equal(out, ref) and banned not in out[0, ids.shape[1]:].tolist()
 
 
@@ -110,7 +131,7 @@ def test_streamer_receives_only_accepted_tokens():
     model, _ = _wrap()
     inputs = tok(["Hello there"], return_tensors="pt")
     streamer = TextIteratorStreamer(tok, skip_prompt=True)
-    cfg = {"mode": "lossless", "exit_threshold": -1}
+    cfg = LOSSLESS
     thread = Thread(target=model.generate, kwargs=dict(**inputs, streamer=streamer, tide_config=cfg, do_sample=False, max_new_tokens=12))
     thread.start()
     text = "".join(streamer)
@@ -146,7 +167,7 @@ def test_sampling_matches_the_closed_form_distribution():
     for seed in range(runs):
         torch.manual_seed(seed)
         out = model.generate(ids, do_sample=True, top_k=top_k, temperature=temperature, max_new_tokens=steps,
-                             tide_config={"mode": "lossless", "exit_threshold": -1})
+                             tide_config=LOSSLESS)
         counts[tuple(out[0, -steps:].tolist())] += 1
         drafted += model.last_stats.drafted
     assert drafted > runs  # drafts really came from the early-exit distribution
@@ -167,7 +188,7 @@ def test_sampling_matches_the_closed_form_distribution():
 def test_stats_and_summary():
     model, _ = _wrap()
     out = model.generate(_ids(), do_sample=False, max_new_tokens=12, return_dict_in_generate=True,
-                         tide_config={"mode": "lossless", "exit_threshold": -1})
+                         tide_config=LOSSLESS)
     stats = out["tide_stats"]
     assert stats.mode == "lossless" and 0 <= stats.accepted <= stats.drafted
     assert 0.0 <= stats.acceptance_rate <= 1.0

@@ -59,6 +59,10 @@ def _tide_overrides(args) -> dict:
         overrides["exit_threshold"] = args.threshold
     if args.kv_strategy:
         overrides["kv_strategy"] = args.kv_strategy
+    if args.draft_layer is not None:
+        overrides["draft_layer"] = args.draft_layer
+    if args.max_draft is not None:
+        overrides["max_draft"] = args.max_draft
     return overrides
 
 
@@ -82,6 +86,8 @@ def cmd_generate(args) -> None:
     stats = getattr(model, "last_stats", None)
     if stats is not None:
         print("\n" + stats.summary())
+    elif isinstance(model, tide.TideForCausalLM):
+        print("\n(the base model ran unchanged: no exits or drafts pay here, or none were configured)")
 
 
 def cmd_bench(args) -> None:
@@ -150,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="router repo (or a plain model, run without exits)")
     p.add_argument("prompt")
     p.add_argument("--mode", choices=["exit", "lossless"], default="exit")
-    p.add_argument("--threshold", type=float, help="override the calibrated thresholds")
+    p.add_argument("--threshold", type=float, help="exit mode: override the calibrated thresholds")
+    p.add_argument("--draft-layer", type=int, help="lossless mode: the checkpoint whose exit head drafts")
+    p.add_argument("--max-draft", type=int, help="lossless mode: most drafts per verification (0: no drafting)")
     p.add_argument("--kv-strategy", choices=["propagate", "recompute"])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

@@ -96,7 +96,8 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
             inputs = tokenizer(prompt, return_tensors="pt")
             model.generate(**inputs, max_new_tokens=24 if quick else 40, do_sample=False,
                            streamer=TextStreamer(tokenizer, skip_special_tokens=True), tide_config={"mode": mode})
-            print(model.last_stats.summary())
+            stats = model.last_stats
+            print(stats.summary() if stats else "(no draft pays on this model and machine: the base model ran unchanged)")
             print()
 
     _section("5. Speed and quality against the base model")

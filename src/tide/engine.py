@@ -24,7 +24,7 @@ from .kvfill import fill_kv
 from .layercalls import LayerCall, capture_layer_calls
 from .stats import GenerationStats
 
-__all__ = ["generate_with_tide", "ExitSession"]
+__all__ = ["generate_with_tide", "ExitSession", "forward_swapped", "walk_layers", "WalkResult"]
 
 _BACKBONE_KEYS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "cache_position", "inputs_embeds")
 
@@ -33,6 +33,11 @@ def resolve_run_config(model, tide_config) -> TideConfig | None:
     """The config a generate call runs with, or None for the plain base model."""
     if tide_config is False:
         return None
+    if isinstance(tide_config, dict) and tide_config.get("mode") == "lossless" and "exit_threshold" in tide_config:
+        raise ValueError(
+            "tide_config: exit_threshold applies to mode='exit'. Lossless mode drafts from the exit head at "
+            "draft_layer, up to max_draft tokens per verification; set those instead."
+        )
     run = model.config.with_overrides(tide_config)
     run.validate(num_layers=model.parts.num_layers)
     if run.has_operating_point or run.mode == "lossless":  # lossless drafts need no thresholds
@@ -44,6 +49,27 @@ def resolve_run_config(model, tide_config) -> TideConfig | None:
             stacklevel=3,
         )
     return None
+
+
+@contextmanager
+def forward_swapped(base, forward):
+    """Route `base.forward` to `forward` for the duration; yields the original forward."""
+    had_instance_forward = "forward" in base.__dict__
+    original = base.forward
+
+    def swapped(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    # generate inspects forward's signature (e.g. to build position_ids from the mask): keep the base's.
+    functools.update_wrapper(swapped, original)
+    base.forward = swapped
+    try:
+        yield original
+    finally:
+        if had_instance_forward:
+            base.forward = original
+        else:
+            del base.forward
 
 
 def generate_with_tide(model, tide_config, *args, **kwargs):
@@ -92,23 +118,9 @@ class ExitSession:
 
     @contextmanager
     def installed(self):
-        base = self.model.base
-        had_instance_forward = "forward" in base.__dict__
-        self._original_forward = base.forward
-
-        def forward(*args, **kwargs):
-            return self.forward(*args, **kwargs)
-
-        # generate inspects forward's signature (e.g. to build position_ids from the mask): keep the base's.
-        functools.update_wrapper(forward, self._original_forward)
-        base.forward = forward
-        try:
+        with forward_swapped(self.model.base, self.forward) as original:
+            self._original_forward = original
             yield self
-        finally:
-            if had_instance_forward:
-                base.forward = self._original_forward
-            else:
-                del base.forward
 
     # ------------------------------------------------------------------ the forward generate sees
     def forward(self, input_ids=None, past_key_values=None, **kwargs):

@@ -1,12 +1,13 @@
-"""Lossless mode: router-driven self-speculative decoding inside transformers' assisted generation.
+"""Lossless mode: self-speculative decoding from a checkpoint's exit head, inside transformers' assisted generation.
 
-Drafting decodes with early exit (the `recompute` machinery, so every layer a draft token runs is the
-full model's exact computation) while the routers fire, up to an adaptive cap. The first token whose
-router does not fire runs the whole stack, which recomputes every pending position exactly. The
-verification forward then runs the deep layers over the pending positions and the last draft at once
-and returns the full model's logits for each of them. Acceptance (longest greedy prefix, or the
-speculative-sampling rule), cache cropping, logits processors, stopping on EOS/length and streaming
-of accepted tokens are transformers' own `_assisted_decoding`. Batch size 1.
+Drafting runs each token through the shallow layers 0..E only (E = the draft layer), on the model's own
+cache: those layers' K/V are exactly what the full model writes. The exit head at E drafts the next token.
+Verification runs the last draft through the shallow layers, then the deep layers E+1..L-1 over all the
+drafted positions at once (their layer-E states were kept), which makes the cache even again and gives
+the full model's logits for every position. Acceptance (longest greedy prefix, or the speculative-sampling
+rule), cache cropping, logits processors, stopping on EOS/length and streaming of accepted tokens are
+transformers' own `_assisted_decoding`. Batch size 1. No router or threshold is involved: a wrong draft
+costs time, never output.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .engine import ExitSession, attach_stats
+from .engine import attach_stats, forward_swapped
+from .layercalls import capture_layer_calls
+from .recompute import _LengthView
+from .stats import GenerationStats
 
 __all__ = ["generate_lossless", "LosslessSession"]
 
@@ -31,15 +35,20 @@ def generate_lossless(model, config, *args, **kwargs):
         )
     if kwargs.get("num_return_sequences", 1) != 1 or kwargs.get("num_beams", 1) != 1:
         raise ValueError("mode='lossless' supports greedy and sampling with one sequence (no beams, num_return_sequences=1).")
-    config = config.with_overrides({"kv_strategy": "recompute"})
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError("mode='lossless' drafts from token ids; pass input_ids instead of inputs_embeds.")
+    if config.max_draft == 0:  # calibration found that no draft pays on this model and machine
+        model.last_stats = None
+        return model.base.generate(*args, **kwargs)
     session = LosslessSession(model, config, kwargs.get("stopping_criteria"))
     base = model.base
-    with session.installed():
+    with forward_swapped(base, session.forward) as original:
+        session.original_forward = original
         base._get_candidate_generator = session.candidate_generator
         try:
             start = time.perf_counter()
             # prompt_lookup_num_tokens only switches generate into assisted mode; the candidate generator is ours.
-            output = base.generate(*args, prompt_lookup_num_tokens=config.max_draft, **kwargs)
+            output = base.generate(*args, prompt_lookup_num_tokens=max(config.max_draft, 1), **kwargs)
             session.stats.wall_time_s = time.perf_counter() - start
         finally:
             del base._get_candidate_generator
@@ -47,49 +56,99 @@ def generate_lossless(model, config, *args, **kwargs):
     return attach_stats(output, session.stats)
 
 
-class LosslessSession(ExitSession):
+def check_full_attention(cache) -> None:
+    if any(getattr(cache, "is_sliding", None) or []):
+        raise ValueError(
+            "mode='lossless' needs full-attention KV caches, and this model has sliding-window layers (drafted "
+            "positions would evict keys that verification may still need). Use mode='exit'."
+        )
+
+
+class LosslessSession:
+    """One lossless `generate` call: drafted states between drafting and verification, and the counters."""
+
     def __init__(self, model, config, stopping_criteria=None):
-        super().__init__(model, config)
-        self.stats.mode = "lossless"
-        self.user_stopping_criteria = stopping_criteria
+        self.model, self.parts = model, model.parts
+        self.draft_layer = config.resolve_draft_layer(self.parts.num_layers)
+        self.max_draft = config.max_draft
         self.cap = config.max_draft
+        self.user_stopping_criteria = stopping_criteria
+        self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact")
+        self.pending_ids = None  # [1, P] tokens through the shallow layers only
+        self.pending_states = None  # [1, P, H] their layer-E outputs
+        self.original_forward = None
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.pending_ids is None else self.pending_ids.shape[1]
 
     def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, **_):
         return _TideDrafter(self, generation_config, logits_processor, model_kwargs)
 
+    # ------------------------------------------------------------------ the shallow step (drafting)
+    def shallow_step(self, token: torch.Tensor, cache, mask) -> torch.Tensor:
+        """Run token [1, 1] through layers 0..E on the real cache; keep and return its layer-E state [1, 1, H]."""
+        inputs = _positions(mask, cache.get_seq_length(), 1)
+        calls = capture_layer_calls(self.parts, input_ids=token, past_key_values=cache, use_cache=True, **inputs)
+        hidden = calls[0].hidden
+        for i in range(self.draft_layer + 1):
+            hidden = calls[i].run(self.parts, i, hidden)
+        self.stats.layer_passes += self.draft_layer + 1
+        if self.pending_ids is None:
+            self.pending_ids, self.pending_states = token, hidden
+        else:
+            self.pending_ids = torch.cat([self.pending_ids, token], 1)
+            self.pending_states = torch.cat([self.pending_states, hidden], 1)
+        return hidden
+
+    def drop_last(self, cache) -> None:
+        """Forget the newest drafted position (its shallow K/V and state)."""
+        for i in range(self.draft_layer + 1):
+            cache.layers[i].crop(-1)
+        self.pending_ids, self.pending_states = self.pending_ids[:, :-1], self.pending_states[:, :-1]
+        if self.pending == 0:
+            self.pending_ids = self.pending_states = None
+
     # ------------------------------------------------------------------ the verification forward
-    def forward(self, input_ids=None, past_key_values=None, **kwargs):
-        """Full-model logits for the pending drafts and the one new token at the end of `input_ids`."""
-        state = self.recompute
-        pending = state.pending
-        if past_key_values is None or input_ids is None or input_ids.shape[1] < pending + 1:
+    @torch.no_grad()
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, **kwargs):
+        """Full-model logits [1, P + 1, V] for the drafted positions and the last token of `input_ids`."""
+        pending, cache = self.pending, past_key_values
+        if cache is None or input_ids is None or input_ids.shape[1] < pending + 1:
             raise RuntimeError("Tide lossless mode: unexpected verification call (was generate's flow changed?).")
-        if pending and not torch.equal(input_ids[:, -pending - 1 : -1].to(state.ids.device), state.ids):
+        if pending and not torch.equal(input_ids[:, -pending - 1 : -1].to(self.pending_ids.device), self.pending_ids):
             raise RuntimeError("Tide lossless mode: the verified tokens are not the drafted ones.")
         start = time.perf_counter()
-        new = input_ids[:, -1:]
-        step_kwargs = _step_inputs(kwargs.get("attention_mask"), past_key_values.get_seq_length())
-        with torch.no_grad():
-            state.decode_step(new, past_key_values, step_kwargs, allow_exit=False, keep_pending=True)
-            logits = self.logits(state.states[:, -pending - 1 :])
-        state.reset()
+        self.shallow_step(input_ids[:, -1:], cache, attention_mask)
+        ids, states = self.pending_ids, self.pending_states  # [1, P + 1], [1, P + 1, H]
+        deep_length = cache.layers[-1].get_seq_length()  # deep layers hold every position before the chunk
+        inputs = _positions(attention_mask, deep_length, ids.shape[1])
+        calls = capture_layer_calls(self.parts, input_ids=ids, past_key_values=_LengthView(cache, deep_length),
+                                    use_cache=True, **inputs)
+        for i in range(self.draft_layer + 1, self.parts.num_layers):
+            states = calls[i].run(self.parts, i, states)
+        self.stats.layer_passes += self.parts.num_layers - self.draft_layer - 1
+        logits = self.parts.logits_from_normed(self.parts.final_norm(states))
+        self.pending_ids = self.pending_states = None
         self.stats.verify_passes += 1
         self.stats.decode_steps += 1
         self.stats.decode_time_s += time.perf_counter() - start
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
 
-def _step_inputs(mask, cache_length: int) -> dict:
-    """attention_mask / position_ids for one new token at position `cache_length` (batch 1)."""
+def _positions(mask, past: int, length: int) -> dict:
+    """attention_mask / position_ids for `length` new positions after `past` cached ones (batch 1)."""
     if mask is None:
-        return {}
-    mask = mask[:, :cache_length]
-    mask = torch.cat([mask, mask.new_ones(mask.shape[0], cache_length + 1 - mask.shape[1])], dim=1)
-    return {"attention_mask": mask, "position_ids": mask.sum(-1, keepdim=True) - 1}
+        return {"position_ids": torch.arange(past, past + length).unsqueeze(0)}
+    mask = mask[:, : past + length]
+    if mask.shape[1] < past + length:
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], past + length - mask.shape[1])], dim=1)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+    return {"attention_mask": mask, "position_ids": positions}
 
 
 class _TideDrafter(CandidateGenerator):
-    """Drafts with early exit on the main model's own cache while the routers fire."""
+    """Drafts tokens from the draft layer's exit head on the main model's own cache."""
 
     def __init__(self, session: LosslessSession, generation_config, logits_processor, model_kwargs):
         self.session, self.logits_processor = session, logits_processor
@@ -99,46 +158,42 @@ class _TideDrafter(CandidateGenerator):
         self.max_length = generation_config.max_length
         eos = generation_config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
-        self.router_drafts = 0
+        self.drafted = 0
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
-        session, state, stats = self.session, self.session.recompute, self.session.stats
+        session, stats = self.session, self.session.stats
         start = time.perf_counter()
         self._prefill(input_ids)
-        budget = min(session.cap, self.max_length - input_ids.shape[1])
-        tokens, draft_logits, self.router_drafts = input_ids, [], 0
+        budget = min(session.cap, self.max_length - input_ids.shape[1] - 1)
+        tokens, draft_logits = input_ids, []
         token = input_ids[:, -1:]
-        num_layers = session.parts.num_layers
         with torch.no_grad():
             while len(draft_logits) < budget:
-                step_kwargs = _step_inputs(self._mask(tokens), self.cache.get_seq_length())
-                logits, exit_layer = state.decode_step(token, self.cache, step_kwargs, keep_pending=True)
-                exited = int(exit_layer[0]) < num_layers - 1
-                stats.record_exits(exit_layer.tolist(), emitted=False)
-                stats.decode_steps += 1
-                scores = self.logits_processor(tokens, logits[:, -1].float())
+                state = session.shallow_step(token, self.cache, self._mask(tokens))
+                logits = session.model.exit_logits(session.draft_layer, state[:, -1])
+                scores = self.logits_processor(tokens, logits.float())
                 token = self._choose(scores)
                 if self._stops(torch.cat([tokens, token], 1), scores):
                     # The stopping token is left to verification, which must feed the last kept token itself.
-                    state.drop_last(self.cache)
+                    session.drop_last(self.cache)
                     break
                 tokens = torch.cat([tokens, token], 1)
                 draft_logits.append(scores)
-                self.router_drafts += int(exited)
-                if not exited or int(token) in self.eos:
+                if int(token) in self.eos:
                     break
-        stats.drafted += self.router_drafts
+        self.drafted = len(draft_logits)
+        stats.drafted += self.drafted
         stats.decode_time_s += time.perf_counter() - start
         logits = torch.stack(draft_logits, 1) if (draft_logits and self.do_sample) else None
         return tokens, logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches: int):
         stats, session = self.session.stats, self.session
-        stats.accepted += min(int(num_matches), self.router_drafts)
+        stats.accepted += min(int(num_matches), self.drafted)
         stats.decode_tokens += int(num_matches) + 1
-        if self.router_drafts and num_matches >= self.router_drafts:
-            session.cap = min(session.cap + 1, session.config.max_draft)
-        elif self.router_drafts:
+        if self.drafted and num_matches >= self.drafted:
+            session.cap = min(session.cap + 1, session.max_draft)
+        elif self.drafted:
             session.cap = max(1, int(num_matches) + 1)
 
     # ------------------------------------------------------------------ helpers
@@ -146,12 +201,12 @@ class _TideDrafter(CandidateGenerator):
         """Make the cache hold the exact K/V of everything but the last token (the first call only)."""
         have = self.cache.get_seq_length()
         if have == 0:
-            self.session.recompute.check_cache(self.cache)
+            check_full_attention(self.cache)
         if have < input_ids.shape[1] - 1:
-            mask = self._mask(input_ids[:, :-1])
             with torch.no_grad():
-                self.session._original_forward(input_ids=input_ids[:, have:-1], past_key_values=self.cache,
-                                                attention_mask=mask, use_cache=True)
+                self.session.original_forward(input_ids=input_ids[:, have:-1], past_key_values=self.cache,
+                                              attention_mask=self._mask(input_ids[:, :-1]), use_cache=True)
+            check_full_attention(self.cache)
             self.session.stats.prefill_tokens += input_ids.shape[1] - 1 - have
 
     def _mask(self, tokens):
