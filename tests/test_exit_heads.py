@@ -6,7 +6,7 @@ import torch
 import tide
 from tiny_models import FAMILIES, sample_texts, tiny_model, tiny_tokenizer
 
-FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False)
+FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1, validation_tokens=128)
 
 
 def _model(family="llama", **cfg):
@@ -70,7 +70,7 @@ def test_calibration_trains_the_exit_heads_toward_the_full_model():
     base = tiny_model("llama")
     tok = tiny_tokenizer()
     model = tide.calibrate(base, tok, dataset=sample_texts(24), config=tide.TideConfig(checkpoint_interval=2),
-                           head_steps=60, head_lr=1e-2, **FAST)
+                           **{**FAST, "head_steps": 60, "head_lr": 1e-2})
     texts = sample_texts(30)[-4:]
     ids = torch.tensor([tok(texts[0])["input_ids"][:32]])
     states = {}

@@ -16,7 +16,7 @@ from tide.data import DatasetLoadError
 from tide.hub import REPO_FILES
 from tiny_models import FAMILIES, sample_texts, tiny_model, tiny_tokenizer
 
-FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False)
+FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1, validation_tokens=128)
 
 
 def _calibrated(family="llama", **cfg):

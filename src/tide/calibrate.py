@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .config import TideConfig
-from .costs import choose_draft, layer_cost_of_cascade, measure_costs, prune_checkpoints
+from .costs import draft_candidates, layer_cost_of_cascade, measure_costs, measured_speedup, prune_checkpoints
 from .data import load_texts
 from .evaluate import teacher_forced
 from .layercalls import capture_outputs
@@ -44,6 +44,7 @@ class CalibrationOptions:
     seed: int = 0
     measure_costs: bool = True  # time checkpoints and layers here; drop checkpoints that do not pay; pick drafts
     validation_tokens: int = 1024  # held-out tokens decoded through the decode step to check the target (0: skip)
+    draft_trials: int = 3  # lossless drafting schemes timed against the base model (best estimates first; 0: skip)
     progress: bool = True
 
 
@@ -102,18 +103,17 @@ def calibrate(
     if opts.validation_tokens:
         tokens = _validation_tokens(held_texts, tokenizer, opts)
         selection, dropped, validation = _validate(tide, tokens, selection, dropped, cfg)
-    draft_speedup = None
-    if costs is not None:
-        cfg.draft_layer, cfg.max_draft, draft_speedup = choose_draft(held.agree(), num_layers, costs, cfg.max_draft or 8)
-        if cfg.draft_layer is None:
-            cfg.max_draft = 0  # no draft pays on this model and machine: lossless mode decodes plainly
+    draft_selection = None
+    if costs is not None and opts.draft_trials:
+        candidates = draft_candidates(held.agree(), num_layers, costs, cfg.max_draft or 8)[: opts.draft_trials]
+        draft_selection = _choose_draft(tide, tokenizer, held_texts, candidates)
     cfg.thresholds = tide.heldout_selection.thresholds(selection, tide.checkpoints)
     cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), trainer.train_tokens)
     cfg.calibration.update(
         costs=costs.as_dict() if costs else None,
         dropped_checkpoints={str(k): why for k, why in dropped.items()},
         expected_layer_cost=layer_cost_of_cascade(selection.checkpoints, held.num_tokens, num_layers, costs) if costs else None,
-        expected_draft_speedup=draft_speedup,
+        draft_selection=draft_selection,
         decode_validation=validation,
     )
     return tide
@@ -307,6 +307,27 @@ class _HeldoutSelection:
         return out
 
 
+def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
+    """Time the best-estimated drafting schemes against the base model here; keep the fastest, or none
+    (`max_draft=0`: lossless mode then decodes plainly) when none is faster than the base model."""
+    device = tide.base.device
+    prompts = [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:2]]
+    trials = []
+    for layer, length, estimate in candidates:
+        try:
+            ratio = measured_speedup(tide, prompts, {"mode": "lossless", "draft_layer": layer, "max_draft": length})
+        except ValueError as err:  # lossless mode unavailable for this model (e.g. sliding-window caches)
+            tide.config.draft_layer, tide.config.max_draft = None, 0
+            return {"trials": trials, "chosen": None, "unavailable": str(err)}
+        trials.append({"draft_layer": layer, "max_draft": length, "estimate": estimate, "measured": ratio})
+    best = max(trials, key=lambda t: t["measured"], default=None)
+    if best is not None and best["measured"] > 1.0:
+        tide.config.draft_layer, tide.config.max_draft = best["draft_layer"], best["max_draft"]
+    else:
+        tide.config.draft_layer, tide.config.max_draft = None, 0
+    return {"trials": trials, "chosen": best if tide.config.max_draft else None}
+
+
 def _validation_tokens(texts, tokenizer, opts: CalibrationOptions) -> list[list[int]]:
     """Held-out texts as token lists, up to `opts.validation_tokens` tokens in all."""
     out, total = [], 0
@@ -434,9 +455,11 @@ def calibration_table(config) -> str:
                      f"layer's K/V {costs['skipped_layer']:.2f} layer, the head {costs['head']:.2f} layer")
         lines.append(f"expected cost per token {cal['expected_layer_cost']:.2f} layers -> x{config.base_num_layers / cal['expected_layer_cost']:.3f} "
                      "in layer work")
-        if config.draft_layer is not None:
-            lines.append(f"lossless drafts: from layer {config.draft_layer}, up to {config.max_draft} per verification "
-                         f"(expected x{cal['expected_draft_speedup']:.3f})")
-        else:
-            lines.append("lossless drafts: none pay on this model and machine (lossless mode decodes plainly)")
+    draft = cal.get("draft_selection") or {}
+    for trial in draft.get("trials", []):
+        lines.append(f"lossless drafts from layer {trial['draft_layer']}, up to {trial['max_draft']}: estimated "
+                     f"x{trial['estimate']:.3f}, measured x{trial['measured']:.3f}")
+    if draft:
+        lines.append(f"lossless mode: drafts from layer {config.draft_layer}, up to {config.max_draft} per verification"
+                     if config.max_draft else "lossless mode: no draft pays on this model and machine (it decodes plainly)")
     return "\n".join(lines)

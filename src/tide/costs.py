@@ -5,7 +5,8 @@ every decoder layer in turn (so each layer's weights come from memory as in a re
 test (exit head + norm + router + threshold + host sync) at every checkpoint in turn, the batched K/V fill
 of the skipped layers, the head, and capturing the layers' arguments. Costs are reported relative to a
 decoder layer. `prune_checkpoints` turns those costs and calibration's held-out cascade into the set of
-checkpoints worth consulting; `choose_draft` picks lossless mode's draft layer and length the same way.
+checkpoints worth consulting; `draft_candidates` ranks lossless mode's draft layer and length the same way, and
+`measured_speedup` times a configuration against the base model.
 Nothing here trains or saves anything.
 """
 
@@ -21,7 +22,7 @@ from transformers import DynamicCache
 from .kvfill import fill_kv
 from .layercalls import capture_layer_calls
 
-__all__ = ["StepCosts", "measure_costs", "prune_checkpoints", "choose_draft"]
+__all__ = ["StepCosts", "draft_candidates", "measure_costs", "measured_speedup", "prune_checkpoints"]
 
 
 @dataclass
@@ -171,16 +172,16 @@ def prune_checkpoints(select, layers: list[int], total: int, num_layers: int, co
         active, selection = rest, trial
 
 
-def choose_draft(agree: dict[int, torch.Tensor], num_layers: int, costs: StepCosts, max_draft: int = 8):
-    """Lossless mode's (draft layer, draft length, expected speed-up) from held-out exit agreement.
+def draft_candidates(agree: dict[int, torch.Tensor], num_layers: int, costs: StepCosts, max_draft: int = 8):
+    """Lossless mode's (draft layer, draft length, estimated speed-up), best first, from held-out exit agreement.
 
     agree: {layer: bool [N]} in text order. A draft step from layer E costs E + 1 layers, the head and a
     capture; a verification costs the whole stack, the head and a capture, whatever the number of drafts
     (one pass over a few positions costs about one pass at small batch). The tokens a cycle emits are the
-    run of drafts that agree with the full model, plus one. Length 0 means drafting does not pay.
+    run of drafts that agree with the full model, plus one. An estimate: calibration then measures the best.
     """
     base = num_layers + costs.head + costs.capture
-    best = (None, 0, 1.0)
+    out = []
     for layer, ok in agree.items():
         flags, runs, current = ok.tolist(), [], 0
         for flag in reversed(flags):  # runs[t]: consecutive agreeing positions from t on
@@ -189,7 +190,26 @@ def choose_draft(agree: dict[int, torch.Tensor], num_layers: int, costs: StepCos
         run = torch.tensor(runs[::-1], dtype=torch.float64)
         for length in range(1, max_draft + 1):
             cycle = length * (layer + 1 + costs.head + costs.capture) + base
-            speedup = float(run.clamp(max=length).mean() + 1) / cycle * base
-            if speedup > best[2]:
-                best = (layer, length, speedup)
-    return best
+            out.append((layer, length, float(run.clamp(max=length).mean() + 1) / cycle * base))
+    return sorted(out, key=lambda c: -c[2])
+
+
+def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_tokens: int = 24, repeats: int = 3) -> float:
+    """Decode tokens/s of `model.generate(..., tide_config=...)` over the base model's, greedy, measured here.
+
+    Runs alternate between the two and the median of the per-repeat ratios is returned.
+    """
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  pad_token_id=model.base.generation_config.pad_token_id or 0)
+
+    def seconds(fn):
+        return sum(_seconds(lambda ids=ids: fn(ids)) for ids in prompts)
+
+    def tide_run(ids):
+        return model.generate(ids, tide_config=tide_config, **kwargs)
+
+    def base_run(ids):
+        return model.base.generate(ids, **kwargs)
+
+    seconds(tide_run), seconds(base_run)  # warm-up
+    return statistics.median(seconds(base_run) / seconds(tide_run) for _ in range(repeats))

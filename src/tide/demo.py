@@ -30,12 +30,13 @@ def _load_base():
     return AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR).eval(), AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
 
 
-def _calibrate(base, tokenizer, train, num_samples: int):
+def _calibrate(base, tokenizer, train, num_samples: int, quick: bool = False):
     import tide
 
     config = tide.TideConfig(checkpoint_interval=DEMO_CHECKPOINT_INTERVAL, target_agreement=DEMO_TARGET_AGREEMENT)
+    light = dict(head_steps=60, validation_tokens=256, draft_trials=1) if quick else {}
     return tide.calibrate(base, tokenizer, dataset=train, config=config, num_samples=num_samples, max_length=128,
-                          batch_size=16)
+                          batch_size=16, **light)
 
 
 def demo_model_and_texts(routers: str | None = None, num_samples: int = 1024):
@@ -79,7 +80,7 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
 
     _section("2. Calibrate routers (tide.calibrate)")
     start = time.perf_counter()
-    model = _calibrate(base, tokenizer, train, num_samples=128 if quick else 1024)
+    model = _calibrate(base, tokenizer, train, num_samples=128 if quick else 1024, quick=quick)
     print(f"calibrated in {time.perf_counter() - start:.1f} s")
     print(calibration_table(model.config))
 

@@ -37,6 +37,9 @@ def generate_lossless(model, config, *args, **kwargs):
         raise ValueError("mode='lossless' supports greedy and sampling with one sequence (no beams, num_return_sequences=1).")
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError("mode='lossless' drafts from token ids; pass input_ids instead of inputs_embeds.")
+    unavailable = ((config.calibration or {}).get("draft_selection") or {}).get("unavailable")
+    if unavailable:
+        raise ValueError(unavailable)
     if config.max_draft == 0:  # calibration found that no draft pays on this model and machine
         model.last_stats = None
         return model.base.generate(*args, **kwargs)
