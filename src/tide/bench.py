@@ -124,10 +124,13 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                         extra[name].update(acceptance_rate=s.acceptance_rate, drafted=s.drafted, accepted=s.accepted,
                                            verify_passes=s.verify_passes, mean_draft=s.drafted / max(s.verify_passes, 1))
     total_tokens = new_tokens * len(prompt_ids)
-    base_tps = total_tokens / statistics.median(times["base"])
     for name, cfg in variants.items():
         tps = total_tokens / statistics.median(times[name])
-        row = {"tide_config": cfg, "decode_tokens_per_s": tps, "ratio_to_base": tps / base_tps, **extra[name]}
+        # Each repeat times every variant once, interleaved: the ratio is the median of per-repeat ratios, and
+        # its range over the repeats shows the machine's noise (a variant that runs the base model is an A/A check).
+        ratios = [b / t for b, t in zip(times["base"], times[name])]
+        row = {"tide_config": cfg, "decode_tokens_per_s": tps, "ratio_to_base": statistics.median(ratios),
+               "ratio_range": [min(ratios), max(ratios)], **extra[name]}
         same = [bool(torch.equal(a, b)) for a, b in zip(outputs[name], outputs["base"])]
         matched = sum(int((a == b).sum()) for a, b in zip(outputs[name], outputs["base"]))
         row.update(greedy_identical=all(same), greedy_token_match=matched / sum(len(b) for b in outputs["base"]))
@@ -157,7 +160,8 @@ def _prefill_effect(model, token_lists) -> dict:
 
 
 def _line(name: str, row: dict) -> str:
-    parts = [f"{name:30s} {row['decode_tokens_per_s']:8.1f} tok/s  x{row['ratio_to_base']:.3f}",
+    low, high = row["ratio_range"]
+    parts = [f"{name:30s} {row['decode_tokens_per_s']:8.1f} tok/s  x{row['ratio_to_base']:.3f} [{low:.2f}-{high:.2f}]",
              "greedy output = base" if row["greedy_identical"] else f"greedy tokens = base {row['greedy_token_match']:.0%}"]
     if "mean_layers" in row:
         parts.append(f"layers {row['mean_layers']:.2f}")
@@ -190,7 +194,7 @@ def plot_bench(results: dict, path) -> None:
         ax.scatter(row["ratio_to_base"], row["agreement"], marker=marker, s=60, label=name)
     oracle = results["oracle"]["exits"]
     ax.axvline(oracle, linestyle="--", color="gray", label=f"oracle bound x{oracle:.2f} (layers, {results['exit_head']} exits)")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="center right")
     ax.set_xlabel("decode tokens/s relative to the base model")
     ax.set_ylabel("top-1 agreement with the full model (held-out)")
     ax.set_title(f"Tide on {Path(str(results['model'])).name} ({results['machine']})", fontsize=9)

@@ -17,7 +17,7 @@ DEMO_PROMPTS = ["The list type", "An exception is raised when", "The for stateme
 # Measured on the shipped model (docs/benchmarks.md): it converges late, and the oracle bound is x1.60 with a
 # checkpoint after every layer against x1.44 with every second one, so every layer is a checkpoint.
 DEMO_CHECKPOINT_INTERVAL = 1
-DEMO_TARGET_AGREEMENT = 0.8
+DEMO_TARGET_AGREEMENT = 0.9
 
 __all__ = ["run_demo", "demo_model_and_texts", "DEMO_MODEL_DIR"]
 
