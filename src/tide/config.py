@@ -51,10 +51,14 @@ class TideConfig(PreTrainedConfig):
             With `exit_head="tuned"`, a low-rank map `h + U(V h) + b` of this rank instead of a full `H x H`
             matrix (for wide models: rank 64 on a 4096-wide model costs ~3% of the full map).
         label (`str`, *optional*, defaults to `"top1"`):
-            Calibration label: `"top1"` (the checkpoint's top-1 through the model's own final norm and head
-            equals the full model's top-1) or `"cosine"` (cosine(h_checkpoint, h_final) > `cosine_threshold`).
+            Calibration label: `"top1"` (the checkpoint's exit, through its exit head and the model's own final
+            norm and head, has the full model's top-1) or `"cosine"` (cosine(h_checkpoint, h_final) >
+            `cosine_threshold`).
+        cosine_threshold (`float`, *optional*, defaults to 0.98):
+            The `"cosine"` label's threshold.
         target_agreement (`float`, *optional*, defaults to 0.99):
-            Top-1 agreement with the full model that calibrated thresholds guarantee on held-out text.
+            Top-1 agreement of all tokens with the full model that calibrated thresholds guarantee on held-out
+            text, checked through the decode step.
         confidence (`float`, *optional*, defaults to 0.95):
             Confidence of that guarantee (one-sided Clopper-Pearson bound on the disagreement rate).
         thresholds (`dict[str, float]`, *optional*):
@@ -67,11 +71,13 @@ class TideConfig(PreTrainedConfig):
         kv_strategy (`str`, *optional*, defaults to `"propagate"`):
             How skipped layers get K/V for an exited token: `"propagate"` or `"recompute"`.
         mode (`str`, *optional*, defaults to `"exit"`):
-            `"exit"` (early exit) or `"lossless"` (router-driven self-speculative decoding).
+            `"exit"` (early exit) or `"lossless"` (self-speculative decoding: drafts from the exit head at
+            `draft_layer`, verified by the full model; output identical to the base model's).
         prefill_exit (`bool`, *optional*, defaults to `False`):
             Let prompt tokens exit early too (with propagated K/V).
         max_draft (`int`, *optional*, defaults to 8):
-            Lossless mode: most draft tokens per verification.
+            Lossless mode: most draft tokens per verification; 0 runs the base model's own `generate`
+            (calibration sets it to 0 when no drafting scheme beat the base model when timed).
         draft_layer (`int`, *optional*):
             Lossless mode: the checkpoint whose exit head drafts tokens (0-based layer index). If unset, the one
             calibration chose, else the first checkpoint at or after a quarter of the stack.
@@ -79,6 +85,12 @@ class TideConfig(PreTrainedConfig):
             Hub id or local path of the base model the routers were trained on.
         base_model_revision (`str`, *optional*):
             Revision of the base model.
+        base_model_type, base_hidden_size, base_num_layers (*optional*):
+            The base model's `model_type`, hidden size and decoder layer count, checked when routers are loaded.
+        calibration (`dict`, *optional*):
+            The calibration summary (see docs/router-repo-format.md); written by `tide.calibrate`.
+        tide_version (`str`, *optional*):
+            The Tide version that wrote the config.
     """
 
     model_type = "tide"

@@ -107,7 +107,8 @@ class ExitSession:
         self.exit_tests = model.exit_tests(self.thresholds)
         norm_param = next(self.parts.norm.parameters(), None)
         self.norm_device = norm_param.device if norm_param is not None else None
-        self.stats = GenerationStats(self.parts.num_layers, self.checkpoints, kv_strategy=config.kv_strategy)
+        # Only the checkpoints that can fire are consulted, and the stats name those.
+        self.stats = GenerationStats(self.parts.num_layers, sorted(self.thresholds), kv_strategy=config.kv_strategy)
         if config.kv_strategy == "recompute":
             from .recompute import RecomputeState
 

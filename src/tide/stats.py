@@ -10,7 +10,7 @@ __all__ = ["GenerationStats"]
 @dataclass
 class GenerationStats:
     num_layers: int
-    checkpoints: list[int]
+    checkpoints: list[int]  # the checkpoints consulted (exit mode: those whose threshold can fire)
     mode: str = "exit"
     kv_strategy: str = "propagate"
     decode_tokens: int = 0  # tokens produced by Tide decode steps (rows x steps)
@@ -95,7 +95,8 @@ class GenerationStats:
         ]
         total = max(sum(self.exits.values()), 1)
         prefix = "draft " if self.mode == "lossless" else ""
-        rows.append((f"{prefix}checkpoints", ", ".join(map(str, self.checkpoints)) or "none"))
+        label = "draft layer" if self.mode == "lossless" else "checkpoints consulted"
+        rows.append((label, ", ".join(map(str, self.checkpoints)) or "none"))
         for key in [str(k) for k in self.checkpoints if self.exits.get(str(k))] + ["full"]:
             n = self.exits.get(key, 0)
             label = f"exits after layer {key}" if key != "full" else "ran all layers"
