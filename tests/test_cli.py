@@ -63,7 +63,16 @@ def test_bench_writes_json_and_plot(router_dir, text_file, tmp_path):
             "--repeats", "1", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
     assert main(args) == 0
     results = json.loads((tmp_path / "r.json").read_text())
-    assert "base" in results["variants"] and results["oracle"]["exits"] >= 1.0
+    variants = results["variants"]
+    assert variants["base"]["agreement"] == 1.0 and variants["base"]["greedy_identical"]  # the no-exit engine, measured
+    for name, row in variants.items():
+        low, high = row["ratio_range"]
+        assert low <= row["ratio_to_base"] <= high, name
+        assert 0.0 <= row["greedy_token_match"] <= 1.0
+    if "lossless" in variants:
+        assert variants["lossless"]["greedy_identical"]
+    assert {"checkpoint", "skipped_layer", "head", "layer_s"} <= set(results["costs"])
+    assert results["oracle"]["exits"] > 0 and results["oracle"]["lens"] > 0
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 
