@@ -3,9 +3,10 @@ per-row batches, KV strategies, and the standard generate features."""
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 import tide
+from generation_helpers import BanToken, StopAfter
 from tiny_models import FAMILIES, tiny_model
 
 SLIDING = {"mistral", "qwen2", "gemma2", "gemma3_text"}  # sliding-window caches: propagate only
@@ -93,16 +94,32 @@ def test_forced_exit_matches_reference_and_skips_the_work(family):
              for j in range(3, model.parts.num_layers)
              for name, mod in model.parts.layers[j].named_modules() if not list(mod.children())]
     flag = _Flag(decoding)
-    out = model.generate(ids, tide_config={"exit_threshold": -1}, logits_processor=LogitsProcessorList([flag]), **GREEDY)
-    for h in hooks:
-        h.remove()
+    query_computed = []  # K/V-only passes skip the query projection's computation
+    query = model.parts.layers[3].get_submodule(model.parts.spec.query_proj) if model.parts.spec.query_proj else None
+    query_cls = type(query) if query is not None else None
+    original_query_forward = query_cls.forward if query is not None else None
+
+    def counting_forward(self, *args, **kwargs):
+        if self is query and decoding:
+            query_computed.append(1)
+        return original_query_forward(self, *args, **kwargs)
+
+    if query is not None:
+        query_cls.forward = counting_forward
+    try:
+        out = model.generate(ids, tide_config={"exit_threshold": -1}, logits_processor=LogitsProcessorList([flag]),
+                             **GREEDY)
+    finally:
+        if query is not None:
+            query_cls.forward = original_query_forward
+        for h in hooks:
+            h.remove()
     assert torch.equal(out, expected)
     if model.parts.spec.kv_projections is None:  # else the batched fill writes K/V without calling the layers
         assert called, "the skipped layers should still write K/V"
     ran_after_update = {name for (j, name) in called if j == 3} & after_update
     assert not ran_after_update, f"layers after the exit ran {ran_after_update} for decode tokens"
-    if model.parts.spec.query_proj:  # K/V-only passes skip the query projection too
-        assert (3, model.parts.spec.query_proj) not in called
+    assert not query_computed, "K/V-only passes should not compute queries"
     stats = model.last_stats
     assert stats.exits == {"2": 10 - 1} and stats.layer_passes == 3 * 9 and stats.kv_only_passes == 3 * 9
     assert stats.mean_layers == 3 and stats.layers_skipped == 3 * 9
@@ -164,15 +181,16 @@ def test_recompute_rewrites_stale_kv_exactly(family):
     ids = _prompt(length=6)
     # Alternate: a token that exits at layer 1, then one that runs the whole stack.
     scripted = iter([True, False] * 10)
-    session_cls = tide.engine.ExitSession
-    original = session_cls.exits_at
-    session_cls.exits_at = lambda self, layer, hidden: (
-        torch.full(hidden.shape[:2], next(scripted) if layer == 1 else False), hidden)
-    try:
-        out = model.generate(ids, tide_config={"exit_threshold": 0.5, "kv_strategy": "recompute"},
-                             do_sample=False, max_new_tokens=5, return_dict_in_generate=True)
-    finally:
-        session_cls.exits_at = original
+
+    def scripted_test(layer):
+        def test(hidden):
+            exits = torch.full(hidden.shape[:1], next(scripted) if layer == 1 else False)
+            return exits.float(), exits, hidden
+        return test
+
+    model.exit_tests = lambda thresholds: {k: scripted_test(k) for k in thresholds}
+    out = model.generate(ids, tide_config={"exit_threshold": 0.5, "kv_strategy": "recompute"},
+                         do_sample=False, max_new_tokens=5, return_dict_in_generate=True)
     stats = out["tide_stats"]
     assert stats.recomputed_positions > 0
     # The full model's own cache for the same tokens (all but the last, whose deep K/V is a placeholder).
@@ -204,7 +222,6 @@ def test_left_padded_batch_matches_each_row_alone(family, strategy):
     assert len(exits) > 1, f"rows should exit at different layers: {exits}"
     for i, prompt in enumerate(prompts):
         alone = model.generate(**tok([prompt], return_tensors="pt"), tide_config=cfg, pad_token_id=0, **GREEDY)
-        width = alone.shape[1]
         assert torch.equal(together[i, -(GREEDY["max_new_tokens"]):], alone[0, -(GREEDY["max_new_tokens"]):]), i
 
 
@@ -251,16 +268,6 @@ def test_threshold_one_sampling_equals_base_sampling():
     assert torch.equal(ref, out)
 
 
-class BanToken(LogitsProcessor):
-    def __init__(self, token):
-        self.token, self.calls = token, 0
-
-    def __call__(self, input_ids, scores):
-        self.calls += 1
-        scores[:, self.token] = -float("inf")
-        return scores
-
-
 def test_custom_logits_processor_is_applied():
     model, _ = _wrap("llama")
     ids = _prompt()
@@ -269,14 +276,6 @@ def test_custom_logits_processor_is_applied():
     proc = BanToken(banned)
     out = model.generate(ids, tide_config={"exit_threshold": -1}, logits_processor=LogitsProcessorList([proc]), **GREEDY)
     assert proc.calls == 10 and banned not in out[0, ids.shape[1]:].tolist()
-
-
-class StopAfter(StoppingCriteria):
-    def __init__(self, length):
-        self.length = length
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
 
 
 def test_custom_stopping_criterion():
@@ -384,3 +383,35 @@ def test_bfloat16_model(family):
     assert torch.equal(model.generate(ids, tide_config={"exit_threshold": 1.0}, **GREEDY), ref)
     assert torch.equal(model.generate(ids, tide_config={"mode": "lossless"}, **GREEDY), ref)
     assert model.generate(ids, tide_config={"exit_threshold": 0.5}, **GREEDY).shape == ref.shape
+
+
+def test_prefill_exit_with_recompute_refuses_sliding_window_models():
+    model, _ = _wrap("mistral")
+    with pytest.raises(ValueError, match="propagate"):
+        model.generate(_prompt(), tide_config={"exit_threshold": 0.5, "kv_strategy": "recompute", "prefill_exit": True},
+                       **GREEDY)
+
+
+def test_recompute_keeps_at_most_max_pending_positions():
+    """Past MAX_PENDING stale positions, the oldest keep their placeholder; generation goes on and stays bounded."""
+    from tide.recompute import MAX_PENDING
+
+    model, _ = _wrap("llama", checkpoint_layers=[1])
+    seen = []
+    original_after_step = tide.recompute.RecomputeState.after_step
+
+    def watching(self, steps, walk):
+        original_after_step(self, steps, walk)
+        seen.append(self.pending)
+
+    tide.recompute.RecomputeState.after_step = watching
+    try:
+        new = MAX_PENDING + 6
+        out = model.generate(_prompt(), tide_config={"exit_threshold": -1, "kv_strategy": "recompute"},
+                             do_sample=False, max_new_tokens=new)
+    finally:
+        tide.recompute.RecomputeState.after_step = original_after_step
+    assert out.shape[1] == _prompt().shape[1] + new
+    assert max(seen) == MAX_PENDING and seen[-1] == MAX_PENDING  # every token exits: none ever becomes exact
+    stats = model.last_stats
+    assert stats.recomputed_positions == 0 and stats.exits == {"1": new - 1}

@@ -7,7 +7,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, TextIteratorStreamer
 
 import tide
-from test_generate import BanToken, StopAfter
+from generation_helpers import BanToken, StopAfter
 from tiny_models import FAMILIES, tiny_model, tiny_tokenizer
 
 # Sliding-window caches cannot be rewritten: those families are tested with full attention.

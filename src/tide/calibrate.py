@@ -74,7 +74,7 @@ def calibrate(
         raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
     n_held = min(len(texts) - 1, max(1, round(len(texts) * opts.heldout_fraction)))
     train_texts, held_texts = texts[n_held:], texts[:n_held]
-    layers = [k for k in tide.checkpoints if k + 1 >= cfg.min_layers]
+    layers = cfg.consulted_checkpoints(tide.checkpoints)
 
     was_training = tide.base.training
     tide.base.eval()

@@ -212,6 +212,10 @@ class TideConfig(PreTrainedConfig):
         step = self.checkpoint_interval
         return [k for k in range(step - 1, num_layers - 1, step)]
 
+    def consulted_checkpoints(self, checkpoints: list[int]) -> list[int]:
+        """The checkpoints whose routers are consulted: those after at least `min_layers` layers."""
+        return [k for k in checkpoints if k + 1 >= self.min_layers]
+
     def threshold_for(self, layer: int) -> float:
         """The threshold in force at checkpoint `layer` (override, else calibrated, else never exit)."""
         if self.exit_threshold is not None:

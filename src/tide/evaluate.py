@@ -44,22 +44,21 @@ def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix
     agree = total = 0
     nll_tide = nll_base = 0.0
     device = model.base.device
-    with session.installed():
-        for ids in token_lists:
-            if len(ids) <= prefix + 1:
-                continue
-            ids_t = torch.tensor([ids], device=device)
-            full = session._original_forward(input_ids=ids_t, use_cache=False).logits[0].float()  # [T, V]
-            cache = DynamicCache(config=model.base.config)
-            session.forward(input_ids=ids_t[:, :prefix], past_key_values=cache, use_cache=True)
-            for t in range(prefix, len(ids) - 1):
-                logits = session.forward(input_ids=ids_t[:, t : t + 1], past_key_values=cache, use_cache=True).logits
-                logits = logits[0, -1].float()
-                agree += int(logits.argmax() == full[t].argmax())
-                target = ids_t[0, t + 1]
-                nll_tide += float(F.cross_entropy(logits[None], target[None]))
-                nll_base += float(F.cross_entropy(full[t][None], target[None]))
-                total += 1
+    for ids in token_lists:
+        if len(ids) <= prefix + 1:
+            continue
+        ids_t = torch.tensor([ids], device=device)
+        full = session.original_forward(input_ids=ids_t, use_cache=False).logits[0].float()  # [T, V]
+        cache = DynamicCache(config=model.base.config)
+        session.forward(input_ids=ids_t[:, :prefix], past_key_values=cache, use_cache=True)
+        for t in range(prefix, len(ids) - 1):
+            logits = session.forward(input_ids=ids_t[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+            logits = logits[0, -1].float()
+            agree += int(logits.argmax() == full[t].argmax())
+            target = ids_t[0, t + 1]
+            nll_tide += float(F.cross_entropy(logits[None], target[None]))
+            nll_base += float(F.cross_entropy(full[t][None], target[None]))
+            total += 1
     stats = session.stats
     return QualityReport(
         tokens=total,

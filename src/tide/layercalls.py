@@ -1,21 +1,24 @@
 """Driving a model's decoder layers one at a time, with the model's own arguments.
 
-`capture_layer_calls` runs the backbone once with every decoder layer swapped for a recorder that keeps
-the `(args, kwargs)` the backbone passes (masks per layer type, rotary embeddings, alibi, the cache) and
-hands its input straight through. The real layers are then called by the engine with those arguments.
-`write_kv_only` runs a layer with a cache proxy whose `update()` stores K/V and stops the layer there:
-every architecture's own input norm, k/v projections, k-norm and rotary fill the cache, and attention,
-o_proj and the MLP never run. Nothing here decides anything.
+`capture_layer_calls` runs the backbone once while every decoder layer records the `(args, kwargs)` the
+backbone passes it (masks per layer type, rotary embeddings, alibi, the cache) and hands its input straight
+through. The real layers are then called by the engine with those arguments. `write_kv_only` runs a layer
+with a cache proxy whose `update()` stores K/V and stops the layer there: every architecture's own input
+norm, k/v projections, k-norm and rotary fill the cache, and attention, o_proj and the MLP never run (nor
+the query projection, where the table names it). Recording and query skipping are scoped to the caller's
+context (`contextvars`), so concurrent forwards on the same model are unaffected. Nothing here decides
+anything.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from .architectures import ModelParts
 
@@ -47,28 +50,80 @@ class LayerCall:
         return self.args[0] if self.args else self.kwargs["hidden_states"]
 
 
-class _Recorder(nn.Module):
-    def __init__(self, store: dict, index: int, returns_tuple: bool):
-        super().__init__()
-        self.store, self.index, self.returns_tuple = store, index, returns_tuple
+# Capturing the backbone's layer calls, and K/V-only passes, never change the model per call: each decoder
+# layer (and its query projection, where K/V-only passes skip it) gets, once, a forward that looks up the
+# capture or the skip active in the caller's context. Other threads and plain forwards see the model as is.
+_CAPTURE: ContextVar = ContextVar("tide_layer_capture", default=None)
+_QUERY_SKIP: ContextVar = ContextVar("tide_query_skip", default=None)
+_INNER = "_tide_inner_forward"
 
+
+@dataclass
+class _Capture:
+    positions: dict  # id(layer module) -> layer index, for the model being captured
+    returns_tuple: bool
+    first_only: bool  # stop the backbone at the first layer (its call serves every layer)
+    store: dict
+
+
+class _Captured(Exception):
+    pass
+
+
+def _own_forward(module):
+    inner = module.__dict__.get(_INNER)
+    return inner if inner is not None else types.MethodType(type(module).forward, module)
+
+
+def _dispatching(module, make) -> None:
+    if getattr(module, "_tide_dispatch_installed", False):
+        return
+    if "forward" in module.__dict__:  # e.g. accelerate's hooks
+        object.__setattr__(module, _INNER, module.__dict__["forward"])
+    object.__setattr__(module, "forward", types.MethodType(make(type(module)), module))
+    object.__setattr__(module, "_tide_dispatch_installed", True)
+
+
+@functools.cache
+def _layer_forward_for(cls):
     def forward(self, *args, **kwargs):
-        self.store[self.index] = LayerCall(args, kwargs)
+        capture = _CAPTURE.get()
+        index = None if capture is None else capture.positions.get(id(self))
+        if index is None:
+            return _own_forward(self)(*args, **kwargs)
+        capture.store[index] = LayerCall(args, kwargs)
+        if capture.first_only:
+            raise _Captured
         hidden = args[0] if args else kwargs["hidden_states"]
-        return (hidden,) if self.returns_tuple else hidden
+        return (hidden,) if capture.returns_tuple else hidden
+
+    return functools.update_wrapper(forward, cls.forward)
+
+
+@functools.cache
+def _query_forward_for(cls):
+    def forward(self, x, *args, **kwargs):
+        if _QUERY_SKIP.get() is self:  # a K/V-only pass: the queries are never used
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        return _own_forward(self)(x, *args, **kwargs)
+
+    return functools.update_wrapper(forward, cls.forward)
+
+
+def _install_hooks(parts: ModelParts) -> None:
+    for layer in parts.layers:
+        _dispatching(layer, _layer_forward_for)
 
 
 @contextmanager
-def _recording(parts: ModelParts):
-    store: dict[int, LayerCall] = {}
-    originals = list(parts.layers)
-    for i in range(len(originals)):
-        parts.layers[i] = _Recorder(store, i, parts.spec.returns_tuple)
+def _capturing(parts: ModelParts, first_only: bool):
+    _install_hooks(parts)
+    capture = _Capture({id(layer): i for i, layer in enumerate(parts.layers)}, parts.spec.returns_tuple, first_only, {})
+    token = _CAPTURE.set(capture)
     try:
-        yield store
+        yield capture.store
     finally:
-        for i, layer in enumerate(originals):
-            parts.layers[i] = layer
+        _CAPTURE.reset(token)
 
 
 @torch.no_grad()
@@ -76,53 +131,43 @@ def capture_layer_calls(parts: ModelParts, **backbone_inputs) -> list[LayerCall]
     """The arguments the backbone would pass to each decoder layer for these inputs.
 
     When every layer receives the same arguments (`parts.uniform_layers`), the backbone is stopped at the
-    first layer and its call serves them all; otherwise every layer's call is recorded.
+    first layer and its call serves them all; otherwise every layer's call is recorded (each layer hands its
+    input straight through).
     """
     if parts.uniform_layers:
-        return [_first_layer_call(parts, backbone_inputs)] * parts.num_layers
-    with _recording(parts) as store:
+        with _capturing(parts, first_only=True) as store:
+            try:
+                parts.backbone(**backbone_inputs)
+            except _Captured:
+                pass
+        if 0 not in store:
+            raise RuntimeError("The backbone returned without calling its first decoder layer.")
+        return [store[0]] * parts.num_layers
+    with _capturing(parts, first_only=False) as store:
         parts.backbone(**backbone_inputs)
     if len(store) != parts.num_layers:
         raise RuntimeError(f"The backbone called {len(store)} of {parts.num_layers} decoder layers.")
     return [store[i] for i in range(parts.num_layers)]
 
 
-class _Captured(Exception):
-    pass
-
-
-def _first_layer_call(parts: ModelParts, backbone_inputs: dict) -> LayerCall:
-    store = []
-
-    def stop(_module, args, kwargs):
-        store.append(LayerCall(args, kwargs))
-        raise _Captured
-
-    hook = parts.layers[0].register_forward_pre_hook(stop, with_kwargs=True)
-    try:
-        parts.backbone(**backbone_inputs)
-    except _Captured:
-        pass
-    finally:
-        hook.remove()
-    if not store:
-        raise RuntimeError("The backbone returned without calling its first decoder layer.")
-    return store[0]
-
-
 @contextmanager
 def capture_outputs(parts: ModelParts, layers: list[int]):
     """Collect the hidden state each of `layers` outputs during a forward: {layer: [B, T, H]}."""
     captured: dict[int, torch.Tensor] = {}
-    hooks = [
-        parts.layers[k].register_forward_hook(lambda _m, _a, out, k=k: captured.__setitem__(k, parts.layer_output(out)))
-        for k in layers
-    ]
+    owner = ContextVar("tide_capture_outputs", default=None)  # only this context's forwards are collected
+    token = owner.set(captured)
+
+    def keep(k, output):
+        if owner.get() is captured:
+            captured[k] = parts.layer_output(output)
+
+    hooks = [parts.layers[k].register_forward_hook(lambda _m, _a, out, k=k: keep(k, out)) for k in layers]
     try:
         yield captured
     finally:
         for h in hooks:
             h.remove()
+        owner.reset(token)
 
 
 class _KVWritten(Exception):
@@ -143,36 +188,19 @@ class _WriteThenStop:
         return getattr(self._cache, name)
 
 
-class _ZeroQuery(nn.Module):
-    """Stands in for a query projection on K/V-only passes: the queries are never used."""
-
-    def __init__(self, out_features: int):
-        super().__init__()
-        self.out_features = out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(*x.shape[:-1], self.out_features)
-
-
-@functools.lru_cache(maxsize=None)
-def _zero_query(out_features: int) -> _ZeroQuery:
-    return _ZeroQuery(out_features)  # stateless: one per width, shared by every layer
-
-
 @contextmanager
 def _query_skipped(parts: ModelParts, index: int):
     path = parts.spec.query_proj
     if path is None:
         yield
         return
-    owner_path, _, name = path.rpartition(".")
-    owner = parts.layers[index].get_submodule(owner_path)
-    original = getattr(owner, name)
-    setattr(owner, name, _zero_query(original.out_features))
+    query = parts.layers[index].get_submodule(path)
+    _dispatching(query, _query_forward_for)
+    token = _QUERY_SKIP.set(query)
     try:
         yield
     finally:
-        setattr(owner, name, original)
+        _QUERY_SKIP.reset(token)
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 
 from .architectures import ModelParts, resolve
 from .config import TideConfig
+from .generation import generate_with_tide
 from .kernels import norm_params, router_exit
 from .router import CheckpointTest, RouterBank, exit_decision
 
@@ -26,7 +27,6 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = TideConfig
     base_model_prefix = "base"
     main_input_name = "input_ids"
-    _supports_cache_class = True
 
     def __init__(self, config: TideConfig, base_model: PreTrainedModel | None = None):
         if base_model is None:
@@ -163,8 +163,6 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
 
     def generate(self, *args, tide_config=None, **kwargs):
         """`generate` of the base model, with early exit while a `tide_config` operating point is in force."""
-        from .engine import generate_with_tide
-
         return generate_with_tide(self, tide_config, *args, **kwargs)
 
 

@@ -2,7 +2,7 @@
 
 When a token exits at checkpoint c, layers after c get a placeholder K/V for its position (propagated
 from its state, so the cache stays even) and the position is *pending*: its K/V is exact up to layer
-`valid[b, q]` and its hidden state there is kept. The next decode step processes, from the shallowest
+`exact_through[b, q]` and its hidden state there is kept. The next decode step processes, from the shallowest
 layer with a stale entry on, a chunk made of the pending positions plus the new token. At each layer
 the chunk's stale entries are recomputed from exact inputs and overwrite the placeholders in the same
 batched pass (FREE / EE-LLM style); entries that are already exact are left untouched. A stale entry
@@ -14,30 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from ._hf_compat import LengthView, has_sliding_layers, layer_kv
 from .layercalls import capture_layer_calls, write_kv_only
 
-__all__ = ["RecomputeState", "MAX_PENDING"]
+__all__ = ["RecomputeState", "RecomputeSteps", "MAX_PENDING"]
 
 MAX_PENDING = 64
-
-
-class _LengthView:
-    """The cache as the backbone must see it to build masks for a chunk starting at position `start`."""
-
-    def __init__(self, cache, start: int):
-        self._cache, self._start = cache, start
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._start
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self._start
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
-        return self._start + query_length, 0
-
-    def __getattr__(self, name):
-        return getattr(self._cache, name)
+_NEW_POSITION = -2  # `exact_through` of the step's own token inside a chunk: its state comes from the walk
 
 
 class _MergeTail:
@@ -52,10 +35,10 @@ class _MergeTail:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         pending = self._stale.shape[1]
-        layer = self._cache.layers[layer_idx]
+        keys, values = layer_kv(self._cache, layer_idx)
         stale = self._stale.to(key_states.device)[:, None, :, None]  # [B, 1, P, 1]
-        layer.keys[:, :, -pending:] = torch.where(stale, key_states[:, :, :pending], layer.keys[:, :, -pending:])
-        layer.values[:, :, -pending:] = torch.where(stale, value_states[:, :, :pending], layer.values[:, :, -pending:])
+        keys[:, :, -pending:] = torch.where(stale, key_states[:, :, :pending], keys[:, :, -pending:])
+        values[:, :, -pending:] = torch.where(stale, value_states[:, :, :pending], values[:, :, -pending:])
         return self._cache.update(key_states[:, :, pending:], value_states[:, :, pending:], layer_idx, *args, **kwargs)
 
     def __getattr__(self, name):
@@ -63,138 +46,132 @@ class _MergeTail:
 
 
 class RecomputeState:
-    """Pending positions of one generation and the decode step that recomputes them."""
+    """The pending positions of one generation: tokens whose K/V is exact only up to some layer.
 
-    def __init__(self, session):
-        self.session, self.parts = session, session.parts
-        self.ids = self.positions = self.valid = self.states = None  # [B, P], [B, P], [B, P], [B, P, H]
+    Per pending position (row b, position q): its token `ids`, `positions`, `exact_through[b, q]` (the last
+    layer whose K/V for it is exact) and `states[b, q]` (its output there). Each decode step gets its
+    `RecomputeSteps` from `steps()` and hands the walk's result back to `after_step()`.
+    """
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.ids = self.positions = self.exact_through = self.states = None  # [B, P], [B, P], [B, P], [B, P, H]
 
     @property
     def pending(self) -> int:
         return 0 if self.ids is None else self.ids.shape[1]
 
-    def after_prefill(self, input_ids, cache) -> None:
-        self.check_cache(cache)
+    def after_prefill(self, cache) -> None:
+        if cache is not None and has_sliding_layers(cache):
+            raise ValueError(
+                "kv_strategy='recompute' needs full-attention KV caches, and this model has sliding-window layers "
+                "(their evicted keys cannot be rewritten). Use kv_strategy='propagate'."
+            )
         self.reset()
 
-    @staticmethod
-    def check_cache(cache) -> None:
-        layer_types = getattr(cache, "is_sliding", None) or []
-        if any(layer_types):
-            raise ValueError(
-                "kv_strategy='recompute' and mode='lossless' need full-attention KV caches, and this model has "
-                "sliding-window layers (their evicted keys cannot be rewritten). Use mode='exit' with "
-                "kv_strategy='propagate'."
-            )
+    def steps(self, input_ids, cache, inputs: dict) -> "RecomputeSteps":
+        return RecomputeSteps(self, input_ids, cache, inputs)
 
-    # ------------------------------------------------------------------ one decode step
-    def decode_step(self, input_ids, cache, kwargs, allow_exit: bool = True, keep_pending: bool = False):
-        """input_ids: [B, 1] -> (logits [B, 1, V] from each row's exit state, exit layers [B]).
-
-        `allow_exit=False` runs the new token through every layer (recomputing all pending positions);
-        `keep_pending=True` keeps positions that became exact in `states` (for lossless verification).
-        """
-        session, stats, num_layers = self.session, self.session.stats, self.parts.num_layers
-        past = cache.get_seq_length()  # before this step writes anything
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.full_like(input_ids, past)
-        mask = kwargs.get("attention_mask")
-        single = capture_layer_calls(self.parts, input_ids=input_ids, past_key_values=cache, use_cache=True,
-                                     position_ids=position_ids, attention_mask=mask)
-        start = int(self.valid.min()) + 1 if self.pending else num_layers  # first layer with a stale entry
-        chain = single[0].hidden  # [B, 1, H]: the new token's exact state, whatever its exit
-        current = chain  # per-row exit state, for the logits
-        rows = chain.shape[0]
-        exited = torch.zeros(rows, dtype=torch.bool, device=chain.device)
-        exit_layer = torch.full((rows,), num_layers - 1, dtype=torch.long, device=chain.device)
-        chunk = running = valid = None
-        deepest, everyone_left, recomputed = -1, False, 0
-        for i in range(num_layers):
-            if everyone_left:
-                break
-            if i == start:
-                chunk, running, valid = self._open_chunk(input_ids, position_ids, mask, cache, chain, past - self.pending)
-            if chunk is None:
-                chain = single[i].run(self.parts, i, chain)
-            else:
-                running = torch.where((valid == i - 1)[..., None], self.states_with(chain), running)
-                stale = valid[:, :-1] < i
-                recomputed = recomputed + stale.sum()
-                running = chunk[i].run(self.parts, i, running, cache=_MergeTail(cache, stale))
-                chain = running[:, -1:]
-            stats.layer_passes += 1
-            deepest = i
-            current = torch.where(exited[:, None, None], current, chain)
-            if allow_exit and i in session.thresholds:
-                exits, state = session.exits_at(i, current)
-                leaving = exits[:, -1] & ~exited
-                current = torch.where(leaving[:, None, None], state, current)
-                exit_layer = torch.where(leaving, torch.full_like(exit_layer, i), exit_layer)
-                exited |= leaving
-                everyone_left = bool(exited.all())  # the one host sync per checkpoint
-        for i in range(deepest + 1, num_layers):  # placeholders for the new position
-            if chunk is None:
-                write_kv_only(single[i], self.parts, i, chain, cache)
-            else:
-                stale = torch.zeros_like(valid[:, :-1], dtype=torch.bool)
-                write_kv_only(chunk[i], self.parts, i, running, _MergeTail(cache, stale))
-            stats.kv_only_passes += 1
-        self._update_pending(input_ids, position_ids, chain, chunk, running, valid, deepest, keep_pending)
-        stats.recomputed_positions += int(recomputed)
-        return session.logits(current), exit_layer
-
-    def states_with(self, chain: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.states.to(chain.device), chain], dim=1)
-
-    def _open_chunk(self, input_ids, position_ids, mask, cache, chain, first: int):
-        """Layer calls, inputs and validity for the chunk [pending positions + the new token]."""
-        ids = torch.cat([self.ids.to(input_ids.device), input_ids], dim=1)
-        positions = torch.cat([self.positions.to(position_ids.device), position_ids], dim=1)
-        chunk = capture_layer_calls(self.parts, input_ids=ids, position_ids=positions, attention_mask=mask,
-                                    past_key_values=_LengthView(cache, first), use_cache=True)
-        running = self.states_with(chain)
-        rows = ids.shape[0]
-        valid = torch.cat([self.valid.to(chain.device), torch.full((rows, 1), -2, device=chain.device, dtype=torch.long)], 1)
-        return chunk, running, valid
-
-    def _update_pending(self, input_ids, position_ids, chain, chunk, running, valid, deepest, keep_pending) -> None:
-        rows = input_ids.shape[0]
-        new_valid = torch.full((rows, 1), deepest, dtype=torch.long, device=chain.device)
-        if chunk is not None:  # entries recomputed up to `deepest` now hold their state there
-            old_valid = valid[:, :-1]
-            recomputed = old_valid < deepest
-            self.states = torch.where(recomputed[..., None], running[:, :-1], self.states.to(running.device))
-            self.valid = torch.where(recomputed, torch.full_like(old_valid, deepest), old_valid)
+    def after_step(self, steps: "RecomputeSteps", walk) -> None:
+        """Record what the walk made exact, append the step's token, and trim."""
+        deepest = walk.full_passes - 1  # the last layer that ran for the step's token
+        rows = steps.input_ids.shape[0]
+        device = steps.token_state.device
+        new_exact = torch.full((rows, 1), deepest, dtype=torch.long, device=device)
+        if steps.chunk_calls is not None:  # entries recomputed up to `deepest` now hold their state there
+            old = steps.exact_through[:, :-1]
+            recomputed = old < deepest
+            self.states = torch.where(recomputed[..., None], steps.chunk_states[:, :-1], self.states.to(device))
+            self.exact_through = torch.where(recomputed, torch.full_like(old, deepest), old)
         if self.pending:
-            self.ids = torch.cat([self.ids, input_ids.to(self.ids.device)], 1)
-            self.positions = torch.cat([self.positions, position_ids.to(self.positions.device)], 1)
-            self.valid = torch.cat([self.valid.to(chain.device), new_valid], 1)
-            self.states = torch.cat([self.states.to(chain.device), chain], 1)
+            self.ids = torch.cat([self.ids, steps.input_ids.to(self.ids.device)], 1)
+            self.positions = torch.cat([self.positions, steps.position_ids.to(self.positions.device)], 1)
+            self.exact_through = torch.cat([self.exact_through.to(device), new_exact], 1)
+            self.states = torch.cat([self.states.to(device), steps.token_state], 1)
         else:
-            self.ids, self.positions, self.valid, self.states = input_ids, position_ids, new_valid, chain
-        if not keep_pending:
-            self._trim()
-
-    def drop_last(self, cache) -> None:
-        """Forget the newest pending position, in the cache (every layer) and here."""
-        cache.crop(-1)
-        if self.pending <= 1:
-            self.reset()
-        else:
-            self.ids, self.positions = self.ids[:, :-1], self.positions[:, :-1]
-            self.valid, self.states = self.valid[:, :-1], self.states[:, :-1]
+            self.ids, self.positions, self.exact_through, self.states = (
+                steps.input_ids, steps.position_ids, new_exact, steps.token_state)
+        self._trim()
 
     def reset(self) -> None:
-        self.ids = self.positions = self.valid = self.states = None
+        self.ids = self.positions = self.exact_through = self.states = None
 
     def _trim(self) -> None:
         """Drop leading positions that are exact everywhere, and the oldest beyond MAX_PENDING."""
-        done = (self.valid >= self.parts.num_layers - 1).all(0)
+        done = (self.exact_through >= self.parts.num_layers - 1).all(0)
         keep_from = int(done.long().cumprod(0).sum())  # leading exact positions
         keep_from = max(keep_from, self.pending - MAX_PENDING)
         if keep_from:
             self.ids, self.positions = self.ids[:, keep_from:], self.positions[:, keep_from:]
-            self.valid, self.states = self.valid[:, keep_from:], self.states[:, keep_from:]
+            self.exact_through, self.states = self.exact_through[:, keep_from:], self.states[:, keep_from:]
         if self.pending == 0:
-            self.ids = self.positions = self.valid = self.states = None
+            self.reset()
+
+
+class RecomputeSteps:
+    """How one decode step's walk runs layers with `kv_strategy="recompute"`.
+
+    The step's token runs alone until the shallowest layer with a stale pending entry; from there the walk
+    runs a chunk [pending positions + the token], recomputing stale entries in place (`_MergeTail`). The
+    token's own state keeps going through every layer that runs, exited or not (its K/V there is exact);
+    layers after everyone left get placeholders from it (`write_kv_only`).
+    """
+
+    def __init__(self, state: RecomputeState, input_ids, cache, inputs: dict):
+        self.state, self.parts, self.cache = state, state.parts, cache
+        past = cache.get_seq_length()  # before this step writes anything
+        self.input_ids = input_ids
+        self.position_ids = inputs.get("position_ids")
+        if self.position_ids is None:
+            self.position_ids = torch.full_like(input_ids, past)
+        self.mask = inputs.get("attention_mask")
+        self.token_calls = capture_layer_calls(self.parts, input_ids=input_ids, past_key_values=cache, use_cache=True,
+                                               position_ids=self.position_ids, attention_mask=self.mask)
+        self.hidden = self.token_calls[0].hidden  # [B, 1, H]
+        self.token_state = self.hidden  # the token's exact state after the last layer that ran
+        # the first layer with a stale entry (none: never)
+        self.first_stale = int(state.exact_through.min()) + 1 if state.pending else self.parts.num_layers
+        self.chunk_start = past - state.pending
+        self.chunk_calls = self.chunk_states = self.exact_through = None  # set once the chunk opens
+        self.recomputed = 0
+
+    def run(self, i: int, hidden: torch.Tensor, exited) -> torch.Tensor:
+        """The token's state after layer i (all rows: an exited row's state still feeds its K/V)."""
+        if i == self.first_stale:
+            self._open_chunk()
+        if self.chunk_calls is None:
+            self.token_state = self.token_calls[i].run(self.parts, i, self.token_state)
+            return self.token_state
+        # positions exact through layer i - 1 enter the chunk with their stored state
+        entering = (self.exact_through == i - 1)[..., None]
+        self.chunk_states = torch.where(entering, self._with_token(self.token_state), self.chunk_states)
+        stale = self.exact_through[:, :-1] < i
+        self.recomputed = self.recomputed + stale.sum()
+        self.chunk_states = self.chunk_calls[i].run(self.parts, i, self.chunk_states, cache=_MergeTail(self.cache, stale))
+        self.token_state = self.chunk_states[:, -1:]
+        return self.token_state
+
+    def fill_kv(self, layers: list[int], hidden: torch.Tensor) -> None:
+        """Placeholders for the step's token (from its own state) in the layers no token reached."""
+        for i in layers:
+            if self.chunk_calls is None:
+                write_kv_only(self.token_calls[i], self.parts, i, self.token_state, self.cache)
+            else:
+                untouched = torch.zeros_like(self.exact_through[:, :-1], dtype=torch.bool)
+                write_kv_only(self.chunk_calls[i], self.parts, i, self.chunk_states, _MergeTail(self.cache, untouched))
+
+    def _with_token(self, token_state: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.state.states.to(token_state.device), token_state], dim=1)
+
+    def _open_chunk(self) -> None:
+        """Layer calls, states and exactness for the chunk [pending positions + the step's token]."""
+        state, device = self.state, self.input_ids.device
+        ids = torch.cat([state.ids.to(device), self.input_ids], dim=1)
+        positions = torch.cat([state.positions.to(self.position_ids.device), self.position_ids], dim=1)
+        self.chunk_calls = capture_layer_calls(self.parts, input_ids=ids, position_ids=positions, attention_mask=self.mask,
+                                               past_key_values=LengthView(self.cache, self.chunk_start), use_cache=True)
+        self.chunk_states = self._with_token(self.token_state)
+        rows = ids.shape[0]
+        token_device = self.token_state.device
+        new = torch.full((rows, 1), _NEW_POSITION, device=token_device, dtype=torch.long)
+        self.exact_through = torch.cat([state.exact_through.to(token_device), new], 1)

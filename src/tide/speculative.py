@@ -18,49 +18,16 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .engine import attach_stats, forward_swapped
+from ._hf_compat import LengthView, crop_layer, has_sliding_layers, layer_length
+from .dispatch import base_forward
 from .layercalls import capture_layer_calls
-from .recompute import _LengthView
 from .stats import GenerationStats
 
-__all__ = ["generate_lossless", "LosslessSession"]
-
-
-def generate_lossless(model, config, *args, **kwargs):
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if inputs is not None and inputs.shape[0] != 1:
-        raise ValueError(
-            f"mode='lossless' decodes one sequence at a time (batch size 1), got a batch of {inputs.shape[0]}; "
-            "loop over the rows or use mode='exit' for batches."
-        )
-    if kwargs.get("num_return_sequences", 1) != 1 or kwargs.get("num_beams", 1) != 1:
-        raise ValueError("mode='lossless' supports greedy and sampling with one sequence (no beams, num_return_sequences=1).")
-    if kwargs.get("inputs_embeds") is not None:
-        raise ValueError("mode='lossless' drafts from token ids; pass input_ids instead of inputs_embeds.")
-    unavailable = ((config.calibration or {}).get("draft_selection") or {}).get("unavailable")
-    if unavailable:
-        raise ValueError(unavailable)
-    if config.max_draft == 0:  # calibration found that no draft pays on this model and machine
-        model.last_stats = None
-        return model.base.generate(*args, **kwargs)
-    session = LosslessSession(model, config, kwargs.get("stopping_criteria"))
-    base = model.base
-    with forward_swapped(base, session.forward) as original:
-        session.original_forward = original
-        base._get_candidate_generator = session.candidate_generator
-        try:
-            start = time.perf_counter()
-            # prompt_lookup_num_tokens only switches generate into assisted mode; the candidate generator is ours.
-            output = base.generate(*args, prompt_lookup_num_tokens=max(config.max_draft, 1), **kwargs)
-            session.stats.wall_time_s = time.perf_counter() - start
-        finally:
-            del base._get_candidate_generator
-    model.last_stats = session.stats
-    return attach_stats(output, session.stats)
+__all__ = ["LosslessSession", "check_full_attention"]
 
 
 def check_full_attention(cache) -> None:
-    if any(getattr(cache, "is_sliding", None) or []):
+    if has_sliding_layers(cache):
         raise ValueError(
             "mode='lossless' needs full-attention KV caches, and this model has sliding-window layers (drafted "
             "positions would evict keys that verification may still need). Use mode='exit'."
@@ -71,7 +38,7 @@ class LosslessSession:
     """One lossless `generate` call: drafted states between drafting and verification, and the counters."""
 
     def __init__(self, model, config, stopping_criteria=None):
-        self.model, self.parts = model, model.parts
+        self.model, self.base, self.parts = model, model.base, model.parts
         self.draft_layer = config.resolve_draft_layer(self.parts.num_layers)
         self.max_draft = config.max_draft
         self.cap = config.max_draft
@@ -79,7 +46,7 @@ class LosslessSession:
         self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact")
         self.pending_ids = None  # [1, P] tokens through the shallow layers only
         self.pending_states = None  # [1, P, H] their layer-E outputs
-        self.original_forward = None
+        self.original_forward = base_forward(model.base)
 
     @property
     def pending(self) -> int:
@@ -107,7 +74,7 @@ class LosslessSession:
     def drop_last(self, cache) -> None:
         """Forget the newest drafted position (its shallow K/V and state)."""
         for i in range(self.draft_layer + 1):
-            cache.layers[i].crop(-1)
+            crop_layer(cache, i, -1)
         self.pending_ids, self.pending_states = self.pending_ids[:, :-1], self.pending_states[:, :-1]
         if self.pending == 0:
             self.pending_ids = self.pending_states = None
@@ -124,9 +91,9 @@ class LosslessSession:
         start = time.perf_counter()
         self.shallow_step(input_ids[:, -1:], cache, attention_mask)
         ids, states = self.pending_ids, self.pending_states  # [1, P + 1], [1, P + 1, H]
-        deep_length = cache.layers[-1].get_seq_length()  # deep layers hold every position before the chunk
+        deep_length = layer_length(cache, self.parts.num_layers - 1)  # deep layers hold every position before the chunk
         inputs = _positions(attention_mask, deep_length, ids.shape[1])
-        calls = capture_layer_calls(self.parts, input_ids=ids, past_key_values=_LengthView(cache, deep_length),
+        calls = capture_layer_calls(self.parts, input_ids=ids, past_key_values=LengthView(cache, deep_length),
                                     use_cache=True, **inputs)
         for i in range(self.draft_layer + 1, self.parts.num_layers):
             states = calls[i].run(self.parts, i, states)
@@ -139,13 +106,20 @@ class LosslessSession:
         return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
 
+def _grown_mask(mask, length: int):
+    """The attention mask for the first `length` positions: cut, or extended with ones for new tokens."""
+    if mask is None:
+        return None
+    if mask.shape[1] >= length:
+        return mask[:, :length]
+    return torch.cat([mask, mask.new_ones(mask.shape[0], length - mask.shape[1])], dim=1)
+
+
 def _positions(mask, past: int, length: int) -> dict:
     """attention_mask / position_ids for `length` new positions after `past` cached ones (batch 1)."""
     if mask is None:
         return {"position_ids": torch.arange(past, past + length).unsqueeze(0)}
-    mask = mask[:, : past + length]
-    if mask.shape[1] < past + length:
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], past + length - mask.shape[1])], dim=1)
+    mask = _grown_mask(mask, past + length)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
     return {"attention_mask": mask, "position_ids": positions}
 
@@ -213,10 +187,7 @@ class _TideDrafter(CandidateGenerator):
             self.session.stats.prefill_tokens += input_ids.shape[1] - 1 - have
 
     def _mask(self, tokens):
-        if self.mask is None:
-            return None
-        extra = tokens.shape[1] - self.mask.shape[1]
-        return torch.cat([self.mask, self.mask.new_ones(1, extra)], 1) if extra > 0 else self.mask[:, : tokens.shape[1]]
+        return _grown_mask(self.mask, tokens.shape[1])
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         if self.do_sample:

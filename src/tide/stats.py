@@ -29,6 +29,14 @@ class GenerationStats:
     accepted: int = 0
     verify_passes: int = 0
 
+    def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0) -> None:
+        """Count one exit-mode decode step: where its tokens left and the layer work it ran."""
+        self.decode_steps += 1
+        self.layer_passes += full_passes
+        self.kv_only_passes += kv_only_passes
+        self.recomputed_positions += recomputed
+        self.record_exits(exit_layers)
+
     def record_exits(self, exit_layers: list[int], emitted: bool = True) -> None:
         """Count where tokens left the stack; `emitted=False` for lossless drafts (counted when accepted)."""
         for k in exit_layers:

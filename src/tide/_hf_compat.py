@@ -1,0 +1,92 @@
+"""Every private piece of transformers that Tide relies on, in one place.
+
+- `CANDIDATE_GENERATOR_METHOD`: the `GenerationMixin` method assisted generation asks for its drafter;
+  lossless mode answers it with its own (see `dispatch.py`).
+- `ASSISTED_SWITCH`: the `generate` argument that turns assisted decoding on without an assistant model.
+- Cache internals: a layer's `keys`/`values` tensors, `crop`, `get_seq_length`; the cache's `is_sliding`,
+  `get_mask_sizes` and `get_query_offset`, which `LengthView` answers for a chunk of positions.
+
+`check()` verifies them against the installed transformers and raises an error naming the piece that
+changed; the test suite calls it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+__all__ = ["CANDIDATE_GENERATOR_METHOD", "ASSISTED_SWITCH", "LengthView", "layer_kv", "crop_layer", "layer_length",
+           "has_sliding_layers", "check"]
+
+CANDIDATE_GENERATOR_METHOD = "_get_candidate_generator"
+ASSISTED_SWITCH = "prompt_lookup_num_tokens"
+
+
+def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored (keys, values) of cache layer `layer`, each [B, H_kv, T, D]."""
+    entry = cache.layers[layer]
+    return entry.keys, entry.values
+
+
+def crop_layer(cache, layer: int, length: int) -> None:
+    """Crop one cache layer (`length` < 0 drops that many newest positions)."""
+    cache.layers[layer].crop(length)
+
+
+def layer_length(cache, layer: int) -> int:
+    return cache.layers[layer].get_seq_length()
+
+
+def has_sliding_layers(cache) -> bool:
+    return any(getattr(cache, "is_sliding", None) or [])
+
+
+class LengthView:
+    """The cache as the backbone must see it to build masks for a chunk of positions starting at `start`."""
+
+    def __init__(self, cache, start: int):
+        self._cache, self._start = cache, start
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._start
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._start
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        return self._start + query_length, 0
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+def check() -> None:
+    """Raise RuntimeError naming every private transformers piece above that is missing or changed."""
+    from transformers import DynamicCache, GenerationConfig, GenerationMixin, LlamaConfig
+
+    problems = []
+    method = getattr(GenerationMixin, CANDIDATE_GENERATOR_METHOD, None)
+    expected = ["generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs"]
+    if method is None:
+        problems.append(f"GenerationMixin.{CANDIDATE_GENERATOR_METHOD} is gone (lossless mode answers it)")
+    elif [p for p in inspect.signature(method).parameters][1:6] != expected:
+        problems.append(f"GenerationMixin.{CANDIDATE_GENERATOR_METHOD} no longer takes {expected}")
+    if not hasattr(GenerationConfig(), ASSISTED_SWITCH):
+        problems.append(f"GenerationConfig.{ASSISTED_SWITCH} is gone (it switches generate into assisted mode)")
+    for name in ("get_mask_sizes", "get_query_offset", "crop", "get_seq_length", "is_sliding"):
+        if not hasattr(DynamicCache, name):
+            problems.append(f"DynamicCache.{name} is gone")
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
+                         intermediate_size=8, vocab_size=8)
+    cache = DynamicCache(config=config)
+    cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    try:
+        keys, values = layer_kv(cache, 0)
+        crop_layer(cache, 0, -1)
+        if keys.shape[2] != 3 or layer_length(cache, 0) != 2:
+            problems.append("cache layers no longer hold keys/values as [B, H, T, D] or crop differently")
+    except (AttributeError, IndexError, TypeError) as err:
+        problems.append(f"cache layers changed: {err}")
+    if problems:
+        raise RuntimeError("Tide relies on transformers internals that changed: " + "; ".join(problems) + ".")

@@ -1,0 +1,99 @@
+"""`TideForCausalLM.generate`: the config a call runs with, and the session that runs it.
+
+Every call runs the base model's own `generate`. With no operating point it is the plain base model; in exit
+mode an `ExitSession` (engine.py) serves the decode steps; in lossless mode a `LosslessSession`
+(speculative.py) drafts and verifies inside transformers' assisted generation. The session is made active
+for this call's context only (`dispatch.activated`), so concurrent calls on one model, from threads or
+asyncio tasks, each run their own configuration and the base model is never changed per call.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from . import _hf_compat
+from .config import TideConfig
+from .dispatch import activated, install
+from .engine import ExitSession
+from .speculative import LosslessSession
+from .stats import GenerationStats
+
+__all__ = ["generate_with_tide", "resolve_run_config", "attach_stats"]
+
+_NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", _hf_compat.ASSISTED_SWITCH, "output_hidden_states",
+                      "output_attentions")
+
+
+def resolve_run_config(model, tide_config) -> TideConfig | None:
+    """The config a generate call runs with, or None for the plain base model."""
+    if tide_config is False:
+        return None
+    if isinstance(tide_config, dict) and tide_config.get("mode") == "lossless" and "exit_threshold" in tide_config:
+        raise ValueError(
+            "tide_config: exit_threshold applies to mode='exit'. Lossless mode drafts from the exit head at "
+            "draft_layer, up to max_draft tokens per verification; set those instead."
+        )
+    run = model.config.with_overrides(tide_config)
+    run.validate(num_layers=model.parts.num_layers)
+    if run.has_operating_point or run.mode == "lossless":  # lossless drafts need no thresholds
+        return run
+    if tide_config is not None:
+        warnings.warn(
+            "tide_config was given, but these routers have no thresholds (not calibrated) and no exit_threshold "
+            "was set, so the base model runs unchanged. Calibrate with tide.calibrate or pass exit_threshold.",
+            stacklevel=3,
+        )
+    return None
+
+
+def generate_with_tide(model, tide_config, *args, **kwargs):
+    model.last_stats = None
+    run = resolve_run_config(model, tide_config)
+    if run is None:
+        return model.base.generate(*args, **kwargs)
+    if run.mode == "lossless":
+        _check_lossless_call(run, args, kwargs)
+        if run.max_draft == 0:  # calibration found that no drafting scheme pays on this model and machine
+            return model.base.generate(*args, **kwargs)
+        session = LosslessSession(model, run, kwargs.get("stopping_criteria"))
+        # This switch only turns generate's assisted mode on; the candidate generator is the session's.
+        kwargs = {**kwargs, _hf_compat.ASSISTED_SWITCH: max(run.max_draft, 1)}
+    else:
+        session = ExitSession(model, run)
+    install(model.base)
+    with activated(session):
+        start = time.perf_counter()
+        output = model.base.generate(*args, **kwargs)
+        session.stats.wall_time_s = time.perf_counter() - start
+    model.last_stats = session.stats
+    return attach_stats(output, session.stats)
+
+
+def attach_stats(output, stats: GenerationStats):
+    if not isinstance(output, torch.Tensor):
+        output["tide_stats"] = stats
+    return output
+
+
+def _check_lossless_call(config: TideConfig, args, kwargs) -> None:
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if inputs is not None and inputs.shape[0] != 1:
+        raise ValueError(
+            f"mode='lossless' decodes one sequence at a time (batch size 1), got a batch of {inputs.shape[0]}; "
+            "loop over the rows or use mode='exit' for batches."
+        )
+    if kwargs.get("num_return_sequences", 1) != 1 or kwargs.get("num_beams", 1) != 1:
+        raise ValueError("mode='lossless' supports greedy and sampling with one sequence (no beams, num_return_sequences=1).")
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError("mode='lossless' drafts from token ids; pass input_ids instead of inputs_embeds.")
+    given = [name for name in _NOT_WITH_LOSSLESS if kwargs.get(name)]
+    if given:
+        raise ValueError(f"mode='lossless' is Tide's own assisted decoding and does not combine with {given}; drop them.")
+    if kwargs.get("use_cache") is False:
+        raise ValueError("mode='lossless' verifies drafts against the KV cache; drop use_cache=False.")
+    unavailable = ((config.calibration or {}).get("draft_selection") or {}).get("unavailable")
+    if unavailable:
+        raise ValueError(unavailable)

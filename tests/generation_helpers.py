@@ -1,0 +1,22 @@
+"""Logits processors and stopping criteria shared by the generation tests."""
+
+import torch
+from transformers import LogitsProcessor, StoppingCriteria
+
+
+class BanToken(LogitsProcessor):
+    def __init__(self, token):
+        self.token, self.calls = token, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        scores[:, self.token] = -float("inf")
+        return scores
+
+
+class StopAfter(StoppingCriteria):
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
