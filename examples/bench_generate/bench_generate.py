@@ -9,7 +9,13 @@ median of `--repeats` interleaved runs, for:
 and the ideal speedup implied by what ran (weights touched per decode token: full layers, K/V-only
 passes, head), so the measured speedup can be read as a fraction of it.
 
+With `--batch-sizes 1,4,16`, it measures batches instead: the first half of the rows (at least one) is forced
+out after `--exit-layer` at every step, the rest runs every layer; rows that exit leave the running batch.
+The ideal there counts the row-layers that ran (a row that exits runs `exit_layer + 1` layers and K/V-only
+passes for the rest).
+
     python examples/bench_generate/bench_generate.py --json docs/results/bench_generate_cpu.json
+    python examples/bench_generate/bench_generate.py --batch-sizes 1,4,16 --json docs/results/bench_batch_cpu.json
 """
 
 from __future__ import annotations
@@ -62,6 +68,60 @@ def ideal_speedup(model: tide.TideForCausalLM, stats) -> float:
     return (model.parts.num_layers * c_layer + c_head) / ran
 
 
+def ideal_batch_speedup(model: tide.TideForCausalLM, stats, batch: int) -> float:
+    """Weights x rows per decode step, full stack vs what ran: each row's own layers, K/V-only layers, head."""
+    layer = model.parts.layers[0]
+    c_layer, c_head = params(layer), params(model.parts.lm_head)
+    c_kv = params(layer.input_layernorm) + params(layer.self_attn.k_proj) + params(layer.self_attn.v_proj)
+    c_router = params(model.routers[model.checkpoints[0]])
+    num_layers, tokens = model.parts.num_layers, stats.decode_tokens
+    ran = (stats.token_layers * c_layer + (tokens * num_layers - stats.token_layers) * c_kv) / tokens + c_head + c_router
+    return (num_layers * c_layer + c_head) / ran
+
+
+def half_forced_out(exit_layer: int, batch: int):
+    """Exit tests (for `TideForCausalLM.exit_tests`) that let the first half of the rows out at `exit_layer`."""
+    out_rows = max(1, batch // 2)
+
+    def test(hidden):
+        exits = torch.zeros(hidden.shape[0], dtype=torch.bool)
+        exits[:out_rows] = True
+        return exits.float(), exits, hidden
+
+    return lambda thresholds: {exit_layer: test}
+
+
+def run_batches(args, base, model) -> dict:
+    rows = {}
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        ids = torch.randint(10, 32000, (batch, args.prompt_tokens))
+        model.exit_tests = half_forced_out(args.exit_layer, batch)
+        runs = {
+            "base": lambda i, **kw: base.generate(i, do_sample=False, **kw),
+            "tide_half_forced_out": lambda i, **kw: model.generate(i, do_sample=False, tide_config={"exit_threshold": 0.5}, **kw),
+        }
+        for fn in runs.values():
+            fn(ids, max_new_tokens=2)
+        times = {name: [] for name in runs}
+        with torch.inference_mode():
+            for _ in range(args.repeats):
+                for name, fn in runs.items():
+                    times[name].append(decode_seconds(fn, ids, args.new_tokens))
+        stats = model.last_stats
+        base_tps = batch * args.new_tokens / statistics.median(times["base"])
+        tps = batch * args.new_tokens / statistics.median(times["tide_half_forced_out"])
+        ratios = [b / t for b, t in zip(times["base"], times["tide_half_forced_out"])]
+        ideal = ideal_batch_speedup(model, stats, batch)
+        rows[str(batch)] = {"base_tokens_per_s": round(base_tps, 3), "tide_tokens_per_s": round(tps, 3),
+                            "ratio_to_base": round(tps / base_tps, 4), "paired_ratios": [round(r, 4) for r in ratios],
+                            "mean_layers": stats.mean_layers, "exits": stats.exits, "ideal_speedup": round(ideal, 3),
+                            "fraction_of_ideal": round(tps / base_tps / ideal, 4)}
+        print(f"batch {batch:3d}: base {base_tps:8.2f} tok/s  tide {tps:8.2f} tok/s  x{tps / base_tps:.3f}  "
+              f"ideal x{ideal:.3f} ({tps / base_tps / ideal:.1%} of ideal), mean layers {stats.mean_layers:.2f}")
+    del model.exit_tests
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=16)
@@ -71,12 +131,22 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--batch-sizes", help="e.g. 1,4,16: measure batches with half the rows forced out instead")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     base = build(args.layers, args.hidden)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_layers=[args.exit_layer]))
+    machine = f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}"
+    if args.batch_sizes:
+        results = {"machine": machine, "model": f"random-init Llama, {args.layers} layers, hidden {args.hidden}, fp32",
+                   "exit_layer": args.exit_layer, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                   "batches": run_batches(args, base, model)}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     ids = torch.randint(10, 32000, (1, args.prompt_tokens))
     runs = {
         "base": lambda i, **kw: base.generate(i, do_sample=False, **kw),
@@ -96,7 +166,7 @@ def main() -> None:
                 times[name].append(decode_seconds(fn, ids, args.new_tokens))
                 if name != "base":
                     stats[name] = model.last_stats
-    results = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}",
+    results = {"machine": machine,
                "model": f"random-init Llama, {args.layers} layers, hidden {args.hidden}, fp32",
                "new_tokens": args.new_tokens, "repeats": args.repeats, "runs": {}}
     base_tps = args.new_tokens / statistics.median(times["base"])

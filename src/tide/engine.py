@@ -22,6 +22,7 @@ from .dispatch import base_forward
 from .kvfill import fill_kv
 from .layercalls import LayerCall, capture_layer_calls
 from .recompute import RecomputeState
+from .rowsplit import RowSplitCache, can_slice, sliced_call
 from .stats import GenerationStats
 
 __all__ = ["ExitSession", "walk_layers", "WalkResult", "PropagateSteps", "BACKBONE_KEYS"]
@@ -108,8 +109,13 @@ class WalkResult:
 
 class PropagateSteps:
     """How a walk runs layers with `kv_strategy="propagate"`: an exited token's state stays frozen, so the
-    layers after its exit see it (its K/V there is propagated from it); skipped layers are filled in one
-    batched K/V computation (`kvfill.fill_kv`)."""
+    layers after its exit see it (its K/V there is propagated from it), filled by one batched K/V computation
+    (`kvfill.fill_kv`).
+
+    In a batched decode step, rows that have exited leave the running batch (`rowsplit`): their K/V for every
+    later layer is filled when they exit, and the layers run on the remaining rows only. Where a layer's
+    arguments cannot be sliced by row, every row keeps running (exited rows' outputs are discarded).
+    """
 
     recomputed = 0
 
@@ -118,14 +124,41 @@ class PropagateSteps:
         self.calls: list[LayerCall] = capture_layer_calls(parts, input_ids=input_ids, past_key_values=cache,
                                                           use_cache=True, **inputs)
         self.hidden = self.calls[0].hidden  # [B, T, H]: the input of the first layer
+        batch, length = self.hidden.shape[:2]
+        self.split = None  # RowSplitCache once a row has left, when rows can leave the batch
+        self.row_skipping = batch > 1 and length == 1 and all(can_slice(c, batch) for c in {id(c): c for c in self.calls}.values())
 
     def run(self, i: int, hidden: torch.Tensor, exited: torch.Tensor | None) -> torch.Tensor:
-        out = self.calls[i].run(self.parts, i, hidden)
         if exited is None:
-            return out
+            return self.calls[i].run(self.parts, i, hidden)
+        if self.split is not None:
+            running = (~exited[:, 0]).nonzero().squeeze(1)
+            self.split.rows = running
+            call = sliced_call(self.calls[i], running, hidden.shape[0])
+            out = call.run(self.parts, i, hidden.index_select(0, running.to(hidden.device)), cache=self.split)
+            return hidden.to(out.device).index_copy(0, running.to(out.device), out)
+        out = self.calls[i].run(self.parts, i, hidden)
         return torch.where(exited.to(out.device)[..., None], hidden.to(out.device), out)
 
+    def rows_left(self, layer: int, leaving: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Rows `leaving` (bool [B, T]) exited after `layer`: with row skipping, fill their K/V for every later
+        layer now, from their state."""
+        if not self.row_skipping:
+            return
+        batch = hidden.shape[0]
+        if self.split is None:
+            self.split = RowSplitCache(self.cache, batch)
+        rows = leaving[:, 0].nonzero().squeeze(1)
+        self.split.rows = rows
+        calls = [sliced_call(c, rows, batch) for c in self.calls] if len({id(c) for c in self.calls}) > 1 else \
+            [sliced_call(self.calls[0], rows, batch)] * len(self.calls)
+        fill_kv(self.parts, calls, list(range(layer + 1, self.parts.num_layers)),
+                hidden.index_select(0, rows.to(hidden.device)), self.split)
+
     def fill_kv(self, layers: list[int], hidden: torch.Tensor) -> None:
+        if self.split is not None:  # every row's later layers were filled when it left
+            self.split.check_complete()
+            return
         fill_kv(self.parts, self.calls, layers, hidden, self.cache)
 
 
@@ -159,8 +192,10 @@ def walk_layers(parts, steps, exit_tests: dict) -> WalkResult:
                 exit_states = torch.where(leaving[..., None], state, exit_states.to(state.device))
                 exited = exited | leaving
                 num_exited = int(exited.sum())
+                steps.rows_left(i, leaving, hidden)
     if num_exited:
         hidden = torch.where(exited[..., None], exit_states.to(hidden.device), hidden)
+    steps.fill_kv([], hidden)
     return WalkResult(hidden, exit_layer, full_passes, 0, int(steps.recomputed))
 
 

@@ -151,6 +151,9 @@ class RecomputeSteps:
         self.token_state = self.chunk_states[:, -1:]
         return self.token_state
 
+    def rows_left(self, layer: int, leaving: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Exited rows keep running here: their state still feeds their exact K/V."""
+
     def fill_kv(self, layers: list[int], hidden: torch.Tensor) -> None:
         """Placeholders for the step's token (from its own state) in the layers no token reached."""
         for i in layers:
