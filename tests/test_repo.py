@@ -126,7 +126,7 @@ def test_hub_repo_from_offline_cache(tmp_path):
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
-def test_import_tide_checkpoint(tmp_path):
+def test_convert_tide_routers(tmp_path):
     base = tiny_model("llama")
     hidden, bottleneck = 32, 16
     state = {"hidden_dim": hidden, "bottleneck_dim": bottleneck, "router_layers": {
@@ -134,7 +134,7 @@ def test_import_tide_checkpoint(tmp_path):
     }}
     torch.save(state, tmp_path / "router.pt")
     with pytest.warns(UserWarning):
-        model = tide.import_tide_checkpoint(tmp_path / "router.pt", base)
+        model = tide.convert_tide_routers(tmp_path / "router.pt", base)
     assert model.checkpoints == [1, 3]  # layer 5 is the last layer: not an exit
     torch.testing.assert_close(model.routers[3].down.weight, state["router_layers"][3]["down.weight"])
     model.save_pretrained(tmp_path / "out")
@@ -144,7 +144,7 @@ def test_import_tide_checkpoint(tmp_path):
 def test_not_a_tide_checkpoint(tmp_path):
     torch.save({"weights": torch.zeros(2)}, tmp_path / "router.pt")
     with pytest.raises(ValueError, match="not a TIDE router checkpoint"):
-        tide.import_tide_checkpoint(tmp_path / "router.pt", tiny_model("llama"))
+        tide.convert_tide_routers(tmp_path / "router.pt", tiny_model("llama"))
 
 
 def test_router_dtype_mismatch_is_a_clear_error():
@@ -154,8 +154,6 @@ def test_router_dtype_mismatch_is_a_clear_error():
 
 
 def test_push_to_hub_uploads_only_the_repo_files(monkeypatch):
-    import huggingface_hub
-
     calls = {}
 
     class FakeApi:
@@ -169,7 +167,30 @@ def test_push_to_hub_uploads_only_the_repo_files(monkeypatch):
             calls["files"] = sorted(os.listdir(folder_path))
             calls["allow"] = sorted(allow_patterns)
 
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setattr(tide.hub, "HfApi", FakeApi)
     _calibrated().push_to_hub("user/llama-tide")
     assert calls["repo"] == "user/llama-tide"
     assert calls["files"] == calls["allow"] == sorted(REPO_FILES)
+
+
+@pytest.mark.parametrize("base_name", ["org/base-model", None])
+def test_model_card_front_matter_parses(tmp_path, base_name):
+    from huggingface_hub import ModelCard
+
+    from tide.hub import model_card
+
+    config = tide.TideConfig(checkpoint_layers=[1, 3], base_model_name_or_path=base_name, base_model_type="llama",
+                             base_num_layers=6, base_hidden_size=32)
+    (tmp_path / "README.md").write_text(model_card(config))
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.library_name == "tide-transformers" and "early-exit" in card.data.tags
+    assert card.data.base_model == base_name
+    assert card.text.lstrip().startswith("# Tide routers for")
+
+
+def test_unknown_attributes_come_from_the_base_model():
+    base = tiny_model("llama")
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_layers=[1]))
+    assert model.model is base.model and model.vocab_size == base.vocab_size
+    assert not hasattr(model, "no_such_attribute")
+    assert model.routers is not None and model.base is base  # own attributes stay the wrapper's

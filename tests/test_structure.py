@@ -1,5 +1,6 @@
 """The package's shape: every module imports alone, no import cycles, and the transformers internals Tide uses exist."""
 
+import ast
 import importlib
 import pkgutil
 import subprocess
@@ -20,6 +21,40 @@ def test_each_module_imports_alone(module):
     code = f"import importlib; importlib.import_module('tide.{module}')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _imports(module: str) -> set[str]:
+    """The tide modules `module` imports at module level (function-level imports included: a cycle is a cycle)."""
+    tree = ast.parse((PACKAGE_DIR / f"{module}.py").read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                out.add(node.module.split(".")[0])
+            else:
+                out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tide."):
+            out.add(node.module.split(".")[1])
+    return out & set(MODULES)
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = {m: _imports(m) for m in MODULES if m != "__init__"}
+    state = {}
+
+    def visit(node, path):
+        if state.get(node) == "done":
+            return
+        if state.get(node) == "open":
+            cycle = path[path.index(node):] + [node]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        state[node] = "done"
+
+    for m in graph:
+        visit(m, [])
 
 
 def test_transformers_internals_tide_relies_on_are_there():

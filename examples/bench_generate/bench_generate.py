@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -91,6 +92,38 @@ def half_forced_out(exit_layer: int, batch: int):
     return lambda thresholds: {exit_layer: test}
 
 
+def without_row_skipping(fn):
+    os.environ["TIDE_ROW_SKIPPING"] = "off"
+    try:
+        return fn()
+    finally:
+        del os.environ["TIDE_ROW_SKIPPING"]
+
+
+def layer_seconds_by_rows(model, base, batches, prompt_tokens: int, repeats: int = 5) -> dict:
+    """Median time of one decoder layer call on a decode token, by the number of rows it runs."""
+    from transformers import DynamicCache
+
+    from tide.layercalls import capture_layer_calls
+
+    parts, out = model.parts, {}
+    for rows in batches:
+        ids = torch.randint(10, 32000, (rows, prompt_tokens))
+        cache = DynamicCache(config=base.config)
+        with torch.inference_mode():
+            base(ids, past_key_values=cache, use_cache=True)
+            calls = capture_layer_calls(parts, input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for i in range(parts.num_layers):
+                    calls[i].run(parts, i, calls[0].hidden)
+                    cache.layers[i].crop(-1)
+                times.append((time.perf_counter() - start) / parts.num_layers)
+        out[str(rows)] = round(statistics.median(times) * 1e3, 3)
+    return out
+
+
 def run_batches(args, base, model) -> dict:
     rows = {}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
@@ -99,6 +132,8 @@ def run_batches(args, base, model) -> dict:
         runs = {
             "base": lambda i, **kw: base.generate(i, do_sample=False, **kw),
             "tide_half_forced_out": lambda i, **kw: model.generate(i, do_sample=False, tide_config={"exit_threshold": 0.5}, **kw),
+            "tide_half_forced_out_rows_kept": lambda i, **kw: without_row_skipping(
+                lambda: model.generate(i, do_sample=False, tide_config={"exit_threshold": 0.5}, **kw)),
         }
         for fn in runs.values():
             fn(ids, max_new_tokens=2)
@@ -107,6 +142,8 @@ def run_batches(args, base, model) -> dict:
             for _ in range(args.repeats):
                 for name, fn in runs.items():
                     times[name].append(decode_seconds(fn, ids, args.new_tokens))
+        kept_tps = batch * args.new_tokens / statistics.median(times["tide_half_forced_out_rows_kept"])
+        model.generate(ids, do_sample=False, tide_config={"exit_threshold": 0.5}, max_new_tokens=args.new_tokens + 1)
         stats = model.last_stats
         base_tps = batch * args.new_tokens / statistics.median(times["base"])
         tps = batch * args.new_tokens / statistics.median(times["tide_half_forced_out"])
@@ -114,9 +151,10 @@ def run_batches(args, base, model) -> dict:
         ideal = ideal_batch_speedup(model, stats, batch)
         rows[str(batch)] = {"base_tokens_per_s": round(base_tps, 3), "tide_tokens_per_s": round(tps, 3),
                             "ratio_to_base": round(tps / base_tps, 4), "paired_ratios": [round(r, 4) for r in ratios],
-                            "mean_layers": stats.mean_layers, "exits": stats.exits, "ideal_speedup": round(ideal, 3),
+                            "rows_kept_ratio_to_base": round(kept_tps / base_tps, 4), "mean_layers": stats.mean_layers, "exits": stats.exits, "ideal_speedup": round(ideal, 3),
                             "fraction_of_ideal": round(tps / base_tps / ideal, 4)}
-        print(f"batch {batch:3d}: base {base_tps:8.2f} tok/s  tide {tps:8.2f} tok/s  x{tps / base_tps:.3f}  "
+        print(f"batch {batch:3d}: base {base_tps:8.2f} tok/s  tide {tps:8.2f} tok/s  x{tps / base_tps:.3f} "
+              f"(exited rows kept in the batch: x{kept_tps / base_tps:.3f})  "
               f"ideal x{ideal:.3f} ({tps / base_tps / ideal:.1%} of ideal), mean layers {stats.mean_layers:.2f}")
     del model.exit_tests
     return rows
@@ -143,6 +181,9 @@ def main() -> None:
         results = {"machine": machine, "model": f"random-init Llama, {args.layers} layers, hidden {args.hidden}, fp32",
                    "exit_layer": args.exit_layer, "new_tokens": args.new_tokens, "repeats": args.repeats,
                    "batches": run_batches(args, base, model)}
+        sizes = sorted({max(1, int(b) // 2) for b in args.batch_sizes.split(",")} | {int(b) for b in args.batch_sizes.split(",")})
+        results["layer_ms_by_rows"] = layer_seconds_by_rows(model, base, sizes, args.prompt_tokens)
+        print("one decoder layer call (ms) by rows:", results["layer_ms_by_rows"])
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

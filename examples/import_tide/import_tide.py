@@ -43,18 +43,19 @@ if args.router is None:  # TIDE's format: plain tensors and ints, routers hidden
 # 1. Import: read with torch.load(weights_only=True), keep the exits before the last layer, zero biases.
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    model = tide.import_tide_checkpoint(args.router, base)
+    model = tide.convert_tide_routers(args.router, base)
 for w in caught:
     print("warning:", w.message)
 c = model.config
+g = c.generation_config
 inputs = tok("The assignment statement", return_tensors="pt").to(device)
 model.generate(**inputs, max_new_tokens=24, do_sample=False)
-print(f"imported checkpoints {model.checkpoints} with TIDE's operating point (exit_threshold={c.exit_threshold}, "
-      f"min_layers={c.min_layers}): {model.last_stats.mean_layers:.2f} layers/token, no guarantee")
+print(f"imported checkpoints {model.checkpoints} with TIDE's operating point (exit_threshold={g.exit_threshold}, "
+      f"min_layers={g.min_layers}): {model.last_stats.mean_layers:.2f} layers/token, no guarantee")
 
 # 2. TIDE trained these routers on raw states; Tide scores the final-norm view, so their scores shift.
 #    Recalibrate: fine-tune the imported routers and pick thresholds with Tide's guarantee.
-c.exit_threshold, c.min_layers = None, 0  # use the calibrated thresholds at every checkpoint
+c.set_generation_defaults(exit_threshold=None, min_layers=0)  # the calibrated thresholds at every checkpoint
 c.target_agreement = _tiny.TARGET if tiny else 0.99
 data = _tiny.calibration_data() if tiny else dict(dataset=args.dataset, dataset_config=args.dataset_config)
 model = tide.calibrate(model, tok, progress=False, **data)

@@ -63,4 +63,4 @@ for label, overrides in sweep.items():
     print(f"{label:<22} {q.agreement:9.3f} {q.ppl_delta:+10.3f} {q.mean_layers:12.2f}")
 
 # To keep one: model.generate(..., tide_config={"exit_threshold": 0.7}) per call, or
-# model.config.exit_threshold = 0.7; model.save_pretrained(...) to make it the repo's default.
+# model.config.set_generation_defaults(exit_threshold=0.7); model.save_pretrained(...) to make it the repo's default.

@@ -3,10 +3,10 @@
 __version__ = "0.1.0"
 
 from .architectures import ARCHITECTURES, ArchSpec, register, supported_model_types  # noqa: E402
-from .config import TideConfig  # noqa: E402
+from .config import TideConfig, TideGenerationConfig  # noqa: E402
 from .modeling import TideForCausalLM  # noqa: E402
 from .calibrate import calibrate  # noqa: E402
-from .hub import import_tide_checkpoint  # noqa: E402
+from .convert import convert_tide_routers, import_tide_checkpoint  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -14,7 +14,9 @@ __all__ = [
     "ArchSpec",
     "TideConfig",
     "TideForCausalLM",
+    "TideGenerationConfig",
     "calibrate",
+    "convert_tide_routers",
     "import_tide_checkpoint",
     "register",
     "supported_model_types",

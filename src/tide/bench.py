@@ -65,7 +65,7 @@ def _decode_seconds(fn, ids, new_tokens: int) -> float:
 
 
 def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep=DEFAULT_SWEEP, new_tokens: int = 48,
-              repeats: int = 3, max_eval_tokens: int = 128, progress=print) -> dict:
+              repeats: int = 3, max_eval_tokens: int = 128, batch_size: int = 16, progress=print) -> dict:
     """Measure every variant; returns the results as a JSON-ready dict."""
     base = model.base
     variants = _variants(model, sweep)
@@ -76,9 +76,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     def run_config(cfg):
         if cfg is None or "thresholds" not in cfg:
             return cfg
-        run = model.config.with_overrides({k: v for k, v in cfg.items() if k != "thresholds"})
-        run.thresholds = cfg["thresholds"]
-        return run
+        return model.config.resolve_generation(cfg)
 
     def generate(cfg):
         if cfg is None:
@@ -141,12 +139,48 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                        eval_mean_layers=q.mean_layers, eval_tokens=q.tokens)
         results["variants"][name] = row
         progress(_line(name, row))
+    if model.config.thresholds and batch_size > 1:
+        results["batch"] = batch_throughput(model, tokenizer, heldout, batch_size, new_tokens, repeats)
+        b = results["batch"]
+        progress(f"batch {batch_size} (calibrated thresholds): base {b['base_tokens_per_s']:.1f} tok/s, Tide "
+                 f"{b['tide_tokens_per_s']:.1f} tok/s, x{b['ratio_to_base']:.3f} [{b['ratio_range'][0]:.2f}-"
+                 f"{b['ratio_range'][1]:.2f}], mean layers {b['mean_layers']:.2f}")
     if model.config.thresholds:
         results["prefill_exit"] = _prefill_effect(model, token_lists)
         progress("prefill_exit (first half of each text as the prompt): agreement "
                  f"{results['prefill_exit']['agreement_full_prefill']:.3f} with a full prefill, "
                  f"{results['prefill_exit']['agreement_prefill_exit']:.3f} with prompt tokens exiting too")
     return results
+
+
+def batch_throughput(model, tokenizer, texts: list[str], batch_size: int, new_tokens: int, repeats: int,
+                     prompt_tokens: int = 12) -> dict:
+    """Decode tokens/s of one left-padded batch (prompts: the start of `batch_size` texts), base `generate`
+    against Tide with the model's calibrated thresholds, interleaved over `repeats`."""
+    base = model.base
+    rows = [tokenizer(t)["input_ids"][:prompt_tokens] for t in texts[:batch_size]]
+    width = max(len(r) for r in rows)
+    pad = base.generation_config.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=base.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=base.device)
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=pad)
+    runs = {
+        "base": lambda i, n: base.generate(i, max_new_tokens=n, min_new_tokens=n, **kwargs),
+        "tide": lambda i, n: model.generate(i, max_new_tokens=n, min_new_tokens=n, tide_config={}, **kwargs),
+    }
+    times = {name: [] for name in runs}
+    with torch.inference_mode():
+        for fn in runs.values():
+            fn(ids, 2)
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                times[name].append(_decode_seconds(fn, ids, new_tokens))
+        stats = model.last_stats
+    tokens = new_tokens * ids.shape[0]
+    ratios = [b / t for b, t in zip(times["base"], times["tide"])]
+    return {"batch_size": ids.shape[0], "base_tokens_per_s": tokens / statistics.median(times["base"]),
+            "tide_tokens_per_s": tokens / statistics.median(times["tide"]), "ratio_to_base": statistics.median(ratios),
+            "ratio_range": [min(ratios), max(ratios)], "mean_layers": stats.mean_layers, "exits": stats.exits}
 
 
 def _prefill_effect(model, token_lists) -> dict:

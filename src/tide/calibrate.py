@@ -74,7 +74,7 @@ def calibrate(
         raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
     n_held = min(len(texts) - 1, max(1, round(len(texts) * opts.heldout_fraction)))
     train_texts, held_texts = texts[n_held:], texts[:n_held]
-    layers = cfg.consulted_checkpoints(tide.checkpoints)
+    layers = cfg.generation_config.consulted_checkpoints(tide.checkpoints)
 
     was_training = tide.base.training
     tide.base.eval()
@@ -105,7 +105,7 @@ def calibrate(
         selection, dropped, validation = _validate(tide, tokens, selection, dropped, cfg)
     draft_selection = None
     if costs is not None and opts.draft_trials:
-        candidates = draft_candidates(held.agree(), num_layers, costs, cfg.max_draft or 8)[: opts.draft_trials]
+        candidates = draft_candidates(held.agree(), num_layers, costs, cfg.generation_config.max_draft or 8)[: opts.draft_trials]
         draft_selection = _choose_draft(tide, tokenizer, held_texts, candidates)
     cfg.thresholds = tide.heldout_selection.thresholds(selection, tide.checkpoints)
     cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), trainer.train_tokens)
@@ -317,15 +317,15 @@ def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
         try:
             ratio = measured_speedup(tide, prompts, {"mode": "lossless", "draft_layer": layer, "max_draft": length})
         except ValueError as err:  # lossless mode unavailable for this model (e.g. sliding-window caches)
-            tide.config.draft_layer, tide.config.max_draft = None, 0
+            tide.config.set_generation_defaults(draft_layer=None, max_draft=0)
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
         trials.append({"draft_layer": layer, "max_draft": length, "estimate": estimate, "measured": ratio})
     best = max(trials, key=lambda t: t["measured"], default=None)
     if best is not None and best["measured"] > 1.0:
-        tide.config.draft_layer, tide.config.max_draft = best["draft_layer"], best["max_draft"]
+        tide.config.set_generation_defaults(draft_layer=best["draft_layer"], max_draft=best["max_draft"])
     else:
-        tide.config.draft_layer, tide.config.max_draft = None, 0
-    return {"trials": trials, "chosen": best if tide.config.max_draft else None}
+        tide.config.set_generation_defaults(draft_layer=None, max_draft=0)
+    return {"trials": trials, "chosen": best if tide.config.generation_config.max_draft else None}
 
 
 def _validation_tokens(texts, tokenizer, opts: CalibrationOptions) -> list[list[int]]:
@@ -348,8 +348,8 @@ def _validate(tide, token_lists, selection, dropped, cfg):
     Returns (selection, dropped, {agreement, tokens, lower_bound, exit_error_budget, mean_layers})."""
     held = tide.heldout_selection
     while True:
-        run = copy.deepcopy(cfg)
-        run.thresholds, run.exit_threshold, run.mode = held.thresholds(selection, tide.checkpoints), None, "exit"
+        run = cfg.resolve_generation({"thresholds": held.thresholds(selection, tide.checkpoints), "exit_threshold": None,
+                                      "mode": "exit"})
         active = any(t < 1.0 for t in run.thresholds.values())
         report = teacher_forced(tide, token_lists, run) if active else None
         if report is None:
@@ -460,6 +460,7 @@ def calibration_table(config) -> str:
         lines.append(f"lossless drafts from layer {trial['draft_layer']}, up to {trial['max_draft']}: estimated "
                      f"x{trial['estimate']:.3f}, measured x{trial['measured']:.3f}")
     if draft:
-        lines.append(f"lossless mode: drafts from layer {config.draft_layer}, up to {config.max_draft} per verification"
-                     if config.max_draft else "lossless mode: no draft pays on this model and machine (it decodes plainly)")
+        generation = config.generation_config
+        lines.append(f"lossless mode: drafts from layer {generation.draft_layer}, up to {generation.max_draft} per "
+                     "verification" if generation.max_draft else "lossless mode: no draft pays on this model and machine (it decodes plainly)")
     return "\n".join(lines)

@@ -9,32 +9,31 @@ import argparse
 import sys
 from pathlib import Path
 
-from .calibrate import calibration_table
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+from .bench import plot_bench, run_bench, save_results
+from .calibrate import calibrate, calibration_table
+from .config import TideConfig
+from .convert import convert_tide_routers
+from .demo import demo_model_and_texts, run_demo
+from .modeling import TideForCausalLM
 
 __all__ = ["main"]
 
 
 def _load(name_or_path: str, dtype: str = "auto"):
     """(TideForCausalLM or base model, tokenizer) for a router repo or a plain model."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    import tide
-
     if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
         raise FileNotFoundError(f"{name_or_path}: no such directory (pass a router repo or model directory, or a Hub id)")
     config = AutoConfig.from_pretrained(name_or_path)
-    if isinstance(config, tide.TideConfig):
-        model = tide.TideForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    if isinstance(config, TideConfig):
+        model = TideForCausalLM.from_pretrained(name_or_path, dtype=dtype)
         return model, AutoTokenizer.from_pretrained(name_or_path)  # the base model's, named in the repo
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype), AutoTokenizer.from_pretrained(name_or_path)
 
 
 def cmd_calibrate(args) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import tide
-
-    config = tide.TideConfig(
+    config = TideConfig(
         checkpoint_layers=args.checkpoint_layers,
         checkpoint_interval=args.checkpoint_interval,
         target_agreement=args.target_agreement,
@@ -42,7 +41,7 @@ def cmd_calibrate(args) -> None:
     )
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = tide.calibrate(base, tokenizer, dataset=args.dataset, config=config, dataset_config=args.dataset_config,
+    model = calibrate(base, tokenizer, dataset=args.dataset, config=config, dataset_config=args.dataset_config,
                            split=args.split, text_column=args.text_column, num_samples=args.num_samples,
                            max_length=args.max_length, batch_size=args.batch_size)
     model.save_pretrained(args.out)
@@ -67,16 +66,12 @@ def _tide_overrides(args) -> dict:
 
 
 def cmd_generate(args) -> None:
-    from transformers import TextStreamer
-
-    import tide
-
     model, tokenizer = _load(args.model)
     inputs = tokenizer(args.prompt, return_tensors="pt").to(model.device)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
     if args.stream:
         kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=False)
-    if isinstance(model, tide.TideForCausalLM):
+    if isinstance(model, TideForCausalLM):
         kwargs["tide_config"] = _tide_overrides(args)
     else:
         print("(no routers: this is the plain base model; make a router repo with `tide calibrate`)", file=sys.stderr)
@@ -86,14 +81,11 @@ def cmd_generate(args) -> None:
     stats = getattr(model, "last_stats", None)
     if stats is not None:
         print("\n" + stats.summary())
-    elif isinstance(model, tide.TideForCausalLM):
+    elif isinstance(model, TideForCausalLM):
         print("\n(the base model ran unchanged: no exits or drafts pay here, or none were configured)")
 
 
 def cmd_bench(args) -> None:
-    from .bench import plot_bench, run_bench, save_results
-    from .demo import demo_model_and_texts
-
     if args.model:
         model, tokenizer = _load(args.model)
         heldout = Path(args.heldout).read_text().split("\n\n") if args.heldout else None
@@ -114,19 +106,13 @@ def cmd_bench(args) -> None:
 
 
 def cmd_import_tide(args) -> None:
-    from transformers import AutoModelForCausalLM
-
-    import tide
-
     base = AutoModelForCausalLM.from_pretrained(args.base)
-    model = tide.import_tide_checkpoint(args.router, base)
+    model = convert_tide_routers(args.router, base)
     model.save_pretrained(args.out)
     print(f"Imported {len(model.checkpoints)} routers (checkpoints {model.checkpoints}) into {args.out}")
 
 
 def cmd_demo(args) -> None:
-    from .demo import run_demo
-
     run_demo(out_dir=args.out, quick=args.quick)
 
 

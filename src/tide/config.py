@@ -1,31 +1,154 @@
-"""`TideConfig`: where the routers sit, how they were calibrated, and how generation uses them.
+"""`TideConfig` (the saved description of a router set) and `TideGenerationConfig` (how one generate call uses it).
 
-A `TideConfig` is a transformers `PreTrainedConfig` (model type ``"tide"``), so a router repo's
-``config.json`` loads through `AutoConfig` once `tide` is imported. It never holds the base model's
-weights or its config: only the name of the base and the three numbers that routers depend on
-(model type, hidden size, layer count), which loading checks.
+The split follows transformers' own model config / `GenerationConfig`. A `TideConfig` is a transformers
+`PreTrainedConfig` (model type ``"tide"``), so a router repo's ``config.json`` loads through `AutoConfig` once
+`tide` is imported. It holds where the routers sit, how they were calibrated and what that gave, and the base
+model's identity (its name and the three numbers routers depend on: model type, hidden size, layer count,
+which loading checks); never the base model's weights or config. Its `generation` field keeps the repo's
+default generation options (e.g. the draft scheme calibration chose), which a call's `tide_config` overrides.
 
-Validation lives in `TideConfig.validate` alone; every error names the field at fault.
+Validation lives in the two `validate` methods; every error names the field at fault.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from typing import Any
 
 from transformers import PreTrainedConfig
 
-__all__ = ["TideConfig", "INFERENCE_FIELDS", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS"]
+__all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS"]
 
 LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
 KV_STRATEGIES = ("propagate", "recompute")
 MODES = ("exit", "lossless")
 
-# The fields a `generate(..., tide_config=...)` call may override.
-INFERENCE_FIELDS = ("exit_threshold", "min_layers", "kv_strategy", "mode", "prefill_exit", "max_draft", "draft_layer")
+# The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
+GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "max_draft",
+                     "draft_layer")
+
+
+class TideGenerationConfig:
+    r"""
+    How one `generate` call uses the routers: what `generate(..., tide_config=...)` accepts (this class or a
+    dict of its fields). Unset fields take the router repo's defaults (`TideConfig.generation`), then these
+    defaults.
+
+    Args:
+        exit_threshold (`float`, *optional*):
+            One threshold at every checkpoint instead of the calibrated ones. `1.0` never exits; a negative value
+            exits every token at the first checkpoint consulted.
+        thresholds (`dict[str, float]`, *optional*):
+            Per-checkpoint thresholds (keyed by layer index as a string) instead of the calibrated ones, e.g.
+            from `tide.calibrate.thresholds_for_target`.
+        min_layers (`int`, *optional*, defaults to 0):
+            Layers every token runs before any router is consulted.
+        kv_strategy (`str`, *optional*, defaults to `"propagate"`):
+            How skipped layers get K/V for an exited token: `"propagate"` or `"recompute"`.
+        mode (`str`, *optional*, defaults to `"exit"`):
+            `"exit"` (early exit) or `"lossless"` (self-speculative decoding: drafts from the exit head at
+            `draft_layer`, verified by the full model; output identical to the base model's).
+        prefill_exit (`bool`, *optional*, defaults to `False`):
+            Let prompt tokens exit early too (with propagated K/V).
+        max_draft (`int`, *optional*, defaults to 8):
+            Lossless mode: most draft tokens per verification; 0 runs the base model's own `generate`.
+        draft_layer (`int`, *optional*):
+            Lossless mode: the checkpoint whose exit head drafts tokens. If unset, the first checkpoint at or
+            after a quarter of the stack.
+    """
+
+    def __init__(self, exit_threshold: float | None = None, thresholds: dict | None = None, min_layers: int = 0,
+                 kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False, max_draft: int = 8,
+                 draft_layer: int | None = None):
+        self.exit_threshold, self.min_layers, self.kv_strategy, self.mode = exit_threshold, min_layers, kv_strategy, mode
+        self.prefill_exit, self.max_draft, self.draft_layer = prefill_exit, max_draft, draft_layer
+        self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
+        self.validate()
+
+    @classmethod
+    def from_value(cls, value, defaults: "TideGenerationConfig | None" = None) -> "TideGenerationConfig":
+        """`defaults` updated with `value`: None, a dict of `GENERATION_FIELDS`, or a `TideGenerationConfig`
+        (its fields that differ from the class defaults)."""
+        merged = (defaults or cls()).to_dict()
+        if isinstance(value, TideGenerationConfig):
+            blank = cls().to_dict()
+            merged.update({k: v for k, v in value.to_dict().items() if v != blank[k]})
+        elif isinstance(value, dict):
+            unknown = sorted(set(value) - set(GENERATION_FIELDS))
+            if unknown:
+                raise ValueError(f"tide_config: unknown key(s) {unknown}; generation accepts {list(GENERATION_FIELDS)}.")
+            merged.update(value)
+        elif isinstance(value, TideConfig):  # another router set's saved defaults and thresholds
+            merged.update(value.generation or {})
+            if value.thresholds:
+                merged["thresholds"] = dict(value.thresholds)
+        elif value is not None:
+            raise TypeError(f"tide_config must be a TideGenerationConfig or a dict, got {type(value).__name__}.")
+        return cls(**merged)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in GENERATION_FIELDS}
+
+    def __repr__(self) -> str:
+        return f"TideGenerationConfig({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TideGenerationConfig) and self.to_dict() == other.to_dict()
+
+    def validate(self, checkpoints: list[int] | None = None) -> None:
+        """Check every field (and, given the model's checkpoints, the ones that name a layer)."""
+        _check_choice("kv_strategy", self.kv_strategy, KV_STRATEGIES, owner="tide_config")
+        _check_choice("mode", self.mode, MODES, owner="tide_config")
+        _check_int("min_layers", self.min_layers, minimum=0, owner="tide_config")
+        _check_int("max_draft", self.max_draft, minimum=0, owner="tide_config")
+        if self.draft_layer is not None:
+            _check_int("draft_layer", self.draft_layer, minimum=0, owner="tide_config")
+        if not isinstance(self.prefill_exit, bool):
+            raise ValueError(f"tide_config.prefill_exit must be True or False, got {self.prefill_exit!r}.")
+        if self.exit_threshold is not None:
+            _check_number("exit_threshold", self.exit_threshold, owner="tide_config")
+            if self.exit_threshold > 1.0:
+                raise ValueError(f"tide_config.exit_threshold must be <= 1.0 (1.0 never exits), got {self.exit_threshold}.")
+        for key, value in (self.thresholds or {}).items():
+            _check_number(f"thresholds[{key!r}]", value, owner="tide_config")
+        if checkpoints is None:
+            return
+        if self.draft_layer is not None and self.draft_layer not in checkpoints:
+            raise ValueError(
+                f"tide_config.draft_layer={self.draft_layer} is not a checkpoint; lossless drafts come from a "
+                f"checkpoint's exit head: pick one of {checkpoints}."
+            )
+        if checkpoints and self.min_layers > checkpoints[-1] + 1:
+            raise ValueError(
+                f"tide_config.min_layers={self.min_layers} is past the last checkpoint (layer {checkpoints[-1]}, "
+                f"i.e. after {checkpoints[-1] + 1} layers): no token could ever exit. Lower min_layers."
+            )
+
+    def consulted_checkpoints(self, checkpoints: list[int]) -> list[int]:
+        """The checkpoints whose routers are consulted: those after at least `min_layers` layers."""
+        return [k for k in checkpoints if k + 1 >= self.min_layers]
+
+    def threshold_for(self, layer: int) -> float:
+        """The threshold in force at checkpoint `layer` (the override, else `thresholds`, else never exit)."""
+        if self.exit_threshold is not None:
+            return float(self.exit_threshold)
+        if self.thresholds is not None and str(layer) in self.thresholds:
+            return float(self.thresholds[str(layer)])
+        return 1.0
+
+    @property
+    def has_operating_point(self) -> bool:
+        """True when there are thresholds to use (an override or calibrated ones)."""
+        return self.exit_threshold is not None or bool(self.thresholds)
+
+    def resolve_draft_layer(self, checkpoints: list[int], num_layers: int) -> int:
+        """The checkpoint lossless mode drafts from: set, else the first at or after a quarter of the stack."""
+        if self.draft_layer is not None:
+            return self.draft_layer
+        return next((k for k in checkpoints if k + 1 >= num_layers // 4), checkpoints[-1])
+
 
 # Keys that transformers itself writes into every config.json, never "unknown".
 _TRANSFORMERS_KEYS = {"model_type", "transformers_version", "architectures", "_name_or_path", "name_or_path", "torch_dtype", "dtype"}
@@ -63,24 +186,10 @@ class TideConfig(PreTrainedConfig):
             Confidence of that guarantee (one-sided Clopper-Pearson bound on the disagreement rate).
         thresholds (`dict[str, float]`, *optional*):
             Calibrated per-checkpoint score thresholds, keyed by the layer index as a string.
-        exit_threshold (`float`, *optional*):
-            Overrides the calibrated thresholds at every checkpoint. `1.0` never exits; a negative value
-            exits every token at the first checkpoint at or after `min_layers`.
-        min_layers (`int`, *optional*, defaults to 0):
-            Number of layers every token runs before any router is consulted.
-        kv_strategy (`str`, *optional*, defaults to `"propagate"`):
-            How skipped layers get K/V for an exited token: `"propagate"` or `"recompute"`.
-        mode (`str`, *optional*, defaults to `"exit"`):
-            `"exit"` (early exit) or `"lossless"` (self-speculative decoding: drafts from the exit head at
-            `draft_layer`, verified by the full model; output identical to the base model's).
-        prefill_exit (`bool`, *optional*, defaults to `False`):
-            Let prompt tokens exit early too (with propagated K/V).
-        max_draft (`int`, *optional*, defaults to 8):
-            Lossless mode: most draft tokens per verification; 0 runs the base model's own `generate`
-            (calibration sets it to 0 when no drafting scheme beat the base model when timed).
-        draft_layer (`int`, *optional*):
-            Lossless mode: the checkpoint whose exit head drafts tokens (0-based layer index). If unset, the one
-            calibration chose, else the first checkpoint at or after a quarter of the stack.
+        generation (`dict`, *optional*):
+            The repo's default generation options (`TideGenerationConfig` fields, e.g. the draft scheme
+            calibration chose); a call's `tide_config` overrides them. Generation fields given to `TideConfig`
+            directly (e.g. `TideConfig(min_layers=2)`, or the top-level keys of older config files) land here.
         base_model_name_or_path (`str`, *optional*):
             Hub id or local path of the base model the routers were trained on.
         base_model_revision (`str`, *optional*):
@@ -105,13 +214,7 @@ class TideConfig(PreTrainedConfig):
     target_agreement: float = 0.99
     confidence: float = 0.95
     thresholds: dict[str, float] | None = None
-    exit_threshold: float | None = None
-    min_layers: int = 0
-    kv_strategy: str = "propagate"
-    mode: str = "exit"
-    prefill_exit: bool = False
-    max_draft: int = 8
-    draft_layer: int | None = None
+    generation: dict | None = None
     base_model_name_or_path: str | None = None
     base_model_revision: str | None = None
     base_model_type: str | None = None
@@ -121,6 +224,9 @@ class TideConfig(PreTrainedConfig):
     tide_version: str | None = None
 
     def __post_init__(self, **kwargs: Any):
+        defaults = {k: kwargs.pop(k) for k in list(kwargs) if k in GENERATION_FIELDS and k != "thresholds"}
+        if defaults:
+            self.generation = {**(self.generation or {}), **defaults}
         unknown = sorted(k for k in kwargs if k not in _TRANSFORMERS_KEYS)
         if unknown:
             warnings.warn(
@@ -144,28 +250,17 @@ class TideConfig(PreTrainedConfig):
         """Check every field; raise `ValueError` naming the first bad one."""
         num_layers = num_layers or self.base_num_layers
         _check_choice("label", self.label, LABEL_RULES)
-        _check_choice("kv_strategy", self.kv_strategy, KV_STRATEGIES)
-        _check_choice("mode", self.mode, MODES)
         _check_choice("exit_head", self.exit_head, EXIT_HEADS)
         if self.exit_head_rank is not None:
             _check_int("exit_head_rank", self.exit_head_rank, minimum=1)
-        if self.draft_layer is not None:
-            _check_int("draft_layer", self.draft_layer, minimum=0)
         _check_int("checkpoint_interval", self.checkpoint_interval, minimum=1)
         _check_int("router_hidden_size", self.router_hidden_size, minimum=1)
-        _check_int("min_layers", self.min_layers, minimum=0)
-        _check_int("max_draft", self.max_draft, minimum=0)
         _check_unit("target_agreement", self.target_agreement)
         _check_unit("confidence", self.confidence)
         _check_unit("cosine_threshold", self.cosine_threshold)
-        if not isinstance(self.prefill_exit, bool):
-            raise ValueError(f"TideConfig.prefill_exit must be True or False, got {self.prefill_exit!r}.")
-        if self.exit_threshold is not None:
-            _check_number("exit_threshold", self.exit_threshold)
-            if self.exit_threshold > 1.0:
-                raise ValueError(
-                    f"TideConfig.exit_threshold must be <= 1.0 (1.0 never exits), got {self.exit_threshold}."
-                )
+        if self.generation is not None and not isinstance(self.generation, dict):
+            raise ValueError(f"TideConfig.generation must be a dict of generation options, got {self.generation!r}.")
+        generation = self.generation_config  # validates the defaults
         for key, value in (self.thresholds or {}).items():
             _check_number(f"thresholds[{key!r}]", value)
         if self.checkpoint_layers is not None:
@@ -177,6 +272,7 @@ class TideConfig(PreTrainedConfig):
                 )
         if num_layers is not None:
             self._validate_against(num_layers)
+            generation.validate(checkpoints=self.resolve_checkpoints(num_layers))
 
     def _validate_against(self, num_layers: int) -> None:
         layers = self.resolve_checkpoints(num_layers)
@@ -190,16 +286,6 @@ class TideConfig(PreTrainedConfig):
                 f"TideConfig.checkpoint_layers={layers}: the last usable checkpoint of a {num_layers}-layer "
                 f"model is layer {num_layers - 2} (leaving after the last layer is not an exit)."
             )
-        if self.draft_layer is not None and self.draft_layer not in layers:
-            raise ValueError(
-                f"TideConfig.draft_layer={self.draft_layer} is not a checkpoint; lossless drafts come from a "
-                f"checkpoint's exit head: pick one of {layers}."
-            )
-        if self.min_layers > layers[-1] + 1:
-            raise ValueError(
-                f"TideConfig.min_layers={self.min_layers} is past the last checkpoint (layer {layers[-1]}, "
-                f"i.e. after {layers[-1] + 1} layers): no token could ever exit. Lower min_layers."
-            )
 
     # ------------------------------------------------------------------ derived values
     def resolve_checkpoints(self, num_layers: int | None = None) -> list[int]:
@@ -212,68 +298,38 @@ class TideConfig(PreTrainedConfig):
         step = self.checkpoint_interval
         return [k for k in range(step - 1, num_layers - 1, step)]
 
-    def consulted_checkpoints(self, checkpoints: list[int]) -> list[int]:
-        """The checkpoints whose routers are consulted: those after at least `min_layers` layers."""
-        return [k for k in checkpoints if k + 1 >= self.min_layers]
-
-    def threshold_for(self, layer: int) -> float:
-        """The threshold in force at checkpoint `layer` (override, else calibrated, else never exit)."""
-        if self.exit_threshold is not None:
-            return float(self.exit_threshold)
-        if self.thresholds is not None and str(layer) in self.thresholds:
-            return float(self.thresholds[str(layer)])
-        return 1.0
-
-    def resolve_draft_layer(self, num_layers: int | None = None) -> int:
-        """The checkpoint lossless mode drafts from: set, else the first at or after a quarter of the stack."""
-        if self.draft_layer is not None:
-            return self.draft_layer
-        layers = self.resolve_checkpoints(num_layers)
-        quarter = (num_layers or self.base_num_layers or 0) // 4
-        return next((k for k in layers if k + 1 >= quarter), layers[-1])
-
     @property
-    def has_operating_point(self) -> bool:
-        """True when generation has thresholds to use (an override or calibrated ones)."""
-        return self.exit_threshold is not None or bool(self.thresholds)
+    def generation_config(self) -> TideGenerationConfig:
+        """The repo's default generation options (a new object; change them with `set_generation_defaults`)."""
+        return TideGenerationConfig(**(self.generation or {}))
 
-    def with_overrides(self, overrides: "TideConfig | dict | None") -> "TideConfig":
-        """A copy with inference fields taken from `overrides` (a dict of `INFERENCE_FIELDS` or a config)."""
-        if isinstance(overrides, TideConfig):
-            changes = {k: getattr(overrides, k) for k in INFERENCE_FIELDS}
-            if overrides.thresholds:
-                changes["thresholds"] = overrides.thresholds
-        elif isinstance(overrides, dict):
-            bad = sorted(set(overrides) - set(INFERENCE_FIELDS))
-            if bad:
-                raise ValueError(
-                    f"tide_config: unknown key(s) {bad}; generation accepts {list(INFERENCE_FIELDS)}."
-                )
-            changes = dict(overrides)
-        elif overrides is None:
-            changes = {}
-        else:
-            raise TypeError(f"tide_config must be a TideConfig or a dict, got {type(overrides).__name__}.")
-        merged = copy.deepcopy(self)
-        for key, value in changes.items():
-            setattr(merged, key, value)
-        merged.validate()
-        return merged
+    def set_generation_defaults(self, **changes) -> None:
+        """Set default generation options saved with the repo (e.g. `draft_layer=3, max_draft=2`)."""
+        updated = TideGenerationConfig.from_value(changes, self.generation_config)
+        blank = TideGenerationConfig().to_dict()
+        self.generation = {k: v for k, v in updated.to_dict().items() if v != blank[k] and k != "thresholds"} or None
+
+    def resolve_generation(self, overrides=None) -> TideGenerationConfig:
+        """The options a call runs with: the repo's defaults and calibrated thresholds, then `overrides` (None,
+        a dict of `GENERATION_FIELDS` or a `TideGenerationConfig`)."""
+        defaults = self.generation_config
+        defaults.thresholds = dict(self.thresholds) if self.thresholds else None
+        return TideGenerationConfig.from_value(overrides, defaults)
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def _check_choice(name: str, value: Any, choices: tuple[str, ...], owner: str = "TideConfig") -> None:
     if value not in choices:
-        raise ValueError(f"TideConfig.{name} must be one of {list(choices)}, got {value!r}.")
+        raise ValueError(f"{owner}.{name} must be one of {list(choices)}, got {value!r}.")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(name: str, value: Any, minimum: int, owner: str = "TideConfig") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"TideConfig.{name} must be an integer >= {minimum}, got {value!r}.")
+        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}.")
 
 
-def _check_number(name: str, value: Any) -> None:
+def _check_number(name: str, value: Any, owner: str = "TideConfig") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"TideConfig.{name} must be a finite number, got {value!r}.")
+        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}.")
 
 
 def _check_unit(name: str, value: Any) -> None:

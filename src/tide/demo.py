@@ -12,6 +12,15 @@ import os
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+from .bench import run_bench
+from .calibrate import calibrate, calibration_table
+from .config import TideConfig
+from .demo_corpus import split_corpus
+from .modeling import TideForCausalLM
+
 DEMO_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llama"
 DEMO_PROMPTS = ["The list type", "An exception is raised when", "The for statement is used to"]
 # Measured on the shipped model (docs/benchmarks.md): it converges late, and the oracle bound is x1.60 with a
@@ -23,32 +32,24 @@ __all__ = ["run_demo", "demo_model_and_texts", "DEMO_MODEL_DIR"]
 
 
 def _load_base():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not (DEMO_MODEL_DIR / "config.json").is_file():
         raise FileNotFoundError(f"The demo model is missing from {DEMO_MODEL_DIR}; reinstall tide-transformers.")
     return AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR).eval(), AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
 
 
 def _calibrate(base, tokenizer, train, num_samples: int, quick: bool = False):
-    import tide
-
-    config = tide.TideConfig(checkpoint_interval=DEMO_CHECKPOINT_INTERVAL, target_agreement=DEMO_TARGET_AGREEMENT)
+    config = TideConfig(checkpoint_interval=DEMO_CHECKPOINT_INTERVAL, target_agreement=DEMO_TARGET_AGREEMENT)
     light = dict(head_steps=60, validation_tokens=256, draft_trials=1) if quick else {}
-    return tide.calibrate(base, tokenizer, dataset=train, config=config, num_samples=num_samples, max_length=128,
+    return calibrate(base, tokenizer, dataset=train, config=config, num_samples=num_samples, max_length=128,
                           batch_size=16, **light)
 
 
 def demo_model_and_texts(routers: str | None = None, num_samples: int = 1024):
     """(model with routers, tokenizer, prompts, held-out texts) for the shipped model."""
-    import tide
-
-    from .demo_corpus import split_corpus
-
     base, tokenizer = _load_base()
     train, heldout = split_corpus()
     if routers:
-        model = tide.TideForCausalLM.from_pretrained(routers, base_model=base)
+        model = TideForCausalLM.from_pretrained(routers, base_model=base)
     else:
         model = _calibrate(base, tokenizer, train, num_samples)
     return model, tokenizer, DEMO_PROMPTS, heldout
@@ -59,15 +60,6 @@ def _section(title: str) -> None:
 
 
 def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
-    import torch
-    from transformers import TextStreamer
-
-    import tide
-
-    from .bench import run_bench
-    from .calibrate import calibration_table
-    from .demo_corpus import split_corpus
-
     torch.manual_seed(0)
     _section("1. The shipped model")
     base, tokenizer = _load_base()
@@ -88,7 +80,7 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
     model.save_pretrained(out_dir)
     for name in sorted(os.listdir(out_dir)):
         print(f"  {out_dir}/{name}  ({(Path(out_dir) / name).stat().st_size / 1024:.1f} KiB)")
-    model = tide.TideForCausalLM.from_pretrained(out_dir)
+    model = TideForCausalLM.from_pretrained(out_dir)
     print(f"loaded: TideForCausalLM.from_pretrained({out_dir!r}) -> base {model.config.base_model_name_or_path}")
 
     for mode in ("exit", "lossless"):

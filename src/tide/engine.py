@@ -11,13 +11,14 @@ architecture by name (see `architectures.py`).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .config import TideConfig
+from .config import TideGenerationConfig
 from .dispatch import base_forward
 from .kvfill import fill_kv
 from .layercalls import LayerCall, capture_layer_calls
@@ -33,7 +34,7 @@ BACKBONE_KEYS = ("input_ids", "attention_mask", "position_ids", "past_key_values
 class ExitSession:
     """One `generate` call in exit mode: the decode step plus its counters."""
 
-    def __init__(self, model, config: TideConfig):
+    def __init__(self, model, config: TideGenerationConfig):
         self.model, self.base, self.config, self.parts = model, model.base, config, model.parts
         # The checkpoints consulted, with the threshold in force at each: those past `min_layers` whose
         # threshold can fire (>= 1.0 never does, scores being sigmoids). The stats name these.
@@ -114,7 +115,8 @@ class PropagateSteps:
 
     In a batched decode step, rows that have exited leave the running batch (`rowsplit`): their K/V for every
     later layer is filled when they exit, and the layers run on the remaining rows only. Where a layer's
-    arguments cannot be sliced by row, every row keeps running (exited rows' outputs are discarded).
+    arguments cannot be sliced by row, or with `TIDE_ROW_SKIPPING=off`, every row keeps running (exited rows'
+    outputs are discarded).
     """
 
     recomputed = 0
@@ -126,7 +128,8 @@ class PropagateSteps:
         self.hidden = self.calls[0].hidden  # [B, T, H]: the input of the first layer
         batch, length = self.hidden.shape[:2]
         self.split = None  # RowSplitCache once a row has left, when rows can leave the batch
-        self.row_skipping = batch > 1 and length == 1 and all(can_slice(c, batch) for c in {id(c): c for c in self.calls}.values())
+        self.row_skipping = (batch > 1 and length == 1 and os.environ.get("TIDE_ROW_SKIPPING", "on").lower() != "off"
+                             and all(can_slice(c, batch) for c in {id(c): c for c in self.calls}.values()))
 
     def run(self, i: int, hidden: torch.Tensor, exited: torch.Tensor | None) -> torch.Tensor:
         if exited is None:

@@ -39,7 +39,7 @@ class QualityReport:
 @torch.no_grad()
 def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix: int = 1) -> QualityReport:
     """Per-token agreement and perplexity of Tide's decode step against the full model."""
-    config = model.config.with_overrides(tide_config)
+    config = model.config.resolve_generation(tide_config)
     session = ExitSession(model, config)
     agree = total = 0
     nll_tide = nll_base = 0.0

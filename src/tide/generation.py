@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from . import _hf_compat
-from .config import TideConfig
+from .config import TideGenerationConfig
 from .dispatch import activated, install
 from .engine import ExitSession
 from .speculative import LosslessSession
@@ -27,7 +27,7 @@ _NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", _hf_compat.ASSI
                       "output_attentions")
 
 
-def resolve_run_config(model, tide_config) -> TideConfig | None:
+def resolve_run_config(model, tide_config) -> TideGenerationConfig | None:
     """The config a generate call runs with, or None for the plain base model."""
     if tide_config is False:
         return None
@@ -36,8 +36,8 @@ def resolve_run_config(model, tide_config) -> TideConfig | None:
             "tide_config: exit_threshold applies to mode='exit'. Lossless mode drafts from the exit head at "
             "draft_layer, up to max_draft tokens per verification; set those instead."
         )
-    run = model.config.with_overrides(tide_config)
-    run.validate(num_layers=model.parts.num_layers)
+    run = model.config.resolve_generation(tide_config)
+    run.validate(checkpoints=model.checkpoints)
     if run.has_operating_point or run.mode == "lossless":  # lossless drafts need no thresholds
         return run
     if tide_config is not None:
@@ -55,7 +55,7 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     if run is None:
         return model.base.generate(*args, **kwargs)
     if run.mode == "lossless":
-        _check_lossless_call(run, args, kwargs)
+        _check_lossless_call(model, args, kwargs)
         if run.max_draft == 0:  # calibration found that no drafting scheme pays on this model and machine
             return model.base.generate(*args, **kwargs)
         session = LosslessSession(model, run, kwargs.get("stopping_criteria"))
@@ -78,7 +78,7 @@ def attach_stats(output, stats: GenerationStats):
     return output
 
 
-def _check_lossless_call(config: TideConfig, args, kwargs) -> None:
+def _check_lossless_call(model, args, kwargs) -> None:
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if inputs is not None and inputs.shape[0] != 1:
         raise ValueError(
@@ -94,6 +94,6 @@ def _check_lossless_call(config: TideConfig, args, kwargs) -> None:
         raise ValueError(f"mode='lossless' is Tide's own assisted decoding and does not combine with {given}; drop them.")
     if kwargs.get("use_cache") is False:
         raise ValueError("mode='lossless' verifies drafts against the KV cache; drop use_cache=False.")
-    unavailable = ((config.calibration or {}).get("draft_selection") or {}).get("unavailable")
+    unavailable = ((model.config.calibration or {}).get("draft_selection") or {}).get("unavailable")
     if unavailable:
         raise ValueError(unavailable)

@@ -1,4 +1,4 @@
-"""All file and Hub I/O: router repos (save, load, push), the model card, and TIDE `router.pt` import.
+"""All file and Hub I/O for router repos: save, load, push, and the model card.
 
 A router repo holds exactly three small files: `config.json` (the `TideConfig`), `routers.safetensors`
 (router weights, fp32, with metadata) and `README.md` (a generated model card). Never base weights,
@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+from huggingface_hub import HfApi, ModelCard, ModelCardData, hf_hub_download
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .architectures import resolve
 from .config import TideConfig
 
 __all__ = [
@@ -26,7 +30,6 @@ __all__ = [
     "save_router_repo",
     "load_router_repo",
     "push_router_repo",
-    "import_tide_checkpoint",
 ]
 
 CONFIG_NAME = "config.json"
@@ -61,10 +64,6 @@ def save_router_repo(model, save_directory) -> Path:
 
 def push_router_repo(model, repo_id: str, private: bool | None = None, token=None, commit_message=None, **_):
     """Create `repo_id` if needed and upload the router repo files through huggingface_hub."""
-    import tempfile
-
-    from huggingface_hub import HfApi
-
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,8 +84,6 @@ def resolve_repo_file(name_or_path, filename: str, **repo_kwargs) -> str:
         if not path.is_file():
             raise FileNotFoundError(f"{name_or_path} is not a Tide router repo: {filename} is missing.")
         return str(path)
-    from huggingface_hub import hf_hub_download
-
     try:
         return hf_hub_download(str(name_or_path), filename, **repo_kwargs)
     except Exception as err:  # noqa: BLE001 - re-raised with what was tried
@@ -115,8 +112,6 @@ def load_router_repo(cls, name_or_path, base_model=None, config: TideConfig | No
 
 
 def load_base_model(config: TideConfig, **kwargs):
-    from transformers import AutoModelForCausalLM
-
     if not config.base_model_name_or_path:
         raise ValueError(
             "This router repo's config has no base_model_name_or_path; pass the base model: "
@@ -129,8 +124,6 @@ def load_base_model(config: TideConfig, **kwargs):
 
 def check_base_matches(config: TideConfig, base_model) -> None:
     """Raise naming every mismatch between what the routers were trained on and `base_model`."""
-    from .architectures import resolve
-
     text = base_model.config.get_text_config()
     actual = {
         "model type": text.model_type,
@@ -164,7 +157,7 @@ def load_router_weights(model, weights: dict[str, torch.Tensor]) -> None:
         router.load_state_dict(state)
 
 
-class BaseModelTokenizer:
+class BaseModelTokenizerLoader:
     """`AutoTokenizer` entry for router repos: a router repo holds no tokenizer, so its base model's is loaded.
 
     This is what lets `AutoTokenizer.from_pretrained(router_repo)` and
@@ -173,8 +166,6 @@ class BaseModelTokenizer:
 
     @classmethod
     def from_pretrained(cls, name_or_path, *args, **kwargs):
-        from transformers import AutoTokenizer
-
         repo_kwargs = {k: kwargs.pop(k) for k in _REPO_KWARGS if k in kwargs}
         config = TideConfig.from_pretrained(resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs))
         if not config.base_model_name_or_path:
@@ -192,11 +183,6 @@ def model_card(config: TideConfig) -> str:
     base = config.base_model_name_or_path or "(unnamed base model)"
     cal = config.calibration or {}
     lines = [
-        "---",
-        "library_name: tide-transformers",
-        f"base_model: {base}" if config.base_model_name_or_path else "",
-        "tags: [tide, early-exit]",
-        "---",
         f"# Tide routers for {base}",
         "",
         "Learned per-token early-exit routers for use with [Tide](https://pypi.org/project/tide-transformers/). "
@@ -231,8 +217,10 @@ def model_card(config: TideConfig) -> str:
         if costs:
             lines.append(f"Costs measured on {costs['device']} at calibration: a consulted checkpoint "
                          f"{costs['checkpoint']:.2f} decoder layer, a skipped layer's K/V {costs['skipped_layer']:.2f} layer.")
-        if config.draft_layer is not None:
-            lines.append(f"Lossless mode drafts from layer {config.draft_layer}, up to {config.max_draft} tokens per verification.")
+        generation = config.generation_config
+        if generation.draft_layer is not None:
+            lines.append(f"Lossless mode drafts from layer {generation.draft_layer}, up to {generation.max_draft} tokens "
+                         "per verification.")
     lines += [
         "",
         "## Use",
@@ -257,60 +245,10 @@ def model_card(config: TideConfig) -> str:
         "```",
         "",
     ]
-    return "\n".join(line for line in lines if line is not None)
+    data = ModelCardData(library_name="tide-transformers", base_model=config.base_model_name_or_path or None,
+                         tags=["tide", "early-exit"])
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n" + "\n".join(lines)))
 
 
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.4f}"
-
-
-# ---------------------------------------------------------------------- TIDE import
-def import_tide_checkpoint(path, base_model, config: TideConfig | None = None):
-    """Read a TIDE `router.pt` (tensors only, `weights_only=True`) into a `TideForCausalLM`.
-
-    TIDE routers have no biases and were trained on un-normalised states; Tide scores the final-norm view,
-    so their scores shift: recalibrate (`tide.calibrate`) before relying on the imported thresholds.
-    """
-    from .modeling import TideForCausalLM
-
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    try:
-        hidden, bottleneck, layers = state["hidden_dim"], state["bottleneck_dim"], state["router_layers"]
-    except (TypeError, KeyError) as err:
-        raise ValueError(f"{path} is not a TIDE router checkpoint (expected hidden_dim, bottleneck_dim, router_layers).") from err
-    num_layers = len(_resolve_layers(base_model))
-    checkpoints = sorted(int(k) for k in layers)
-    dropped = [k for k in checkpoints if k >= num_layers - 1]
-    if dropped:
-        warnings.warn(f"Dropping TIDE routers at layers {dropped}: the last layer is not an exit.", stacklevel=2)
-    checkpoints = [k for k in checkpoints if k < num_layers - 1]
-    config = config or TideConfig()
-    config.checkpoint_layers = checkpoints
-    config.router_hidden_size = int(bottleneck)
-    config.exit_head = "lens"  # TIDE reads exits through the final norm and head alone
-    config.exit_threshold = 0.85  # TIDE's default operating point
-    # TIDE consults routers at layer indices >= min_layers (8); Tide consults k when k + 1 >= min_layers.
-    config.min_layers = min(8 + 1, checkpoints[-1] + 1)
-    model = TideForCausalLM.from_base(base_model, config)
-    if int(hidden) != model.config.base_hidden_size:
-        raise ValueError(f"TIDE routers have hidden_dim {hidden}, the base model has {model.config.base_hidden_size}.")
-    for k in checkpoints:
-        router, src = model.routers[k], layers[k] if k in layers else layers[str(k)]
-        param = next(router.parameters())
-        with torch.no_grad():
-            router.down.weight.copy_(src["down.weight"].to(param))
-            router.up.weight.copy_(src["up.weight"].to(param))
-            router.down.bias.zero_()
-            router.up.bias.zero_()
-    warnings.warn(
-        "Imported TIDE routers were trained on un-normalised states; Tide scores the final-norm view. "
-        "Run tide.calibrate for calibrated thresholds.",
-        stacklevel=2,
-    )
-    return model
-
-
-def _resolve_layers(base_model):
-    from .architectures import resolve
-
-    return resolve(base_model).layers

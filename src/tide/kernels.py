@@ -29,7 +29,7 @@ logger = logging.getLogger("tide")
 
 KERNEL_REPO = "tide-transformers/tide-kernels"
 KERNEL_VERSION = 1  # `version` in hub_kernels/tide_kernels/build.toml
-MODES = ("auto", "torch", "kernel")
+KERNEL_MODES = ("auto", "torch", "kernel")
 
 
 # Final norms the op reproduces, by class name: a substring rule would be wrong (Gemma3nRMSNorm scales by w,
@@ -72,8 +72,8 @@ def load_router_kernel(mode: str | None = None) -> Callable:
     A local build is used when `LOCAL_KERNELS` holds `tide-transformers/tide-kernels=<dir>`.
     """
     mode = (mode or os.environ.get("TIDE_KERNELS") or "auto").strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"TIDE_KERNELS / mode must be one of {', '.join(MODES)}, got {mode!r}.")
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"TIDE_KERNELS / mode must be one of {', '.join(KERNEL_MODES)}, got {mode!r}.")
     return _load(mode)
 
 

@@ -2,8 +2,8 @@
 
 The wrapper does not fork the base model: `forward` is the base model's, unknown attributes are
 forwarded to it, and `generate` runs transformers' own generation loop on the base model, with Tide's
-decode step swapped in only while a `tide_config` with an operating point is in force. File and Hub
-I/O lives in `hub.py`; the decode step in `engine.py`.
+decode step serving it only while a `tide_config` with an operating point is in force (`generation.py`).
+File and Hub I/O lives in `hub.py`; the decode step in `engine.py`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import functools
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel
 
 from .architectures import ModelParts, resolve
 from .config import TideConfig
 from .generation import generate_with_tide
+from .hub import BaseModelTokenizerLoader, load_router_repo, push_router_repo, save_router_repo
 from .kernels import norm_params, router_exit
 from .router import CheckpointTest, RouterBank, exit_decision
 
@@ -70,22 +71,16 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, base_model=None, **kwargs):
         """Load a router repo (local directory or Hub id) and its base model (or reuse `base_model`)."""
-        from .hub import load_router_repo
-
         return load_router_repo(cls, pretrained_model_name_or_path, base_model=base_model, **kwargs)
 
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
         """Write the router repo: config JSON, router safetensors and a model card. Never base weights."""
-        from .hub import save_router_repo
-
         save_router_repo(self, save_directory)
         if push_to_hub:
             self.push_to_hub(kwargs.pop("repo_id", None) or str(save_directory), **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the router repo files (and only those) to `repo_id` on the Hub."""
-        from .hub import push_router_repo
-
         return push_router_repo(self, repo_id, **kwargs)
 
     def _init_weights(self, module):  # routers are initialised in RouterBank; never touch the base.
@@ -145,6 +140,16 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         return self.parts.logits_from_normed(self.parts.final_norm(state))
 
     # ------------------------------------------------------------------ the base model's API
+    def __getattr__(self, name: str):
+        """Attributes the wrapper does not have come from the base model (as peft's wrappers do)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__.get("_modules", {}).get("base")
+            if base is None or name.startswith("__"):
+                raise
+            return getattr(base, name)
+
     def forward(self, *args, **kwargs):
         return self.base(*args, **kwargs)
 
@@ -167,13 +172,10 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
 
 
 def _register_auto_classes() -> None:
-    from transformers import AutoTokenizer
-
-    from .hub import BaseModelTokenizer
 
     AutoConfig.register("tide", TideConfig, exist_ok=True)
     AutoModelForCausalLM.register(TideConfig, TideForCausalLM, exist_ok=True)
-    AutoTokenizer.register(TideConfig, tokenizer_class=BaseModelTokenizer, exist_ok=True)
+    AutoTokenizer.register(TideConfig, tokenizer_class=BaseModelTokenizerLoader, exist_ok=True)
 
 
 _register_auto_classes()

@@ -39,7 +39,7 @@ class LosslessSession:
 
     def __init__(self, model, config, stopping_criteria=None):
         self.model, self.base, self.parts = model, model.base, model.parts
-        self.draft_layer = config.resolve_draft_layer(self.parts.num_layers)
+        self.draft_layer = config.resolve_draft_layer(model.checkpoints, self.parts.num_layers)
         self.max_draft = config.max_draft
         self.cap = config.max_draft
         self.user_stopping_criteria = stopping_criteria
