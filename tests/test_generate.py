@@ -415,3 +415,23 @@ def test_recompute_keeps_at_most_max_pending_positions():
     assert max(seen) == MAX_PENDING and seen[-1] == MAX_PENDING  # every token exits: none ever becomes exact
     stats = model.last_stats
     assert stats.recomputed_positions == 0 and stats.exits == {"1": new - 1}
+
+
+def test_tide_config_as_a_generation_config_equals_the_dict():
+    model, _ = _wrap("llama", checkpoint_layers=[1, 3])
+    _spread_router_scores(model)
+    ids = _prompt()
+    as_dict = model.generate(ids, tide_config={"exit_threshold": 0.5, "kv_strategy": "recompute"}, **GREEDY)
+    exits = model.last_stats.exits
+    as_class = model.generate(ids, tide_config=tide.TideGenerationConfig(exit_threshold=0.5, kv_strategy="recompute"),
+                              **GREEDY)
+    assert torch.equal(as_dict, as_class) and model.last_stats.exits == exits and model.last_stats.kv_strategy == "recompute"
+
+
+def test_repo_generation_defaults_apply_and_a_call_overrides_them():
+    model, base = _wrap("llama", checkpoint_layers=[1, 3])
+    model.config.set_generation_defaults(exit_threshold=-1)  # every token leaves at the first checkpoint
+    ids = _prompt()
+    model.generate(ids, **GREEDY)
+    assert model.last_stats.exits == {"1": GREEDY["max_new_tokens"] - 1}
+    assert torch.equal(model.generate(ids, tide_config={"exit_threshold": 1.0}, **GREEDY), base.generate(ids, **GREEDY))

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .router import GEMMA_RMS_NORM, LAYER_NORM, RMS_NORM  # the op's norm_kind
+from .thresholds import exit_decision
 
 __all__ = ["GEMMA_RMS_NORM", "KERNEL_REPO", "KERNEL_VERSION", "LAYER_NORM", "RMS_NORM", "load_router_kernel",
            "norm_params", "router_exit", "router_exit_reference"]
@@ -61,7 +62,7 @@ def router_exit_reference(hidden, norm_weight, norm_bias, norm_kind, eps, down_w
             x = x + bias
     z = F.silu(F.linear(x, down_weight.float(), down_bias.float()))  # [B, R]
     scores = torch.sigmoid(F.linear(z, up_weight.float(), up_bias.float()).squeeze(-1))  # [B]
-    return scores, scores > threshold
+    return scores, exit_decision(scores, threshold)
 
 
 def load_router_kernel(mode: str | None = None) -> Callable:
@@ -144,7 +145,7 @@ def router_exit(hidden: torch.Tensor, norm: nn.Module, router: nn.Module, thresh
     params = norm_params(norm)
     if params is None:
         scores = torch.sigmoid(router(norm(hidden)).float())
-        return scores, scores > threshold
+        return scores, exit_decision(scores, threshold)
     fn = load_router_kernel(mode)
     if not hidden.is_cuda:
         fn = router_exit_reference

@@ -19,7 +19,8 @@ from .config import TideConfig
 from .generation import generate_with_tide
 from .hub import BaseModelTokenizerLoader, load_router_repo, push_router_repo, save_router_repo
 from .kernels import norm_params, router_exit
-from .router import CheckpointTest, RouterBank, exit_decision
+from .router import CheckpointTest, RouterBank
+from .thresholds import exit_decision
 
 __all__ = ["TideForCausalLM"]
 

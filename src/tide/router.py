@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["CheckpointTest", "Router", "RouterBank", "Translator", "exit_decision"]
+from .thresholds import exit_decision
+
+__all__ = ["CheckpointTest", "Router", "RouterBank", "Translator"]
 
 
 class Translator(nn.Module):
@@ -87,11 +89,6 @@ class RouterBank(nn.Module):
         return torch.sigmoid(self[layer](normed).float())
 
 
-def exit_decision(scores: torch.Tensor, threshold: float) -> torch.Tensor:
-    """A token exits when its score is strictly above the threshold. scores: [B] -> bool [B]."""
-    return scores > threshold
-
-
 class CheckpointTest:
     """One checkpoint's exit test with its weights laid out for few, small ops (the decode step's hot path).
 
@@ -130,7 +127,7 @@ class CheckpointTest:
         inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [N, 1]
         z = torch.nn.functional.silu(torch.addcmul(self.down[0], x @ self.down[1], inv_rms))  # [N, R]
         scores = torch.sigmoid(torch.addmm(self.up[0], z, self.up[1])).squeeze(-1)  # [N]
-        return scores, scores > self.threshold, state
+        return scores, exit_decision(scores, self.threshold), state
 
 
 # the fused op's norm kinds (kernels.py re-exports them)

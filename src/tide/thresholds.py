@@ -18,11 +18,16 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["auc", "binomial_upper_bound", "select_threshold", "calibrate_cascade", "CascadeSelection", "CheckpointCalibration",
-           "oracle_depth"]
+           "exit_decision", "oracle_depth", "oracle_speedup"]
 
 NEVER = 1.0  # scores are sigmoids in [0, 1] and a token exits when score > threshold
 # Per-exit error budgets tried, in this fixed order, by `calibrate_cascade`.
 EXIT_ERROR_BUDGETS = tuple(round(0.001 * 1.25**i, 6) for i in range(30))  # 0.001 ... ~0.65
+
+
+def exit_decision(scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The exit rule, everywhere: a token exits when its score is strictly above the threshold. -> bool, scores' shape."""
+    return scores > threshold
 
 
 def _binom_cdf(k: int, n: int, p: float) -> float:
@@ -79,7 +84,7 @@ def select_threshold(
         min_exits = math.ceil(math.log(1.0 - confidence) / math.log1p(-max_error)) if max_error < 1.0 else 1
     chosen = NEVER
     for t in candidates.tolist():
-        exits = scores > t
+        exits = exit_decision(scores, t)
         n = int(exits.sum())
         if n < min_exits:
             continue
@@ -127,7 +132,7 @@ def cascade(layers, scores, agree, labels, exit_error: float) -> list[Checkpoint
     for layer in layers:
         threshold = select_threshold(scores[layer][running], agree[layer][running], exit_error, None)
         exits = torch.zeros_like(running)
-        exits[running] = scores[layer][running] > threshold
+        exits[running] = exit_decision(scores[layer][running], threshold)
         n = int(exits.sum())
         out.append(
             CheckpointCalibration(
@@ -197,3 +202,8 @@ def oracle_depth(agree: dict[int, torch.Tensor], layers: list[int], num_layers: 
     for k in reversed(layers):
         depth = torch.where(agree[k], torch.full_like(depth, k + 1), depth)
     return depth
+
+
+def oracle_speedup(agree: dict[int, torch.Tensor], layers: list[int], num_layers: int) -> float:
+    """The layer speed-up a perfect router would reach: num_layers / mean `oracle_depth`."""
+    return num_layers / float(oracle_depth(agree, layers, num_layers).mean())
