@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from .config import TideConfig
 from .costs import draft_candidates, layer_cost_of_cascade, measure_costs, measured_speedup, prune_checkpoints
 from .data import load_texts
+from .distributed import Processes
 from .evaluate import teacher_forced
 from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
@@ -74,41 +75,56 @@ def calibrate(
         raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
     n_held = min(len(texts) - 1, max(1, round(len(texts) * opts.heldout_fraction)))
     train_texts, held_texts = texts[n_held:], texts[:n_held]
+    procs = Processes.current(tide.base.device)  # one, or those `accelerate launch` started: each takes a shard
+    if procs.world > min(len(train_texts), len(held_texts)):
+        raise ValueError(f"Calibration on {procs.world} processes needs at least {procs.world} training and "
+                         f"{procs.world} held-out texts; got {len(train_texts)} and {len(held_texts)}.")
+    train_texts, held_texts = procs.shard(train_texts), procs.shard(held_texts)
     layers = cfg.generation_config.consulted_checkpoints(tide.checkpoints)
 
     was_training = tide.base.training
     tide.base.eval()
-    bar = tqdm(total=len(texts), desc="Tide calibration", unit="text", disable=not opts.progress)
+    bar = tqdm(total=len(train_texts) + len(held_texts), desc="Tide calibration", unit="text",
+               disable=not (opts.progress and procs.is_main))
     try:
-        trainer = _Trainer(tide, opts, num_batches=math.ceil(len(train_texts) / opts.batch_size))
+        local_batches = math.ceil(len(train_texts) / opts.batch_size)
+        num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
+        trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs)
         for batch in _batches(train_texts, tokenizer, opts, tide.base.device):
             trainer.add(_capture(tide, batch))
             bar.update(batch["input_ids"].shape[0])
             bar.set_postfix(kl=f"{trainer.last_kl:.3f}")
+        for _ in range(num_batches - local_batches):
+            trainer.add(None)
         trainer.finish()
         held = _Heldout()
         for batch in _batches(held_texts, tokenizer, opts, tide.base.device):
             held.add(_score(tide, _capture(tide, batch), cfg))
             bar.update(batch["input_ids"].shape[0])
+        held = held.gathered(procs)
     finally:
         bar.close()
         tide.base.train(was_training)
 
     num_layers = tide.parts.num_layers
-    costs = measure_costs(tide) if opts.measure_costs else None
+    costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
     tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(), held.num_tokens,
                                                num_layers, cfg.confidence, costs)
     selection, dropped = tide.heldout_selection.select(cfg.target_agreement)
     validation = None
     if opts.validation_tokens:
-        tokens = _validation_tokens(held_texts, tokenizer, opts)
-        selection, dropped, validation = _validate(tide, tokens, selection, dropped, cfg)
+        tokens = _validation_tokens(held_texts, tokenizer, opts, share=procs.world)
+        selection, dropped, validation = _validate(tide, tokens, selection, dropped, cfg, procs)
     draft_selection = None
     if costs is not None and opts.draft_trials:
         candidates = draft_candidates(held.agree(), num_layers, costs, cfg.generation_config.max_draft or 8)[: opts.draft_trials]
-        draft_selection = _choose_draft(tide, tokenizer, held_texts, candidates)
+        draft_selection = procs.broadcast(_choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main else None)
+        chosen = draft_selection.get("chosen")
+        tide.config.set_generation_defaults(draft_layer=chosen["draft_layer"] if chosen else None,
+                                            max_draft=chosen["max_draft"] if chosen else 0)
     cfg.thresholds = tide.heldout_selection.thresholds(selection, tide.checkpoints)
-    cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), trainer.train_tokens)
+    train_tokens = int(procs.sum([trainer.train_tokens])[0])
+    cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), train_tokens)
     cfg.calibration.update(
         costs=costs.as_dict() if costs else None,
         dropped_checkpoints={str(k): why for k, why in dropped.items()},
@@ -181,8 +197,9 @@ class _Trainer:
     `passes` times. Memory: the buffer, (checkpoints + 1) x buffer_size x H floats.
     """
 
-    def __init__(self, tide: TideForCausalLM, opts: CalibrationOptions, num_batches: int):
+    def __init__(self, tide: TideForCausalLM, opts: CalibrationOptions, num_batches: int, procs: Processes | None = None):
         self.tide, self.opts, self.parts = tide, opts, tide.parts
+        self.procs = procs or Processes()
         self.layers = list(tide.checkpoints)
         hidden = tide.config.base_hidden_size or self.parts.norm.weight.shape[-1]
         size = opts.buffer_size or max(opts.minibatch, min(32768, (1 << 30) // (4 * hidden * (len(self.layers) + 1))))
@@ -200,7 +217,14 @@ class _Trainer:
         self.generator = torch.Generator(device="cpu").manual_seed(opts.seed)
         self.last_kl = float("nan")
 
-    def add(self, cap: _Capture) -> None:
+    def add(self, cap: _Capture | None) -> None:
+        """Buffer a batch's states (None: no batch left on this process, but take the steps the others take)."""
+        if cap is not None:
+            self._buffer(cap)
+        for _ in range(min(self.steps_per_batch, self.head_steps_left)):
+            self._head_step()
+
+    def _buffer(self, cap: _Capture) -> None:
         n = min(cap.final.shape[0], self.size)
         idx = ((torch.arange(n) + self.cursor) % self.size).to(self.final.device)
         for k in self.layers:
@@ -209,8 +233,6 @@ class _Trainer:
         self.cursor = (self.cursor + n) % self.size
         self.filled = min(self.filled + n, self.size)
         self.train_tokens += cap.final.shape[0]
-        for _ in range(min(self.steps_per_batch, self.head_steps_left)):
-            self._head_step()
 
     def _pick(self) -> torch.Tensor:
         pick = torch.randint(self.filled, (min(self.opts.minibatch, self.filled),), generator=self.generator)
@@ -236,6 +258,7 @@ class _Trainer:
             grads = torch.autograd.grad(loss, params)  # the base model's own parameters get no .grad
         for p, g in zip(params, grads):
             p.grad = g
+        self.procs.mean_grads(params)
         self.head_optim.step()
         self.last_kl = float(loss.detach())
 
@@ -263,12 +286,14 @@ class _Trainer:
         trained = copy.deepcopy(router).float()
         trained.translator = None
         optim = torch.optim.Adam(trained.parameters(), lr=self.opts.lr)
+        steps = self.procs.max_int(self.opts.passes * math.ceil(n / self.opts.minibatch))
         with torch.enable_grad():
-            for _ in range(self.opts.passes * math.ceil(n / self.opts.minibatch)):
+            for _ in range(steps):
                 pick = self._pick()
                 loss = F.binary_cross_entropy_with_logits(trained(normed[pick]), labels[pick])
                 optim.zero_grad(set_to_none=True)
                 loss.backward()
+                self.procs.mean_grads(trained.parameters())
                 optim.step()
         with torch.no_grad():
             for name in ("down", "up"):
@@ -308,8 +333,8 @@ class _HeldoutSelection:
 
 
 def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
-    """Time the best-estimated drafting schemes against the base model here; keep the fastest, or none
-    (`max_draft=0`: lossless mode then decodes plainly) when none is faster than the base model."""
+    """Time the best-estimated drafting schemes against the base model here; choose the fastest, or none
+    (lossless mode then decodes plainly) when none is faster than the base model."""
     device = tide.base.device
     prompts = [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:2]]
     trials = []
@@ -317,31 +342,26 @@ def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
         try:
             ratio = measured_speedup(tide, prompts, {"mode": "lossless", "draft_layer": layer, "max_draft": length})
         except ValueError as err:  # lossless mode unavailable for this model (e.g. sliding-window caches)
-            tide.config.set_generation_defaults(draft_layer=None, max_draft=0)
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
         trials.append({"draft_layer": layer, "max_draft": length, "estimate": estimate, "measured": ratio})
     best = max(trials, key=lambda t: t["measured"], default=None)
-    if best is not None and best["measured"] > 1.0:
-        tide.config.set_generation_defaults(draft_layer=best["draft_layer"], max_draft=best["max_draft"])
-    else:
-        tide.config.set_generation_defaults(draft_layer=None, max_draft=0)
-    return {"trials": trials, "chosen": best if tide.config.generation_config.max_draft else None}
+    return {"trials": trials, "chosen": best if best is not None and best["measured"] > 1.0 else None}
 
 
-def _validation_tokens(texts, tokenizer, opts: CalibrationOptions) -> list[list[int]]:
-    """Held-out texts as token lists, up to `opts.validation_tokens` tokens in all."""
-    out, total = [], 0
+def _validation_tokens(texts, tokenizer, opts: CalibrationOptions, share: int = 1) -> list[list[int]]:
+    """Held-out texts as token lists, up to `opts.validation_tokens / share` tokens in all (this process's share)."""
+    out, total, budget = [], 0, math.ceil(opts.validation_tokens / share)
     for text in texts:
         ids = tokenizer(text, truncation=True, max_length=opts.max_length)["input_ids"]
         if len(ids) > 2:
-            out.append(ids[: opts.validation_tokens - total + 2])
+            out.append(ids[: budget - total + 2])
             total += len(out[-1]) - 2
-        if total >= opts.validation_tokens:
+        if total >= budget:
             break
     return out
 
 
-def _validate(tide, token_lists, selection, dropped, cfg):
+def _validate(tide, token_lists, selection, dropped, cfg, procs: Processes | None = None):
     """Check the target through the decode step itself (teacher-forced, with the configured KV strategy,
     whose approximate K/V for skipped layers also changes later tokens); lower the per-exit budget until
     the one-sided lower confidence bound on the decoded agreement reaches the target.
@@ -354,10 +374,13 @@ def _validate(tide, token_lists, selection, dropped, cfg):
         report = teacher_forced(tide, token_lists, run) if active else None
         if report is None:
             return selection, dropped, None
-        errors = round((1.0 - report.agreement) * report.tokens)
-        bound = 1.0 - binomial_upper_bound(errors, report.tokens, cfg.confidence)
-        result = {"agreement": report.agreement, "tokens": report.tokens, "lower_bound": bound,
-                  "exit_error_budget": selection.exit_error_budget, "mean_layers": report.mean_layers}
+        agreeing, tokens, layers = (procs or Processes()).sum(
+            [report.agreement * report.tokens, report.tokens, report.mean_layers * report.tokens])
+        tokens = int(tokens)
+        errors = tokens - round(agreeing)
+        bound = 1.0 - binomial_upper_bound(errors, tokens, cfg.confidence)
+        result = {"agreement": agreeing / max(tokens, 1), "tokens": tokens, "lower_bound": bound,
+                  "exit_error_budget": selection.exit_error_budget, "mean_layers": layers / max(tokens, 1)}
         if bound >= cfg.target_agreement:
             return selection, dropped, result
         smaller = [b for b in EXIT_ERROR_BUDGETS if b < selection.exit_error_budget]
@@ -388,6 +411,16 @@ class _Heldout:
 
     def _cat(self, store):
         return {k: torch.cat(v) for k, v in store.items()}
+
+    def gathered(self, procs: Processes) -> "_Heldout":
+        """Every process's held-out scalars, in rank order, on every process."""
+        if procs.world == 1:
+            return self
+        out = _Heldout()
+        for mine, theirs in ((self._scores, out._scores), (self._agree, out._agree), (self._labels, out._labels)):
+            for k, parts in mine.items():
+                theirs[k] = [procs.gather_cat(torch.cat(parts))]
+        return out
 
     def scores(self):
         return self._cat(self._scores)

@@ -16,6 +16,7 @@ from .calibrate import calibrate, calibration_table
 from .config import TideConfig
 from .convert import convert_tide_routers
 from .demo import demo_model_and_texts, run_demo
+from .distributed import Processes
 from .modeling import TideForCausalLM
 
 __all__ = ["main"]
@@ -44,6 +45,8 @@ def cmd_calibrate(args) -> None:
     model = calibrate(base, tokenizer, dataset=args.dataset, config=config, dataset_config=args.dataset_config,
                            split=args.split, text_column=args.text_column, num_samples=args.num_samples,
                            max_length=args.max_length, batch_size=args.batch_size)
+    if not Processes.current(base.device).is_main:  # under `accelerate launch`: the main process writes
+        return
     model.save_pretrained(args.out)
     print(f"Router repo written to {args.out}")
     print(calibration_table(model.config))

@@ -1,0 +1,83 @@
+"""The processes a calibration runs on: one, or the N that `accelerate launch` (or `torchrun`) started.
+
+`Processes.current(device)` looks at the launcher's environment; with one process every method is the
+identity, so single-process calibration is unchanged. With N, each process calibrates on its shard of the
+texts, and these collectives keep them in step: gradient means (every process holds the same exit heads
+and routers), integer maxima (every process takes the same number of steps), gathers (the held-out scores
+every process selects thresholds from), sums and broadcasts. The process group is accelerate's
+(`PartialState`: NCCL on GPUs, gloo on CPUs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Processes"]
+
+
+class Processes:
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
+
+    @classmethod
+    def current(cls, device: torch.device) -> "Processes":
+        if not (dist.is_available() and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1)):
+            return cls()
+        from accelerate import PartialState
+
+        state = PartialState(cpu=device.type == "cpu")
+        return cls(state.process_index, state.num_processes)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, items: list) -> list:
+        """This process's share of `items` (every world-th item from its rank)."""
+        return items[self.rank :: self.world]
+
+    def mean_grads(self, params) -> None:
+        """Replace each parameter's `.grad` by its mean over the processes."""
+        if self.world == 1:
+            return
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad /= self.world
+
+    def max_int(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
+
+    def sum(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def gather_cat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's `tensor` (any length along dim 0), concatenated in rank order, on every process."""
+        if self.world == 1:
+            return tensor
+        parts = [None] * self.world
+        dist.all_gather_object(parts, tensor.cpu())
+        return torch.cat(parts).to(tensor.device)
+
+    def broadcast(self, obj):
+        """The main process's `obj`, on every process."""
+        if self.world == 1:
+            return obj
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @staticmethod
+    def _device() -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

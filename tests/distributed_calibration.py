@@ -1,0 +1,34 @@
+"""Run by tests/test_distributed.py under `torchrun --nproc_per_node N` (N = 1 or 2): calibrate a tiny model on
+fixed texts and write what came out (rank 0) as JSON to the path given."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+import tide  # noqa: E402
+from tide.distributed import Processes  # noqa: E402
+from tiny_models import sample_texts, tiny_model, tiny_tokenizer  # noqa: E402
+
+out_path, train = sys.argv[1], sys.argv[2] == "train"
+torch.set_num_threads(1)
+steps = dict(head_steps=40, passes=2) if train else dict(head_steps=0, passes=0)
+model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24), num_samples=24, max_length=48,
+                       batch_size=4, config=tide.TideConfig(checkpoint_layers=[1, 3], target_agreement=0.6),
+                       measure_costs=False, validation_tokens=64, draft_trials=0, progress=False, **steps)
+procs = Processes.current(model.base.device)
+weights = {k: v.tolist() for k, v in model.routers.state_dict().items()}
+gathered = procs.broadcast(weights)  # the main process's weights, to compare with every process's own
+same = all(torch.allclose(torch.tensor(weights[k]), torch.tensor(gathered[k])) for k in weights)
+identical = procs.sum([0.0 if same else 1.0])[0] == 0.0
+if procs.is_main:
+    cal = model.config.calibration
+    with open(out_path, "w") as f:
+        json.dump({"world": procs.world, "thresholds": model.config.thresholds, "weights": weights,
+                   "heldout_tokens": cal["heldout_tokens"], "train_tokens": cal["train_tokens"],
+                   "expected_agreement": cal["expected_agreement"], "same_weights_on_every_process": identical,
+                   "decode_validation": cal["decode_validation"]}, f)
