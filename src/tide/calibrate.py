@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,22 @@ class CalibrationOptions:
     draft_trials: int = 3  # lossless drafting schemes timed against the base model (best estimates first; 0: skip)
     progress: bool = True
 
+    def __post_init__(self):
+        for name in ("num_samples", "max_length", "batch_size", "minibatch", "head_steps", "passes", "validation_tokens",
+                     "draft_trials", "seed"):
+            value = getattr(self, name)
+            minimum = 1 if name in ("num_samples", "max_length", "batch_size", "minibatch") else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"calibrate: {name} must be an integer >= {minimum}, got {value!r}.")
+        if self.buffer_size is not None and (not isinstance(self.buffer_size, int) or self.buffer_size < 1):
+            raise ValueError(f"calibrate: buffer_size must be a positive integer or None, got {self.buffer_size!r}.")
+        if not isinstance(self.heldout_fraction, (int, float)) or not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(f"calibrate: heldout_fraction must be between 0 and 1 (exclusive), got {self.heldout_fraction!r}.")
+        for name in ("head_lr", "lr"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0.0:
+                raise ValueError(f"calibrate: {name} must be a positive number, got {value!r}.")
+
 
 def calibrate(
     model,
@@ -65,8 +81,17 @@ def calibrate(
     `model` is a base causal LM (fresh routers are created from `config`) or a `TideForCausalLM` (its
     routers are retrained). Extra keyword arguments set `CalibrationOptions` fields.
     """
+    known = {f.name for f in fields(CalibrationOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"calibrate: unknown option(s) {unknown}; the options are {sorted(known)}.")
     opts = CalibrationOptions(**options)
-    tide = model if isinstance(model, TideForCausalLM) else TideForCausalLM.from_base(model, config or TideConfig(), seed=opts.seed)
+    if isinstance(model, TideForCausalLM):
+        tide = model
+        if config is not None:
+            _apply_recipe(tide, config)
+    else:
+        tide = TideForCausalLM.from_base(model, config or TideConfig(), seed=opts.seed)  # copies the config
     cfg = tide.config
     texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_column=text_column)
     random.Random(opts.seed).shuffle(texts)
@@ -133,6 +158,30 @@ def calibrate(
         decode_validation=validation,
     )
     return tide
+
+
+_RECIPE_FIELDS = ("label", "cosine_threshold", "target_agreement", "confidence")
+
+
+def _apply_recipe(tide: TideForCausalLM, config: TideConfig) -> None:
+    """Recalibrating a `TideForCausalLM` with `config`: its calibration recipe (label rule, target, confidence,
+    generation defaults) applies; its router layout must be the model's own."""
+    layout = {
+        "checkpoints": (config.resolve_checkpoints(tide.parts.num_layers), tide.checkpoints),
+        "router_hidden_size": (config.router_hidden_size, tide.config.router_hidden_size),
+        "exit_head": (config.exit_head, tide.config.exit_head),
+        "exit_head_rank": (config.exit_head_rank, tide.config.exit_head_rank),
+    }
+    different = {k: v for k, v in layout.items() if v[0] != v[1]}
+    if different:
+        detail = "; ".join(f"{k}: config {a!r}, model {b!r}" for k, (a, b) in different.items())
+        raise ValueError(f"calibrate: the config describes other routers than the model's ({detail}). Recalibrating a "
+                         "TideForCausalLM keeps its routers; to calibrate new ones, pass its base model (model.base).")
+    for name in _RECIPE_FIELDS:
+        setattr(tide.config, name, getattr(config, name))
+    if config.generation:
+        tide.config.set_generation_defaults(**config.generation)
+    tide.config.validate(num_layers=tide.parts.num_layers)
 
 
 # ---------------------------------------------------------------------- batches

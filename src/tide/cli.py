@@ -6,9 +6,11 @@ Each subcommand is a thin layer over the library; errors are printed as one line
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from .bench import plot_bench, run_bench, save_results
@@ -183,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, OSError, RuntimeError) as err:
-        print(f"tide {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError, pickle.UnpicklingError, SafetensorError) as err:
+        message = " ".join(str(err).split())  # one line, whatever the underlying error printed
+        print(f"tide {args.command}: error: {message}", file=sys.stderr)
         return 2
     return 0
 

@@ -115,6 +115,7 @@ class TideGenerationConfig:
             _check_number(f"thresholds[{key!r}]", value, owner="tide_config")
         if checkpoints is None:
             return
+        _check_threshold_keys("tide_config.thresholds", self.thresholds, checkpoints)
         if self.draft_layer is not None and self.draft_layer not in checkpoints:
             raise ValueError(
                 f"tide_config.draft_layer={self.draft_layer} is not a checkpoint; lossless drafts come from a "
@@ -240,8 +241,16 @@ class TideConfig(PreTrainedConfig):
 
             self.tide_version = __version__
         if self.checkpoint_layers is not None:
-            self.checkpoint_layers = [int(k) for k in self.checkpoint_layers]
+            if not isinstance(self.checkpoint_layers, (list, tuple)) or any(
+                    isinstance(k, bool) or not isinstance(k, int) for k in self.checkpoint_layers):
+                raise ValueError(f"TideConfig.checkpoint_layers must be a list of integer layer indices, got "
+                                 f"{self.checkpoint_layers!r}.")
+            self.checkpoint_layers = list(self.checkpoint_layers)
         if self.thresholds is not None:
+            if not isinstance(self.thresholds, dict):
+                raise ValueError(f"TideConfig.thresholds must be a dict {{layer: threshold}}, got {self.thresholds!r}.")
+            for key, value in self.thresholds.items():
+                _check_number(f"thresholds[{key!r}]", value)
             self.thresholds = {str(k): float(v) for k, v in self.thresholds.items()}
         self.validate()
 
@@ -257,6 +266,9 @@ class TideConfig(PreTrainedConfig):
         _check_int("router_hidden_size", self.router_hidden_size, minimum=1)
         _check_unit("target_agreement", self.target_agreement)
         _check_unit("confidence", self.confidence)
+        if self.confidence >= 1.0:
+            raise ValueError("TideConfig.confidence must be below 1 (a bound held with certainty excludes every exit); "
+                             f"got {self.confidence}. Use e.g. 0.95 or 0.99.")
         _check_unit("cosine_threshold", self.cosine_threshold)
         if self.generation is not None and not isinstance(self.generation, dict):
             raise ValueError(f"TideConfig.generation must be a dict of generation options, got {self.generation!r}.")
@@ -270,6 +282,9 @@ class TideConfig(PreTrainedConfig):
                     f"TideConfig.checkpoint_layers must be a non-empty, strictly increasing list of 0-based "
                     f"layer indices, got {layers}."
                 )
+        if num_layers is not None or self.checkpoint_layers is not None:
+            checkpoints = self.resolve_checkpoints(num_layers) if num_layers is not None else self.checkpoint_layers
+            _check_threshold_keys("TideConfig.thresholds", self.thresholds, checkpoints)
         if num_layers is not None:
             self._validate_against(num_layers)
             generation.validate(checkpoints=self.resolve_checkpoints(num_layers))
@@ -330,6 +345,12 @@ def _check_int(name: str, value: Any, minimum: int, owner: str = "TideConfig") -
 def _check_number(name: str, value: Any, owner: str = "TideConfig") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}.")
+
+
+def _check_threshold_keys(name: str, thresholds: dict | None, checkpoints: list[int]) -> None:
+    unknown = sorted((k for k in (thresholds or {}) if not str(k).lstrip("-").isdigit() or int(k) not in checkpoints), key=str)
+    if unknown:
+        raise ValueError(f"{name} names layers that are not checkpoints: {unknown}; the checkpoints are {checkpoints}.")
 
 
 def _check_unit(name: str, value: Any) -> None:

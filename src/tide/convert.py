@@ -8,6 +8,7 @@ from layer 8). Scores shift under Tide's final-norm view, so recalibrate before 
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -25,18 +26,28 @@ def convert_tide_routers(path, base_model, config: TideConfig | None = None):
     TIDE routers have no biases and were trained on un-normalised states; Tide scores the final-norm view,
     so their scores shift: recalibrate (`tide.calibrate`) before relying on the imported thresholds.
     """
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - unpickling errors of every kind, named with the file
+        first = str(err).strip().split(". ")[0]
+        raise ValueError(f"{path} could not be read as a TIDE router.pt of tensors ({type(err).__name__}: {first}).") from err
     try:
         hidden, bottleneck, layers = state["hidden_dim"], state["bottleneck_dim"], state["router_layers"]
     except (TypeError, KeyError) as err:
         raise ValueError(f"{path} is not a TIDE router checkpoint (expected hidden_dim, bottleneck_dim, router_layers).") from err
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(f"{path}: router_layers is empty; a TIDE router.pt holds one router per consulted layer.")
     num_layers = len(resolve(base_model).layers)
     checkpoints = sorted(int(k) for k in layers)
     dropped = [k for k in checkpoints if k >= num_layers - 1]
     if dropped:
         warnings.warn(f"Dropping TIDE routers at layers {dropped}: the last layer is not an exit.", stacklevel=2)
     checkpoints = [k for k in checkpoints if k < num_layers - 1]
-    config = config or TideConfig()
+    if not checkpoints:
+        raise ValueError(f"{path}: every router sits at or after the last layer of this {num_layers}-layer model.")
+    expected = {"down.weight": (int(bottleneck), int(hidden)), "up.weight": (1, int(bottleneck))}
+    tensors = {k: _router_tensors(path, k, layers[k] if k in layers else layers[str(k)], expected) for k in checkpoints}
+    config = TideConfig() if config is None else copy.deepcopy(config)
     config.checkpoint_layers = checkpoints
     config.router_hidden_size = int(bottleneck)
     config.exit_head = "lens"  # TIDE reads exits through the final norm and head alone
@@ -47,11 +58,11 @@ def convert_tide_routers(path, base_model, config: TideConfig | None = None):
     if int(hidden) != model.config.base_hidden_size:
         raise ValueError(f"TIDE routers have hidden_dim {hidden}, the base model has {model.config.base_hidden_size}.")
     for k in checkpoints:
-        router, src = model.routers[k], layers[k] if k in layers else layers[str(k)]
+        router = model.routers[k]
         param = next(router.parameters())
         with torch.no_grad():
-            router.down.weight.copy_(src["down.weight"].to(param))
-            router.up.weight.copy_(src["up.weight"].to(param))
+            router.down.weight.copy_(tensors[k]["down.weight"].to(param))
+            router.up.weight.copy_(tensors[k]["up.weight"].to(param))
             router.down.bias.zero_()
             router.up.bias.zero_()
     warnings.warn(
@@ -60,6 +71,22 @@ def convert_tide_routers(path, base_model, config: TideConfig | None = None):
         stacklevel=2,
     )
     return model
+
+
+def _router_tensors(path, layer: int, router, expected: dict) -> dict:
+    """The checked tensors of one TIDE router: present, of the expected shape, finite."""
+    out = {}
+    for key, shape in expected.items():
+        tensor = router.get(key) if isinstance(router, dict) else None
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{path}: the router at layer {layer} has no {key} tensor.")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{path}: router layer {layer} {key} has shape {list(tensor.shape)}, expected {list(shape)} "
+                             "(from hidden_dim and bottleneck_dim).")
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{path}: router layer {layer} {key} holds values that are not finite (NaN or inf).")
+        out[key] = tensor
+    return out
 
 
 def import_tide_checkpoint(path, base_model, config: TideConfig | None = None):

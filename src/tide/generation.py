@@ -62,6 +62,9 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
         # This switch only turns generate's assisted mode on; the candidate generator is the session's.
         kwargs = {**kwargs, _hf_compat.ASSISTED_SWITCH: max(run.max_draft, 1)}
     else:
+        if kwargs.get("use_cache") is False:
+            raise ValueError("Tide's exit mode decodes on the KV cache (skipped layers still get their K/V); drop "
+                             "use_cache=False, or pass tide_config=False to run the base model without exits.")
         session = ExitSession(model, run)
     install(model.base)
     with activated(session):

@@ -51,8 +51,34 @@ def router_state_dict(model) -> dict[str, torch.Tensor]:
     }
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def check_save_directory(out: Path) -> None:
+    """Refuse a directory that holds another model (weights or config) or a README Tide did not write."""
+    if not out.is_dir():
+        return
+    weights = sorted(p.name for p in out.iterdir()
+                     if p.name != ROUTERS_NAME and (p.suffix in _WEIGHT_SUFFIXES or p.name.endswith(".index.json")))
+    if weights:
+        raise ValueError(f"{out} holds model weights ({', '.join(weights[:3])}); a router repo needs a directory of its "
+                         "own (saving here would replace that model's config.json): choose another directory.")
+    config = out / CONFIG_NAME
+    if config.is_file():
+        data = _read_json(config, quiet=True)
+        if not isinstance(data, dict) or data.get("model_type") != "tide":
+            kind = data.get("model_type") if isinstance(data, dict) else None
+            raise ValueError(f"{config} belongs to another model (model_type {kind!r}); save the routers to a "
+                             "directory of their own.")
+    card = out / CARD_NAME
+    if card.is_file() and "library_name: tide-transformers" not in card.read_text(errors="replace"):
+        raise ValueError(f"{card} was not written by Tide and would be overwritten; save the routers to a directory "
+                         "of their own, or move that README.")
+
+
 def save_router_repo(model, save_directory) -> Path:
     out = Path(save_directory)
+    check_save_directory(out)
     out.mkdir(parents=True, exist_ok=True)
     config = model.config
     config.save_pretrained(out)  # writes config.json only
@@ -79,6 +105,10 @@ def push_router_repo(model, repo_id: str, private: bool | None = None, token=Non
 # ---------------------------------------------------------------------- loading
 def resolve_repo_file(name_or_path, filename: str, **repo_kwargs) -> str:
     """Path of `filename` in a local directory or a Hub repo (cache-aware, works offline)."""
+    name = str(name_or_path)
+    if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1):
+        raise FileNotFoundError(f"{name}: no such directory (a local router repo path; a Hub id looks like "
+                                "'user/name').")
     if os.path.isdir(name_or_path):
         path = Path(name_or_path) / filename
         if not path.is_file():
@@ -88,20 +118,17 @@ def resolve_repo_file(name_or_path, filename: str, **repo_kwargs) -> str:
         return hf_hub_download(str(name_or_path), filename, **repo_kwargs)
     except Exception as err:  # noqa: BLE001 - re-raised with what was tried
         raise OSError(
-            f"Could not get {filename} of router repo {name_or_path!r} (not a local directory; Hub lookup "
-            f"failed: {type(err).__name__}: {err}). Pass a local directory, or set HF_HUB_OFFLINE=1 to use the "
-            "local Hugging Face cache."
+            f"Could not get {filename} of router repo {name_or_path!r}: there is no local directory of that name, "
+            f"and the Hub lookup failed ({type(err).__name__}: {err}). Check the path, or the repo id (with "
+            "HF_HUB_OFFLINE=1 only the local Hugging Face cache is searched)."
         ) from err
 
 
 def load_router_repo(cls, name_or_path, base_model=None, config: TideConfig | None = None, **kwargs):
     repo_kwargs = {k: kwargs.pop(k) for k in _REPO_KWARGS if k in kwargs}
     if not isinstance(config, TideConfig):
-        config_file = resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs)
-        config = TideConfig.from_pretrained(config_file)
-        if "exit_head" not in json.loads(Path(config_file).read_text()):
-            config.exit_head = "lens"  # written before exit heads existed: its routers read the raw states
-    weights = load_file(resolve_repo_file(name_or_path, ROUTERS_NAME, **repo_kwargs))
+        config = read_config(resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs))
+    weights = read_router_weights(resolve_repo_file(name_or_path, ROUTERS_NAME, **repo_kwargs))
     if base_model is None:
         base_model = load_base_model(config, **kwargs)
     check_base_matches(config, base_model)
@@ -144,13 +171,48 @@ def check_base_matches(config: TideConfig, base_model) -> None:
         )
 
 
+def _read_json(path, quiet: bool = False):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        if quiet:
+            return None
+        raise ValueError(f"{path} is not readable JSON ({err}).") from err
+
+
+def read_config(config_file) -> TideConfig:
+    """A router repo's config.json, checked to be a JSON object before transformers reads it."""
+    data = _read_json(config_file)
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_file} must hold a JSON object (a Tide config), got {type(data).__name__}.")
+    config = TideConfig.from_pretrained(config_file)
+    if "exit_head" not in data:
+        config.exit_head = "lens"  # written before exit heads existed: its routers read the raw states
+    return config
+
+
+def read_router_weights(path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except Exception as err:  # noqa: BLE001 - safetensors' own errors do not name the file
+        raise ValueError(f"{path} is not a readable safetensors file ({type(err).__name__}: {err}); re-save or "
+                         "re-download the router repo.") from err
+
+
 def load_router_weights(model, weights: dict[str, torch.Tensor]) -> None:
-    expected = set(router_state_dict(model))
-    if set(weights) != expected:
+    expected = router_state_dict(model)
+    if set(weights) != set(expected):
         raise ValueError(
             f"Router weights do not match the config's checkpoints {model.checkpoints}: "
-            f"missing {sorted(expected - set(weights))}, unexpected {sorted(set(weights) - expected)}."
+            f"missing {sorted(set(expected) - set(weights))}, unexpected {sorted(set(weights) - set(expected))}."
         )
+    for key, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise ValueError(f"{ROUTERS_NAME}: {key} has shape {list(tensor.shape)} but this base model needs "
+                             f"{list(expected[key].shape)}; these routers were trained on another base model.")
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{ROUTERS_NAME}: {key} holds values that are not finite (NaN or inf); the router repo "
+                             "is damaged: re-save or recalibrate it.")
     for layer, router in model.routers.routers.items():
         param = next(router.parameters())
         state = {name: weights[f"{layer}.{name}"].to(param.device, param.dtype) for name in router.state_dict()}
@@ -167,7 +229,7 @@ class BaseModelTokenizerLoader:
     @classmethod
     def from_pretrained(cls, name_or_path, *args, **kwargs):
         repo_kwargs = {k: kwargs.pop(k) for k in _REPO_KWARGS if k in kwargs}
-        config = TideConfig.from_pretrained(resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs))
+        config = read_config(resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs))
         if not config.base_model_name_or_path:
             raise ValueError(
                 f"Router repo {name_or_path} names no base model, so it has no tokenizer to load; pass the base "

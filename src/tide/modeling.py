@@ -8,6 +8,7 @@ File and Hub I/O lives in `hub.py`; the decode step in `engine.py`.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -54,8 +55,9 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_base(cls, base_model: PreTrainedModel, config: TideConfig | None = None, seed: int | None = 0):
-        """Wrap a loaded causal LM with freshly initialised routers (what calibration starts from)."""
-        config = TideConfig() if config is None else config
+        """Wrap a loaded causal LM with freshly initialised routers (what calibration starts from). `config` is
+        copied, never changed."""
+        config = TideConfig() if config is None else copy.deepcopy(config)
         text = base_model.config.get_text_config()
         config.base_model_name_or_path = config.base_model_name_or_path or base_model.config.name_or_path or None
         config.base_model_type = text.model_type
