@@ -10,17 +10,8 @@ import tide
 from generation_helpers import BanToken, StopAfter
 from tiny_models import FAMILIES, tiny_model, tiny_tokenizer
 
-# Sliding-window caches cannot be rewritten: those families are tested with full attention.
-FULL_ATTENTION = {
-    "mistral": dict(sliding_window=None),
-    "qwen2": dict(use_sliding_window=False),
-    "gemma2": dict(layer_types=["full_attention"] * 6),
-    "gemma3_text": dict(layer_types=["full_attention"] * 6),
-}
-
-
 def _wrap(family="llama", **cfg):
-    base = tiny_model(family, **FULL_ATTENTION.get(family, {}))
+    base = tiny_model(family)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2, **cfg))
     torch.manual_seed(1)
     with torch.no_grad():  # exit heads that are right only sometimes: drafts get accepted and rejected
@@ -68,11 +59,28 @@ def test_exit_threshold_with_lossless_is_a_clear_error():
         model.generate(_ids(), max_new_tokens=4, tide_config={"mode": "lossless", "exit_threshold": 0.5})
 
 
-def test_sliding_window_model_is_a_clear_error():
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3_text"])
+def test_sliding_window_models_stay_token_identical_past_the_window(family):
+    """Window 8, 24-token prompt, 24 new tokens: drafts are verified and rejected long after eviction began."""
+    model, base = _wrap(family)
+    ids = _ids(length=24)
+    ref = base.generate(ids, do_sample=False, max_new_tokens=24)
+    out = model.generate(ids, do_sample=False, max_new_tokens=24,
+                         tide_config={"mode": "lossless", "draft_layer": 1, "max_draft": 4})
+    assert torch.equal(out, ref)
+    stats = model.last_stats
+    assert stats.accepted < stats.drafted, "some drafts should be rejected (cache rolled back past the window)"
+
+
+def test_a_sliding_cache_that_cannot_roll_back_is_a_clear_error():
+    from tide.speculative import check_rollback
+    from transformers import DynamicCache
+
     base = tiny_model("mistral")
-    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
-    with pytest.raises(ValueError, match="sliding-window"):
-        model.generate(_ids(), max_new_tokens=4, tide_config=LOSSLESS)
+    cache = DynamicCache(config=base.config)
+    base(_ids(length=12), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="roll back"):
+        check_rollback(cache)
 
 
 def test_batch_is_a_clear_error():

@@ -41,11 +41,8 @@ for name in names:
     reference = model.generate(**inputs, **greedy, tide_config=False)  # the plain base model
     model.generate(**inputs, **greedy)  # exit mode, calibrated thresholds
     exit_layers = f"{model.last_stats.mean_layers:.2f} of {model.parts.num_layers}"
-    try:
-        same = torch.equal(model.generate(**inputs, **greedy, tide_config={"mode": "lossless"}), reference)
-        lossless = "identical to the base" if same else "DIFFERS from the base"
-    except ValueError:  # lossless mode rewrites KV entries, which sliding-window caches may have evicted
-        lossless = "not available (sliding-window attention)"
+    same = torch.equal(model.generate(**inputs, **greedy, tide_config={"mode": "lossless"}), reference)
+    lossless = "identical to the base" if same else "DIFFERS from the base"
     rows.append((base.config.model_type, str(model.checkpoints), exit_layers, lossless))
 
 print(f"{'model type':<12} {'checkpoints':<14} {'exit mode: layers/token':<24} lossless mode")

@@ -3,6 +3,7 @@
 - `CANDIDATE_GENERATOR_METHOD`: the `GenerationMixin` method assisted generation asks for its drafter;
   lossless mode answers it with its own (see `dispatch.py`).
 - `ASSISTED_SWITCH`: the `generate` argument that turns assisted decoding on without an assistant model.
+- Cache layer classes (`cache_layer_kinds`): which layers hold recurrent state or reuse another layer's K/V.
 - Cache internals: a layer's `keys`/`values` tensors, `crop`, `get_seq_length`; the cache's `is_sliding`,
   `get_mask_sizes` and `get_query_offset`, which `LengthView` answers for a chunk of positions.
 
@@ -15,9 +16,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import Cache, DynamicCache
 
 __all__ = ["CANDIDATE_GENERATOR_METHOD", "ASSISTED_SWITCH", "LengthView", "layer_kv", "crop_layer", "layer_length",
-           "has_sliding_layers", "check"]
+           "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of", "check"]
 
 CANDIDATE_GENERATOR_METHOD = "_get_candidate_generator"
 ASSISTED_SWITCH = "prompt_lookup_num_tokens"
@@ -42,10 +44,47 @@ def has_sliding_layers(cache) -> bool:
     return any(getattr(cache, "is_sliding", None) or [])
 
 
-class LengthView:
-    """The cache as the backbone must see it to build masks for a chunk of positions starting at `start`."""
+def unrecoverable_sliding_layers(cache) -> list[int]:
+    """Sliding-window cache layers that drop evicted positions at once (not recording their past), so a
+    rejected draft could not be rolled back. transformers' assisted generation turns recording on."""
+    sliding = getattr(cache, "is_sliding", None) or []
+    return [i for i, is_sliding in enumerate(sliding) if is_sliding and not cache.is_recording_past(i)]
 
-    def __init__(self, cache, start: int):
+
+def cache_layer_kinds(config) -> list[str] | None:
+    """What kind of cache layer transformers builds for each decoder layer of `config`: "attention", "sliding",
+    "recurrent" (linear attention / state-space state, also when mixed with attention) or "shared" (a layer that
+    reuses another layer's K/V). None if transformers cannot build a cache from this config."""
+    from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
+
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 - any config transformers cannot build a cache for
+        return None
+    kinds = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            kinds.append("recurrent")
+        elif isinstance(layer, DummyLayer):
+            kinds.append("shared")
+        else:
+            kinds.append("sliding" if getattr(layer, "is_sliding", False) else "attention")
+    return kinds
+
+
+def sliding_window_of(cache, layer: int) -> int | None:
+    """The window of cache layer `layer` (None for a full-attention layer)."""
+    entry = cache.layers[layer]
+    return getattr(entry, "sliding_window", None) if getattr(entry, "is_sliding", False) else None
+
+
+class LengthView(Cache):
+    """The cache as the backbone must see it to build masks for a chunk of positions starting at `start`.
+
+    A sliding-window layer with `start` positions behind it sees at most its last `window - 1` of them (what
+    `DynamicSlidingWindowLayer.update` returns while it records its past)."""
+
+    def __init__(self, cache, start: int):  # a Cache for transformers' isinstance checks; the rest is `cache`'s
         self._cache, self._start = cache, start
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -55,6 +94,11 @@ class LengthView:
         return self._start
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        window = sliding_window_of(self._cache, layer_idx)
+        if window is None:
+            return self._start + query_length, 0
+        if self._start >= window:
+            return window - 1 + query_length, self._start - window + 1
         return self._start + query_length, 0
 
     def __getattr__(self, name):
@@ -74,7 +118,8 @@ def check() -> None:
         problems.append(f"GenerationMixin.{CANDIDATE_GENERATOR_METHOD} no longer takes {expected}")
     if not hasattr(GenerationConfig(), ASSISTED_SWITCH):
         problems.append(f"GenerationConfig.{ASSISTED_SWITCH} is gone (it switches generate into assisted mode)")
-    for name in ("get_mask_sizes", "get_query_offset", "crop", "get_seq_length", "is_sliding"):
+    for name in ("get_mask_sizes", "get_query_offset", "crop", "get_seq_length", "is_sliding", "is_recording_past",
+                 "activate_past_recording"):
         if not hasattr(DynamicCache, name):
             problems.append(f"DynamicCache.{name} is gone")
     config = LlamaConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, num_key_value_heads=2,

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import inspect
+import math
+
 import torch
 from torch import nn
 
-__all__ = ["ArchSpec", "KVProjections", "ModelParts", "ARCHITECTURES", "register", "resolve", "supported_model_types"]
+from ._hf_compat import cache_layer_kinds
+
+__all__ = ["ArchSpec", "KVProjections", "ModelParts", "ARCHITECTURES", "register", "resolve", "supported_model_types",
+           "refusal_reason"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class ArchSpec:
     cache_arg: str | int = "past_key_values"  # how a layer receives the cache: kwarg name or position
     returns_tuple: bool = False  # layer returns (hidden_states, ...) instead of a tensor
     softcap_attr: str | None = None  # config attribute holding the final-logit soft-cap
+    logit_scale: float | None = None  # the head's logits are multiplied by this (probed models, e.g. Cohere, Granite)
     layer_types_attr: str | None = "layer_types"  # config attribute listing per-layer attention types
     query_proj: str | None = None  # separate query projection inside a layer (skipped on K/V-only passes)
     kv_projections: KVProjections | None = None  # enables the batched K/V fill of skipped layers
@@ -89,7 +96,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
 }
 
-_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm")
+_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm", "norm_f", "layer_norm", "ln_out")
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache", "past_key_value_state")
 
 
 def register(model_type: str, spec: ArchSpec) -> None:
@@ -133,6 +141,8 @@ class ModelParts:
         if self.post_norm is not None:
             normed = self.post_norm(normed)
         logits = self.lm_head(normed)
+        if self.spec.logit_scale is not None:
+            logits = logits * self.spec.logit_scale
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -157,6 +167,9 @@ def resolve(model: nn.Module) -> ModelParts:
     """Find the backbone, layers, final norm and head of a loaded causal LM."""
     config = model.config
     model_type = getattr(config, "model_type", None)
+    refusal = refusal_reason(model)
+    if refusal:
+        raise ValueError(f"Tide cannot run early exit on model type {model_type!r}: {refusal}.")
     spec = ARCHITECTURES.get(model_type)
     if spec is None:
         return _probe_parts(model)
@@ -189,28 +202,81 @@ def _parts_from_spec(model: nn.Module, spec: ArchSpec) -> ModelParts | None:
     )
 
 
+def refusal_reason(model: nn.Module) -> str | None:
+    """Why per-token early exit cannot be exact on this model, or None. Read from the config and the cache
+    layout transformers would build for it; nothing runs."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model; Tide exits from a decoder-only stack"
+    if getattr(model, "_is_stateful", False):
+        return "it carries recurrent state that every token must update through every layer"
+    forward = inspect.signature(model.forward).parameters
+    supports_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+    if "past_key_values" not in forward or not supports_cache:
+        return "it does not decode on transformers' KV cache (DynamicCache), which Tide's skipped layers write"
+    kinds = cache_layer_kinds(config.get_text_config()) or []
+    stateful = [i for i, kind in enumerate(kinds) if kind == "recurrent"]
+    if stateful:
+        return (f"decoder layers {stateful} carry recurrent state (linear attention or state-space layers) that "
+                "every token must update, so they cannot be skipped")
+    shared = [i for i, kind in enumerate(kinds) if kind == "shared"]
+    if shared:
+        return f"decoder layers {shared} reuse other layers' KV cache, which a skipped layer would leave unwritten"
+    return None
+
+
 def _probe_parts(model: nn.Module) -> ModelParts:
-    """Parts of an unregistered model: guessed from its structure, then checked numerically."""
-    parts = _parts_from_spec(model, probe_spec(model))
-    if parts is None or not _reproduces_logits(model, parts):
+    """Parts of an unregistered model: guessed from its structure, then checked numerically (which also
+    reads whether the layers return tuples and any scale on the head's logits)."""
+    spec = probe_spec(model)
+    parts = _parts_from_spec(model, spec)
+    if parts is None:
+        raise ValueError(_unsupported_message(model, "no decoder layer list, final norm and head found"))
+    observed = _observe(model, parts)
+    if observed is None:
         raise ValueError(_unsupported_message(model, "its final norm and head do not reproduce its logits"))
+    parts = _parts_from_spec(model, replace(spec, returns_tuple=observed[0], logit_scale=observed[1]))
     parts.registered = False
     return parts
 
 
 @torch.no_grad()
-def _reproduces_logits(model: nn.Module, parts: ModelParts) -> bool:
-    """Does head(final_norm(last layer output)) equal the model's own logits on a short input?"""
+def _observe(model: nn.Module, parts: ModelParts) -> tuple[bool, float | None] | None:
+    """(layers return tuples, logit scale) if head(final_norm(last layer output)) reproduces the model's logits
+    on a short input, up to a scale read from the config; else None."""
     captured = {}
-    hook = parts.layers[-1].register_forward_hook(lambda _m, _a, out: captured.update(h=parts.layer_output(out)))
+
+    def keep(_m, _a, out):
+        captured.update(tuple=isinstance(out, tuple), h=out[0] if isinstance(out, tuple) else out)
+
+    hook = parts.layers[-1].register_forward_hook(keep)
     try:
         device = next(model.parameters()).device
         ids = torch.arange(1, 5, device=device).unsqueeze(0)
-        logits = model(input_ids=ids, use_cache=False).logits
+        logits = model(input_ids=ids, use_cache=False).logits.float()
     finally:
         hook.remove()
-    mine = parts.logits_from_normed(parts.final_norm(captured["h"]))
-    return mine.shape == logits.shape and torch.allclose(mine.float(), logits.float(), atol=1e-4, rtol=1e-3)
+    if "h" not in captured:
+        return None
+    mine = parts.logits_from_normed(parts.final_norm(captured["h"])).float()
+    if mine.shape != logits.shape:
+        return None
+    if torch.allclose(mine, logits, atol=1e-4, rtol=1e-3):
+        return captured["tuple"], None
+    scale = _config_scale(model.config, float((mine * logits).sum() / (mine * mine).sum().clamp(min=1e-12)))
+    if scale is not None and torch.allclose(mine * scale, logits, atol=1e-4, rtol=1e-3):
+        return captured["tuple"], scale
+    return None
+
+
+def _config_scale(config, fitted: float) -> float | None:
+    """The config value that scales the head's logits (by multiplying or dividing), matched to the fitted one."""
+    for value in config.get_text_config().to_dict().values():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
+            for scale in (float(value), 1.0 / float(value)):
+                if math.isclose(scale, fitted, rel_tol=1e-3):
+                    return scale
+    return None
 
 
 def _unsupported_message(model: nn.Module, why: str) -> str:
@@ -223,23 +289,32 @@ def _unsupported_message(model: nn.Module, why: str) -> str:
 
 
 def probe_spec(model: nn.Module) -> ArchSpec:
-    """Guess an `ArchSpec` for an unregistered model from its structure, or raise."""
+    """Guess an `ArchSpec` for an unregistered model from transformers' own metadata: the backbone is
+    `base_model_prefix`, the head `get_output_embeddings()`, the layers the backbone's module list with one entry
+    per hidden layer, the final norm a norm after them; how layers take the cache, from their signature."""
     prefix = getattr(model, "base_model_prefix", "model")
     backbone = getattr(model, prefix, None)
-    num_layers = getattr(model.config, "num_hidden_layers", None)
+    num_layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in model.named_children() if m is head), None)
     if backbone is not None and head_name is not None:
-        layers_name = next(
-            (n for n, m in backbone.named_children() if isinstance(m, nn.ModuleList) and len(m) == num_layers),
-            None,
-        )
+        children = list(backbone.named_children())
+        lists = [(n, m) for n, m in children if isinstance(m, nn.ModuleList) and len(m) > 1]
+        layers_name = next((n for n, m in lists if len(m) == num_layers), lists[0][0] if len(lists) == 1 else None)
         norm_name = next((n for n in _NORM_NAMES if isinstance(getattr(backbone, n, None), nn.Module)), None)
+        if norm_name is None and layers_name is not None:  # the last norm-like child registered after the layers
+            after = [n for n, m in children[[n for n, _ in children].index(layers_name) + 1:]
+                     if "norm" in type(m).__name__.lower()]
+            norm_name = after[-1] if after else None
         if layers_name and norm_name:
+            layer = getattr(backbone, layers_name)[0]
+            params = inspect.signature(type(layer).forward).parameters
+            cache_arg = next((n for n in _CACHE_ARGS if n in params), "past_key_values")
             return ArchSpec(
                 backbone=prefix,
                 layers=f"{prefix}.{layers_name}",
                 norm=f"{prefix}.{norm_name}",
                 lm_head=head_name,
+                cache_arg=cache_arg,
             )
     raise ValueError(_unsupported_message(model, "no decoder layer list, final norm and head found"))

@@ -54,6 +54,8 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     run = resolve_run_config(model, tide_config)
     if run is None:
         return model.base.generate(*args, **kwargs)
+    if "use_cache" not in kwargs and getattr(kwargs.get("generation_config"), "use_cache", None) is not False:
+        kwargs["use_cache"] = True  # Tide decodes on the KV cache, also for models whose config turns it off (MPT)
     if run.mode == "lossless":
         _check_lossless_call(model, args, kwargs)
         if run.max_draft == 0:  # calibration found that no drafting scheme pays on this model and machine

@@ -18,19 +18,23 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ._hf_compat import LengthView, crop_layer, has_sliding_layers, layer_length
+from ._hf_compat import LengthView, crop_layer, layer_length, unrecoverable_sliding_layers
 from .dispatch import base_forward
 from .layercalls import capture_layer_calls
 from .stats import GenerationStats
 
-__all__ = ["LosslessSession", "check_full_attention"]
+__all__ = ["LosslessSession", "check_rollback"]
 
 
-def check_full_attention(cache) -> None:
-    if has_sliding_layers(cache):
+def check_rollback(cache) -> None:
+    """Sliding-window layers must keep evicted positions until a draft is accepted or cropped: transformers'
+    assisted generation turns that on (`activate_past_recording`); a cache where it is off cannot be used."""
+    layers = unrecoverable_sliding_layers(cache)
+    if layers:
         raise ValueError(
-            "mode='lossless' needs full-attention KV caches, and this model has sliding-window layers (drafted "
-            "positions would evict keys that verification may still need). Use mode='exit'."
+            f"mode='lossless' needs sliding-window cache layers that can roll back rejected drafts, and layers "
+            f"{layers} of this cache drop evicted positions at once. Pass a DynamicCache (or none) and let "
+            "generate create it, or use mode='exit'."
         )
 
 
@@ -178,12 +182,12 @@ class _TideDrafter(CandidateGenerator):
         """Make the cache hold the exact K/V of everything but the last token (the first call only)."""
         have = self.cache.get_seq_length()
         if have == 0:
-            check_full_attention(self.cache)
+            check_rollback(self.cache)
         if have < input_ids.shape[1] - 1:
             with torch.no_grad():
                 self.session.original_forward(input_ids=input_ids[:, have:-1], past_key_values=self.cache,
                                               attention_mask=self._mask(input_ids[:, :-1]), use_cache=True)
-            check_full_attention(self.cache)
+            check_rollback(self.cache)
             self.session.stats.prefill_tokens += input_ids.shape[1] - 1 - have
 
     def _mask(self, tokens):

@@ -1,0 +1,310 @@
+"""The support matrix: every causal-LM model type in transformers, checked on a tiny random-init model.
+
+For each model type in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` whose tiny config (`tide.tiny`) builds offline,
+`check_model_type` wraps it with `TideForCausalLM.from_base` and runs four checks:
+
+- `exact`: `exit_threshold=1.0` gives the base model's greedy tokens;
+- `forced_exit`: every decode token forced out after layer 1 gives the tokens of an independent reference
+  (the base model's own forward with hooks that feed layers > 1 the layer-1 state), runs exactly 2 layers
+  per decode token, and never runs a skipped layer's work after its cache write (attention core, MLP);
+- `lossless`: lossless mode (drafts from layer 1) gives the base model's greedy tokens;
+- `batch`: a left-padded batch whose rows exit at different checkpoints gives each row's tokens alone.
+
+Status: `full` (all four pass), `exit only` (lossless refused with a clear error), `refused` (`from_base`
+refuses with a clear reason), `untested` (the tiny config does not build offline), `fails` (a check failed
+or crashed: a bug). `python -m tide.support_matrix --markdown docs/support.md` writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from .config import TideConfig
+from .modeling import TideForCausalLM
+from .tiny import VOCAB, tiny_config, tiny_model
+
+__all__ = ["CHECKS", "MatrixResult", "check_model_type", "model_types", "run_matrix", "markdown_table"]
+
+CHECKS = ("exact", "forced_exit", "lossless", "batch")
+MAX_PARAMETERS = 3_000_000  # tiny configs above this (multimodal towers, fixed-size blocks) are not built
+NEW_TOKENS = 6
+EXIT_LAYER = 1
+
+
+@dataclass
+class MatrixResult:
+    model_type: str
+    status: str  # full | exit only | refused | untested | fails
+    reason: str = ""
+    checks: dict[str, str] = field(default_factory=dict)  # check -> "pass" | "refused: ..." | "FAIL: ..."
+    seconds: float = 0.0
+
+
+def model_types() -> list[str]:
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _build(model_type: str):
+    config = tiny_config(model_type)
+    with torch.device("meta"):
+        shape = AutoModelForCausalLM.from_config(config)
+    size = sum(p.numel() for p in shape.parameters())
+    if size > MAX_PARAMETERS:
+        raise RuntimeError(f"the shrunk config still has {size:,} parameters")
+    return tiny_model(model_type)
+
+
+def _prompt(rows: int = 1, length: int = 7, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, VOCAB - 4, (rows, length), generator=generator)
+
+
+GREEDY = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+
+
+def _greedy(model, ids, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, pad_token_id=0, **GREEDY, **kwargs)
+
+
+def check_exact(model, base) -> None:
+    ids = _prompt()
+    ref, out = _greedy(base, ids), _greedy(model, ids, tide_config={"exit_threshold": 1.0})
+    if not torch.equal(out, ref):
+        raise AssertionError(f"exit_threshold=1.0 gave {out[0, -NEW_TOKENS:].tolist()}, "
+                             f"the base model {ref[0, -NEW_TOKENS:].tolist()}")
+
+
+class _AfterPrefill(LogitsProcessor):
+    """Sets a flag once the prompt's forward is done (logits processors run after each forward)."""
+
+    def __init__(self, flag: list):
+        self.flag = flag
+
+    def __call__(self, input_ids, scores):
+        self.flag.append(True)
+        return scores
+
+
+def _reference_forced_exit(base, parts, ids, k: int) -> torch.Tensor:
+    """Greedy decode where every generated token leaves after layer k and layers > k see its layer-k state,
+    with plain hooks on the base model's own forward."""
+    cache = DynamicCache(config=base.config)
+    state = {}
+    eos = base.generation_config.eos_token_id  # generate suppresses it (min_new_tokens); so does the reference
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def greedy(logits):
+        logits = logits.clone()
+        logits[:, eos] = -float("inf")
+        return logits.argmax(-1, keepdim=True)
+
+    def feed_exit_state(_m, args, kwargs):
+        if args:
+            return (state["h"],) + tuple(args[1:]), kwargs
+        return args, dict(kwargs, hidden_states=state["h"])
+
+    with torch.no_grad():
+        logits = base(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        hooks = [parts.layers[k].register_forward_hook(lambda _m, _a, out: state.update(h=parts.layer_output(out)))]
+        hooks += [parts.layers[j].register_forward_pre_hook(feed_exit_state, with_kwargs=True)
+                  for j in range(k + 1, parts.num_layers)]
+        out = [greedy(logits)]
+        try:
+            for _ in range(NEW_TOKENS - 1):
+                base(out[-1], past_key_values=cache, use_cache=True)
+                out.append(greedy(parts.logits_from_normed(parts.final_norm(state["h"]))[:, -1]))
+        finally:
+            for h in hooks:
+                h.remove()
+    return torch.cat([ids] + out, dim=1)
+
+
+def _work_after_cache_write(base, parts, layer: int) -> set[str]:
+    """Leaf modules of `layer` that run after its K/V cache write in a normal decode step."""
+    ids = _prompt()
+    cache = DynamicCache(config=base.config)
+    with torch.no_grad():
+        base(ids, past_key_values=cache, use_cache=True)
+    order, original = [], cache.update
+
+    def update(*args, **kwargs):
+        if (len(args) > 2 and args[2] == layer) or kwargs.get("layer_idx") == layer:
+            order.append(None)
+        return original(*args, **kwargs)
+
+    cache.update = update
+    hooks = [m.register_forward_hook(lambda *_a, name=name: order.append(name))
+             for name, m in parts.layers[layer].named_modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            base(ids[:, -1:], past_key_values=cache, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return set(order[order.index(None) + 1:]) if None in order else set()
+
+
+def check_forced_exit(model, base) -> None:
+    parts, ids = model.parts, _prompt()
+    expected = _reference_forced_exit(base, parts, ids, EXIT_LAYER)
+    skipped = EXIT_LAYER + 1
+    after_write = _work_after_cache_write(base, parts, skipped)
+    decoding, ran = [], set()
+
+    def note(name):
+        if decoding:
+            ran.add(name)
+
+    hooks = [m.register_forward_hook(lambda *_a, name=name: note(name))
+             for name, m in parts.layers[skipped].named_modules() if not list(m.children())]
+    try:
+        out = _greedy(model, ids, tide_config={"exit_threshold": -1.0},
+                      logits_processor=LogitsProcessorList([_AfterPrefill(decoding)]))
+    finally:
+        for h in hooks:
+            h.remove()
+    if not torch.equal(out, expected):
+        raise AssertionError(f"forced exit gave {out[0, -NEW_TOKENS:].tolist()}, "
+                             f"the reference {expected[0, -NEW_TOKENS:].tolist()}")
+    stats, steps = model.last_stats, NEW_TOKENS - 1
+    if stats.exits != {str(EXIT_LAYER): steps} or stats.layer_passes != skipped * steps:
+        raise AssertionError(f"expected {skipped} layer passes per decode token and every exit at layer "
+                             f"{EXIT_LAYER}; got {stats.layer_passes} passes, exits {stats.exits}")
+    if ran & after_write:
+        raise AssertionError(f"a skipped layer ran {sorted(ran & after_write)} for decode tokens")
+
+
+def check_lossless(model, base) -> None:
+    ids = _prompt()
+    ref = _greedy(base, ids)
+    out = _greedy(model, ids, tide_config={"mode": "lossless", "draft_layer": EXIT_LAYER, "max_draft": 2})
+    if not torch.equal(out, ref):
+        raise AssertionError(f"lossless gave {out[0, -NEW_TOKENS:].tolist()}, "
+                             f"the base model {ref[0, -NEW_TOKENS:].tolist()}")
+
+
+def check_batch(model, base) -> None:
+    with torch.no_grad():  # decisive routers: rows leave at different checkpoints
+        for layer in model.checkpoints:
+            model.routers[layer].up.weight.mul_(40.0)
+    cfg = {"exit_threshold": 0.5}
+    prompts = [_prompt(length=n, seed=n) for n in (7, 3, 5)]
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+    together = _greedy(model, ids, attention_mask=mask, tide_config=cfg)
+    for i, p in enumerate(prompts):
+        alone = _greedy(model, p, tide_config=cfg)
+        if not torch.equal(together[i, -NEW_TOKENS:], alone[0, -NEW_TOKENS:]):
+            raise AssertionError(f"row {i} in a left-padded batch gave {together[i, -NEW_TOKENS:].tolist()}, "
+                                 f"alone {alone[0, -NEW_TOKENS:].tolist()}")
+
+
+_RUNNERS = {"exact": check_exact, "forced_exit": check_forced_exit, "lossless": check_lossless, "batch": check_batch}
+
+
+def _config_for(check: str, num_layers: int) -> TideConfig:
+    if check == "batch":
+        return TideConfig(checkpoint_layers=[0, min(2, num_layers - 2)])
+    return TideConfig(checkpoint_layers=[EXIT_LAYER])
+
+
+def check_model_type(model_type: str) -> MatrixResult:
+    """Build a tiny `model_type`, wrap it, and run the four checks (see the module docstring)."""
+    start = time.perf_counter()
+    result = MatrixResult(model_type, "full")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            base = _build(model_type)
+        except Exception as err:  # noqa: BLE001 - any failure to build is reported, not raised
+            result.status, result.reason = "untested", f"tiny config does not build offline ({_first_line(err)})"
+            return result
+        for check in CHECKS:
+            try:
+                model = TideForCausalLM.from_base(base, _config_for(check, len(_layers_of(base))))
+            except ValueError as err:
+                result.status, result.reason = "refused", _first_line(err)
+                break
+            except Exception as err:  # noqa: BLE001
+                result.status, result.reason = "fails", f"from_base crashed: {_first_line(err)}"
+                break
+            try:
+                _RUNNERS[check](model, base)
+                result.checks[check] = "pass"
+            except (ValueError, NotImplementedError) as err:
+                result.checks[check] = f"refused: {_first_line(err)}"
+            except Exception as err:  # noqa: BLE001
+                result.checks[check] = f"FAIL: {_first_line(err)}"
+    result.seconds = time.perf_counter() - start
+    if result.status in ("full", "exit only") and result.checks:
+        failed = [c for c, v in result.checks.items() if v != "pass"]
+        if any(result.checks[c].startswith("FAIL") for c in failed) or any(c != "lossless" for c in failed):
+            result.status = "fails"
+        elif failed:
+            result.status = "exit only"
+        result.reason = "; ".join(f"{c}: {result.checks[c]}" for c in failed)
+    return result
+
+
+def _layers_of(base):
+    from .architectures import resolve
+
+    try:
+        return resolve(base).layers
+    except ValueError:
+        return [None] * 4
+
+
+def run_matrix(types: list[str] | None = None, verbose: bool = False) -> list[MatrixResult]:
+    results = []
+    for model_type in types or model_types():
+        result = check_model_type(model_type)
+        if verbose:
+            print(f"{model_type:28s} {result.status:10s} {result.seconds:5.1f}s {result.reason[:150]}", flush=True)
+        results.append(result)
+    return results
+
+
+def markdown_table(results: list[MatrixResult]) -> str:
+    counts = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    lines = [
+        "| model type | status | reason |",
+        "|---|---|---|",
+    ] + [f"| `{r.model_type}` | {r.status} | {r.reason.replace('|', '/')} |" for r in results]
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    return f"{len(results)} model types: {summary}.\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_types", nargs="*", help="default: every causal-LM model type in transformers")
+    parser.add_argument("--markdown", help="write the table to this file")
+    args = parser.parse_args(argv)
+    results = run_matrix(args.model_types or None, verbose=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_table(results))
+    return 0 if not any(r.status == "fails" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
