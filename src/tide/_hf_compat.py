@@ -53,8 +53,8 @@ def unrecoverable_sliding_layers(cache) -> list[int]:
 
 def cache_layer_kinds(config) -> list[str] | None:
     """What kind of cache layer transformers builds for each decoder layer of `config`: "attention", "sliding",
-    "recurrent" (linear attention / state-space state, also when mixed with attention) or "shared" (a layer that
-    reuses another layer's K/V). None if transformers cannot build a cache from this config."""
+    "recurrent" (linear attention / state-space state, also when mixed with attention), "shared" (a layer that
+    reuses another layer's K/V) or "indexed" (a sparse-attention indexer's keys besides the K/V). None if transformers cannot build a cache from this config."""
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
     try:
@@ -67,6 +67,8 @@ def cache_layer_kinds(config) -> list[str] | None:
             kinds.append("recurrent")
         elif isinstance(layer, DummyLayer):
             kinds.append("shared")
+        elif hasattr(layer, "update_indexer"):
+            kinds.append("indexed")
         else:
             kinds.append("sliding" if getattr(layer, "is_sliding", False) else "attention")
     return kinds

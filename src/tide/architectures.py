@@ -208,6 +208,8 @@ def refusal_reason(model: nn.Module) -> str | None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model; Tide exits from a decoder-only stack"
+    if getattr(config, "encoder_layers", None) or getattr(config, "num_encoder_layers", None):
+        return "it is the decoder half of an encoder-decoder architecture; Tide exits from a decoder-only stack"
     if getattr(model, "_is_stateful", False):
         return "it carries recurrent state that every token must update through every layer"
     forward = inspect.signature(model.forward).parameters
@@ -222,6 +224,9 @@ def refusal_reason(model: nn.Module) -> str | None:
     shared = [i for i, kind in enumerate(kinds) if kind == "shared"]
     if shared:
         return f"decoder layers {shared} reuse other layers' KV cache, which a skipped layer would leave unwritten"
+    if "indexed" in kinds:
+        return ("its attention keeps sparse-attention indexer keys besides the K/V, written after the K/V, which a "
+                "skipped layer's K/V-only pass does not fill")
     return None
 
 
@@ -232,12 +237,42 @@ def _probe_parts(model: nn.Module) -> ModelParts:
     parts = _parts_from_spec(model, spec)
     if parts is None:
         raise ValueError(_unsupported_message(model, "no decoder layer list, final norm and head found"))
+    if _layers_pass_state(model, parts):
+        raise ValueError(
+            f"Tide cannot run early exit on model type {getattr(model.config, 'model_type', None)!r}: its decoder "
+            "layers hand extra outputs to the next layer (e.g. sparse-attention indices), which a skipped layer "
+            "would not produce."
+        )
     observed = _observe(model, parts)
     if observed is None:
         raise ValueError(_unsupported_message(model, "its final norm and head do not reproduce its logits"))
     parts = _parts_from_spec(model, replace(spec, returns_tuple=observed[0], logit_scale=observed[1]))
     parts.registered = False
     return parts
+
+
+@torch.no_grad()
+def _layers_pass_state(model: nn.Module, parts: ModelParts) -> bool:
+    """Does a decoder layer return, besides its hidden state, a tensor the backbone passes to the next layer?"""
+    if parts.num_layers < 2:
+        return False
+    seen = {}
+
+    def outputs(_m, _a, out):
+        seen["out"] = [id(v) for v in out[1:] if isinstance(v, torch.Tensor)] if isinstance(out, tuple) else []
+
+    def inputs(_m, args, kwargs):
+        seen["in"] = {id(v) for v in list(args[1:]) + list(kwargs.values()) if isinstance(v, torch.Tensor)}
+
+    hooks = [parts.layers[0].register_forward_hook(outputs),
+             parts.layers[1].register_forward_pre_hook(inputs, with_kwargs=True)]
+    try:
+        device = next(model.parameters()).device
+        model(input_ids=torch.arange(1, 5, device=device).unsqueeze(0), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return bool(set(seen.get("out", [])) & seen.get("in", set()))
 
 
 @torch.no_grad()
@@ -295,6 +330,10 @@ def probe_spec(model: nn.Module) -> ArchSpec:
     prefix = getattr(model, "base_model_prefix", "model")
     backbone = getattr(model, prefix, None)
     num_layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    if backbone is None:  # e.g. Llama 4: prefix "language_model", backbone under "model"
+        prefix = next((n for n, m in model.named_children() if any(
+            isinstance(c, nn.ModuleList) and len(c) == num_layers for c in m.children())), prefix)
+        backbone = getattr(model, prefix, None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in model.named_children() if m is head), None)
     if backbone is not None and head_name is not None:

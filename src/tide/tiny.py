@@ -23,12 +23,14 @@ HEAD_DIM = HIDDEN // HEADS
 
 # Attribute names -> tiny values. Only attributes the config already has are touched.
 _SIZES = {
-    "vocab_size": VOCAB,
+    "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8,
     "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN, "dim": HIDDEN, "model_dim": HIDDEN,
     "num_hidden_layers": NUM_LAYERS, "n_layer": NUM_LAYERS, "n_layers": NUM_LAYERS, "num_layers": NUM_LAYERS,
     "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
     "num_key_value_heads": KV_HEADS, "num_kv_heads": KV_HEADS, "n_kv_heads": KV_HEADS,
     "head_dim": HEAD_DIM, "kv_channels": HEAD_DIM,
+    "decoder_layers": NUM_LAYERS, "encoder_layers": NUM_LAYERS,
+    "decoder_attention_heads": HEADS, "encoder_attention_heads": HEADS, "decoder_ffn_dim": 64, "encoder_ffn_dim": 64,
     "intermediate_size": 64, "ffn_dim": 64, "n_inner": 64, "ffn_hidden_size": 64, "d_ff": 64,
     "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 16,
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
@@ -49,6 +51,7 @@ OVERRIDES: dict[str, dict] = {
     "qwen2": dict(use_sliding_window=True, max_window_layers=2),
     "gemma3_text": dict(sliding_window_pattern=2),
     "phi3": dict(pad_token_id=0),
+    "deepseek_v2": dict(num_experts_per_tok=2),  # None by default, which the model cannot run
 }
 
 
