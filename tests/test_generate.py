@@ -6,6 +6,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 import tide
+from tide.support_matrix import reference_forced_exit, work_after_cache_write
 from generation_helpers import BanToken, StopAfter
 from tiny_models import FAMILIES, tiny_model
 
@@ -48,41 +49,11 @@ def test_threshold_one_never_exits_and_equals_the_base(family, strategy):
     assert stats.exits == {"full": stats.decode_tokens} and stats.layer_passes == stats.decode_steps * 6
 
 
-def _reference_forced_exit(base, parts, ids, k, steps):
-    """Greedy decode where every generated token leaves after layer k and layers > k see its layer-k
-    state (propagated K/V), written with plain hooks on the base model's own forward."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=base.config)
-    with torch.no_grad():
-        logits = base(ids, past_key_values=cache, use_cache=True).logits[:, -1]
-        state = {}
-        hooks = [parts.layers[k].register_forward_hook(lambda _m, _a, out: state.update(h=parts.layer_output(out)))]
-
-        def feed_exit_state(_m, args, kwargs):
-            if args:
-                return (state["h"],) + tuple(args[1:]), kwargs
-            return args, dict(kwargs, hidden_states=state["h"])
-
-        hooks += [parts.layers[j].register_forward_pre_hook(feed_exit_state, with_kwargs=True)
-                  for j in range(k + 1, parts.num_layers)]
-        out = [logits.argmax(-1, keepdim=True)]
-        try:
-            for _ in range(steps - 1):
-                base(out[-1], past_key_values=cache, use_cache=True)
-                logits = parts.logits_from_normed(parts.final_norm(state["h"]))[:, -1]
-                out.append(logits.argmax(-1, keepdim=True))
-        finally:
-            for h in hooks:
-                h.remove()
-    return torch.cat([ids] + out, dim=1)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forced_exit_matches_reference_and_skips_the_work(family):
     model, base = _wrap(family, checkpoint_layers=[2])
     ids = _prompt()
-    expected = _reference_forced_exit(base, model.parts, ids, k=2, steps=10)
+    expected = reference_forced_exit(base, model.parts, ids, k=2, steps=10)
     after_update = _modules_after_cache_update(model.parts, base, ids, layer=3)
     called, decoding = {}, []  # decoding: set once the prompt's forward is done
 
@@ -135,30 +106,9 @@ class _Flag(LogitsProcessor):
 
 
 def _modules_after_cache_update(parts, base, ids, layer):
-    """Leaf modules of `layer` that run after its KV-cache write in a normal decode step (attention
-    core, output projection, MLP): what a skipped layer must never run."""
-    from transformers import DynamicCache
-
-    order = []
-    cache = DynamicCache(config=base.config)
-    with torch.no_grad():
-        base(ids, past_key_values=cache, use_cache=True)
-    original = cache.update
-
-    def update(*args, **kwargs):
-        if len(args) > 2 and args[2] == layer or kwargs.get("layer_idx") == layer:
-            order.append("<update>")
-        return original(*args, **kwargs)
-
-    cache.update = update
-    hooks = [mod.register_forward_hook(lambda *_a, name=name: order.append(name))
-             for name, mod in parts.layers[layer].named_modules() if not list(mod.children())]
-    with torch.no_grad():
-        base(ids[:, -1:], past_key_values=cache, use_cache=True)
-    for h in hooks:
-        h.remove()
-    after = set(order[order.index("<update>") + 1:])
-    assert any(("mlp" in n or "fc" in n) for n in after), after  # the check has teeth
+    """What a skipped layer must never run (attention core, output projection, MLP), checked to have teeth."""
+    after = work_after_cache_write(base, parts, layer, ids)
+    assert any(("mlp" in n or "fc" in n) for n in after), after
     return after
 
 

@@ -97,11 +97,9 @@ class LengthView(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
         window = sliding_window_of(self._cache, layer_idx)
-        if window is None:
+        if window is None or self._start < window:
             return self._start + query_length, 0
-        if self._start >= window:
-            return window - 1 + query_length, self._start - window + 1
-        return self._start + query_length, 0
+        return window - 1 + query_length, self._start - window + 1
 
     def __getattr__(self, name):
         return getattr(self._cache, name)

@@ -231,77 +231,77 @@ def refusal_reason(model: nn.Module) -> str | None:
 
 
 def _probe_parts(model: nn.Module) -> ModelParts:
-    """Parts of an unregistered model: guessed from its structure, then checked numerically (which also
-    reads whether the layers return tuples and any scale on the head's logits)."""
+    """Parts of an unregistered model: guessed from its structure, then checked numerically on one short forward
+    (which also reads whether the layers return tuples and any scale on the head's logits)."""
     spec = probe_spec(model)
     parts = _parts_from_spec(model, spec)
     if parts is None:
         raise ValueError(_unsupported_message(model, "no decoder layer list, final norm and head found"))
-    if _layers_pass_state(model, parts):
+    seen = _observe(model, parts)
+    if seen.passes_state:
         raise ValueError(
             f"Tide cannot run early exit on model type {getattr(model.config, 'model_type', None)!r}: its decoder "
             "layers hand extra outputs to the next layer (e.g. sparse-attention indices), which a skipped layer "
             "would not produce."
         )
-    observed = _observe(model, parts)
-    if observed is None:
+    reproduces, scale = _head_scale(model, parts, seen)
+    if not reproduces:
         raise ValueError(_unsupported_message(model, "its final norm and head do not reproduce its logits"))
-    parts = _parts_from_spec(model, replace(spec, returns_tuple=observed[0], logit_scale=observed[1]))
+    parts = _parts_from_spec(model, replace(spec, returns_tuple=seen.returns_tuple, logit_scale=scale))
     parts.registered = False
     return parts
 
 
+@dataclass
+class _Observation:
+    """What one short forward of a probed model showed."""
+
+    logits: torch.Tensor  # the model's own logits, fp32
+    last_output: torch.Tensor | None  # the last decoder layer's hidden state
+    returns_tuple: bool  # the layers return (hidden_states, ...)
+    passes_state: bool  # layer 0 returns a tensor besides its hidden state that the backbone hands to layer 1
+
+
 @torch.no_grad()
-def _layers_pass_state(model: nn.Module, parts: ModelParts) -> bool:
-    """Does a decoder layer return, besides its hidden state, a tensor the backbone passes to the next layer?"""
-    if parts.num_layers < 2:
-        return False
-    seen = {}
+def _observe(model: nn.Module, parts: ModelParts) -> _Observation:
+    seen = {"extra": set(), "next_inputs": set()}
 
-    def outputs(_m, _a, out):
-        seen["out"] = [id(v) for v in out[1:] if isinstance(v, torch.Tensor)] if isinstance(out, tuple) else []
+    def last(_m, _a, out):
+        seen.update(tuple=isinstance(out, tuple), h=out[0] if isinstance(out, tuple) else out)
 
-    def inputs(_m, args, kwargs):
-        seen["in"] = {id(v) for v in list(args[1:]) + list(kwargs.values()) if isinstance(v, torch.Tensor)}
+    def first(_m, _a, out):
+        if isinstance(out, tuple):
+            seen["extra"] = {id(v) for v in out[1:] if isinstance(v, torch.Tensor)}
 
-    hooks = [parts.layers[0].register_forward_hook(outputs),
-             parts.layers[1].register_forward_pre_hook(inputs, with_kwargs=True)]
+    def second(_m, args, kwargs):
+        seen["next_inputs"] = {id(v) for v in list(args[1:]) + list(kwargs.values()) if isinstance(v, torch.Tensor)}
+
+    hooks = [parts.layers[-1].register_forward_hook(last)]
+    if parts.num_layers > 1:
+        hooks += [parts.layers[0].register_forward_hook(first),
+                  parts.layers[1].register_forward_pre_hook(second, with_kwargs=True)]
     try:
         device = next(model.parameters()).device
-        model(input_ids=torch.arange(1, 5, device=device).unsqueeze(0), use_cache=False)
+        logits = model(input_ids=torch.arange(1, 5, device=device).unsqueeze(0), use_cache=False).logits.float()
     finally:
         for h in hooks:
             h.remove()
-    return bool(set(seen.get("out", [])) & seen.get("in", set()))
+    return _Observation(logits, seen.get("h"), seen.get("tuple", False), bool(seen["extra"] & seen["next_inputs"]))
 
 
-@torch.no_grad()
-def _observe(model: nn.Module, parts: ModelParts) -> tuple[bool, float | None] | None:
-    """(layers return tuples, logit scale) if head(final_norm(last layer output)) reproduces the model's logits
-    on a short input, up to a scale read from the config; else None."""
-    captured = {}
-
-    def keep(_m, _a, out):
-        captured.update(tuple=isinstance(out, tuple), h=out[0] if isinstance(out, tuple) else out)
-
-    hook = parts.layers[-1].register_forward_hook(keep)
-    try:
-        device = next(model.parameters()).device
-        ids = torch.arange(1, 5, device=device).unsqueeze(0)
-        logits = model(input_ids=ids, use_cache=False).logits.float()
-    finally:
-        hook.remove()
-    if "h" not in captured:
-        return None
-    mine = parts.logits_from_normed(parts.final_norm(captured["h"])).float()
-    if mine.shape != logits.shape:
-        return None
-    if torch.allclose(mine, logits, atol=1e-4, rtol=1e-3):
-        return captured["tuple"], None
-    scale = _config_scale(model.config, float((mine * logits).sum() / (mine * mine).sum().clamp(min=1e-12)))
-    if scale is not None and torch.allclose(mine * scale, logits, atol=1e-4, rtol=1e-3):
-        return captured["tuple"], scale
-    return None
+def _head_scale(model: nn.Module, parts: ModelParts, seen: _Observation) -> tuple[bool, float | None]:
+    """Does head(final_norm(last layer output)) reproduce the model's logits, and up to which scale (a config
+    value; None: unscaled)?"""
+    if seen.last_output is None:
+        return False, None
+    mine = parts.logits_from_normed(parts.final_norm(seen.last_output)).float()
+    if mine.shape != seen.logits.shape:
+        return False, None
+    if torch.allclose(mine, seen.logits, atol=1e-4, rtol=1e-3):
+        return True, None
+    fitted = float((mine * seen.logits).sum() / (mine * mine).sum().clamp(min=1e-12))
+    scale = _config_scale(model.config, fitted)
+    return scale is not None and torch.allclose(mine * scale, seen.logits, atol=1e-4, rtol=1e-3), scale
 
 
 def _config_scale(config, fitted: float) -> float | None:

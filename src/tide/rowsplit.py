@@ -20,7 +20,6 @@ from .layercalls import LayerCall
 __all__ = ["RowSplitCache", "sliced_call", "can_slice"]
 
 
-
 def _tensors(call: LayerCall, skip_first: bool = True):
     values = list(call.args[1:] if skip_first and call.args else call.args) + [
         v for k, v in call.kwargs.items() if not (k == "hidden_states" and skip_first)]

@@ -32,7 +32,8 @@ from .config import TideConfig
 from .modeling import TideForCausalLM
 from .tiny import HIDDEN, NUM_LAYERS, VOCAB, tiny_config, tiny_model
 
-__all__ = ["CHECKS", "MatrixResult", "check_model_type", "model_types", "run_matrix", "markdown_table"]
+__all__ = ["CHECKS", "MatrixResult", "check_model_type", "model_types", "run_matrix", "markdown_table",
+           "reference_forced_exit", "work_after_cache_write"]
 
 CHECKS = ("exact", "forced_exit", "lossless", "batch")
 MAX_PARAMETERS = 3_000_000  # tiny configs above this (multimodal towers, fixed-size blocks) are not built
@@ -109,17 +110,15 @@ class _AfterPrefill(LogitsProcessor):
         return scores
 
 
-def _reference_forced_exit(base, parts, ids, k: int) -> torch.Tensor:
-    """Greedy decode where every generated token leaves after layer k and layers > k see its layer-k state,
-    with plain hooks on the base model's own forward."""
+def reference_forced_exit(base, parts, ids, k: int, steps: int, suppress=()) -> torch.Tensor:
+    """Greedy decode of `steps` tokens where every generated token leaves after layer k and layers > k see its
+    layer-k state, with plain hooks on the base model's own forward. Tokens in `suppress` are never chosen."""
     cache = DynamicCache(config=base.config)
     state = {}
-    eos = base.generation_config.eos_token_id  # generate suppresses it (min_new_tokens); so does the reference
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
     def greedy(logits):
         logits = logits.clone()
-        logits[:, eos] = -float("inf")
+        logits[:, list(suppress)] = -float("inf")
         return logits.argmax(-1, keepdim=True)
 
     def feed_exit_state(_m, args, kwargs):
@@ -134,7 +133,7 @@ def _reference_forced_exit(base, parts, ids, k: int) -> torch.Tensor:
                   for j in range(k + 1, parts.num_layers)]
         out = [greedy(logits)]
         try:
-            for _ in range(NEW_TOKENS - 1):
+            for _ in range(steps - 1):
                 base(out[-1], past_key_values=cache, use_cache=True)
                 out.append(greedy(parts.logits_from_normed(parts.final_norm(state["h"]))[:, -1]))
         finally:
@@ -143,9 +142,9 @@ def _reference_forced_exit(base, parts, ids, k: int) -> torch.Tensor:
     return torch.cat([ids] + out, dim=1)
 
 
-def _work_after_cache_write(base, parts, layer: int) -> set[str]:
-    """Leaf modules of `layer` that run after its K/V cache write in a normal decode step."""
-    ids = _prompt()
+def work_after_cache_write(base, parts, layer: int, ids) -> set[str]:
+    """Leaf modules of `layer` that run after its K/V cache write in a normal decode step after prompt `ids`: what a
+    skipped layer must never run."""
     cache = DynamicCache(config=base.config)
     with torch.no_grad():
         base(ids, past_key_values=cache, use_cache=True)
@@ -170,9 +169,11 @@ def _work_after_cache_write(base, parts, layer: int) -> set[str]:
 
 def check_forced_exit(model, base) -> None:
     parts, ids = model.parts, _prompt()
-    expected = _reference_forced_exit(base, parts, ids, EXIT_LAYER)
+    eos = base.generation_config.eos_token_id  # generate suppresses it (min_new_tokens); so does the reference
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    expected = reference_forced_exit(base, parts, ids, EXIT_LAYER, NEW_TOKENS, suppress=eos)
     skipped = EXIT_LAYER + 1
-    after_write = _work_after_cache_write(base, parts, skipped)
+    after_write = work_after_cache_write(base, parts, skipped, ids)
     decoding, ran = [], set()
 
     def note(name):
@@ -249,9 +250,17 @@ def check_model_type(model_type: str) -> MatrixResult:
         except Exception as err:  # noqa: BLE001 - any failure to build is reported, not raised
             result.status, result.reason = "untested", f"tiny config does not build offline ({_first_line(err)})"
             return result
+        try:
+            num_layers = resolve(base).num_layers
+        except ValueError as err:
+            result.status, result.reason = "refused", _first_line(err)
+            return result
+        except Exception as err:  # noqa: BLE001
+            result.status, result.reason = "fails", f"from_base crashed: {_first_line(err)}"
+            return result
         for check in CHECKS:
             try:
-                model = TideForCausalLM.from_base(base, _config_for(check, len(_layers_of(base))))
+                model = TideForCausalLM.from_base(base, _config_for(check, num_layers))
             except ValueError as err:
                 result.status, result.reason = "refused", _first_line(err)
                 break
@@ -274,13 +283,6 @@ def check_model_type(model_type: str) -> MatrixResult:
             result.status = "exit only"
         result.reason = "; ".join(f"{c}: {result.checks[c]}" for c in failed)
     return result
-
-
-def _layers_of(base):
-    try:
-        return resolve(base).layers
-    except ValueError:
-        return [None] * 4
 
 
 def run_matrix(types: list[str] | None = None, verbose: bool = False) -> list[MatrixResult]:
