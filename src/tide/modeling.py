@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel
 
+from . import fewrows
 from .architectures import ModelParts, resolve
 from .config import TideConfig
 from .generation import generate_with_tide
@@ -40,6 +41,7 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.base = base_model
         self.parts: ModelParts = resolve(base_model)
+        fewrows.install([*self.parts.layers, self.parts.lm_head])  # used by Tide's multi-position passes only
         config.validate(num_layers=self.parts.num_layers)
         self.routers = RouterBank(
             hidden_size=base_model.config.get_text_config().hidden_size,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._hf_compat import LengthView, has_sliding_layers, layer_kv
+from .fewrows import few_row_linears
 from .layercalls import capture_layer_calls, write_kv_only
 
 __all__ = ["RecomputeState", "RecomputeSteps", "MAX_PENDING"]
@@ -147,7 +148,9 @@ class RecomputeSteps:
         self.chunk_states = torch.where(entering, self._with_token(self.token_state), self.chunk_states)
         stale = self.exact_through[:, :-1] < i
         self.recomputed = self.recomputed + stale.sum()
-        self.chunk_states = self.chunk_calls[i].run(self.parts, i, self.chunk_states, cache=_MergeTail(self.cache, stale))
+        with few_row_linears():
+            self.chunk_states = self.chunk_calls[i].run(self.parts, i, self.chunk_states,
+                                                        cache=_MergeTail(self.cache, stale))
         self.token_state = self.chunk_states[:, -1:]
         return self.token_state
 

@@ -20,6 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ._hf_compat import LengthView, crop_layer, layer_length, unrecoverable_sliding_layers
 from .dispatch import base_forward
+from .fewrows import few_row_linears
 from .layercalls import capture_layer_calls
 from .stats import GenerationStats
 
@@ -99,10 +100,11 @@ class LosslessSession:
         inputs = _positions(attention_mask, deep_length, ids.shape[1])
         calls = capture_layer_calls(self.parts, input_ids=ids, past_key_values=LengthView(cache, deep_length),
                                     use_cache=True, **inputs)
-        for i in range(self.draft_layer + 1, self.parts.num_layers):
-            states = calls[i].run(self.parts, i, states)
+        with few_row_linears():  # P + 1 positions: on CPU, a layout that reads each weight once for all of them
+            for i in range(self.draft_layer + 1, self.parts.num_layers):
+                states = calls[i].run(self.parts, i, states)
+            logits = self.parts.logits_from_normed(self.parts.final_norm(states))
         self.stats.layer_passes += self.parts.num_layers - self.draft_layer - 1
-        logits = self.parts.logits_from_normed(self.parts.final_norm(states))
         self.pending_ids = self.pending_states = None
         self.stats.verify_passes += 1
         self.stats.decode_steps += 1
