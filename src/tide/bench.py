@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .calibrate import thresholds_for_target
-from .costs import measure_costs
+from .costs import VERIFY_POSITIONS, measure_costs
 from .evaluate import oracle_depths, teacher_forced
 
 __all__ = ["run_bench", "plot_bench"]
@@ -100,7 +100,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     results["costs"] = costs.as_dict()
     results["oracle"] = oracle
     progress(f"costs on {results['machine']}: consulted checkpoint {costs.checkpoint:.2f} layer, skipped layer's K/V "
-             f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer")
+             f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer, "
+             f"verifying {VERIFY_POSITIONS} positions instead of 1 +{costs.verify_extra:.2f} layer")
     progress(f"oracle bound with checkpoints {model.checkpoints}: x{oracle['exits']:.3f} through the "
              f"{model.config.exit_head} exit heads, x{oracle['lens']:.3f} through the logit lens "
              f"(x{oracle['lens_every_layer']:.3f} lens with every layer)")

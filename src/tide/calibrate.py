@@ -534,7 +534,8 @@ def calibration_table(config) -> str:
     costs = cal.get("costs")
     if costs:
         lines.append(f"measured on {costs['device']}: a consulted checkpoint costs {costs['checkpoint']:.2f} layer, a skipped "
-                     f"layer's K/V {costs['skipped_layer']:.2f} layer, the head {costs['head']:.2f} layer")
+                     f"layer's K/V {costs['skipped_layer']:.2f} layer, the head {costs['head']:.2f} layer"
+                     + (f", verifying 4 positions instead of 1 +{costs['verify_extra']:.2f} layer" if "verify_extra" in costs else ""))
         lines.append(f"expected cost per token {cal['expected_layer_cost']:.2f} layers -> x{config.base_num_layers / cal['expected_layer_cost']:.3f} "
                      "in layer work")
     draft = cal.get("draft_selection") or {}

@@ -19,10 +19,13 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
+from .fewrows import few_row_linears
 from .kvfill import fill_kv
 from .layercalls import capture_layer_calls
 
-__all__ = ["StepCosts", "draft_candidates", "measure_costs", "measured_speedup", "prune_checkpoints"]
+__all__ = ["StepCosts", "VERIFY_POSITIONS", "draft_candidates", "measure_costs", "measured_speedup", "prune_checkpoints"]
+
+VERIFY_POSITIONS = 4  # the verification timed by measure_costs: three drafts and the token before them
 
 
 @dataclass
@@ -35,6 +38,13 @@ class StepCosts:
     head_s: float  # final norm + head
     capture_s: float  # embedding, masks and rotary for one step (the backbone up to its first layer)
     device: str
+    # a pass over VERIFY_POSITIONS positions (whole stack + head, as lossless verification runs it) minus a
+    # one-position pass: what verifying a few drafted positions at once adds to a decode step
+    verify_extra_s: float = 0.0
+
+    @property
+    def verify_extra(self) -> float:
+        return self.verify_extra_s / self.layer_s
 
     @property
     def checkpoint(self) -> float:
@@ -54,7 +64,8 @@ class StepCosts:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out.update(checkpoint=self.checkpoint, skipped_layer=self.skipped_layer, head=self.head, capture=self.capture)
+        out.update(checkpoint=self.checkpoint, skipped_layer=self.skipped_layer, head=self.head, capture=self.capture,
+                   verify_extra=self.verify_extra)
         return out
 
 
@@ -88,7 +99,7 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
     device = base.device
     window = getattr(base.config.get_text_config(), "sliding_window", None)
     if window:  # stay inside the window: a sliding layer that has evicted keys cannot be cropped back
-        prompt_length = max(1, min(prompt_length, window - 2))
+        prompt_length = max(1, min(prompt_length, window - VERIFY_POSITIONS - 1))
     ids = torch.arange(prompt_length + 1, device=device).remainder(base.config.get_text_config().vocab_size)[None] + 0
     cache = DynamicCache(config=base.config)
     base(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
@@ -112,6 +123,19 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
             cache.crop(-1)
         return run
 
+    many = dict(input_ids=ids[:, -VERIFY_POSITIONS:], past_key_values=cache, use_cache=True)
+    many_calls = capture_layer_calls(parts, **many)
+
+    def positions(calls, count: int):
+        def run():
+            with few_row_linears():  # as lossless verification runs it
+                h = calls[0].hidden
+                for i in range(num_layers):
+                    h = calls[i].run(parts, i, h)
+                parts.logits_from_normed(parts.final_norm(h))
+            cache.crop(-count)
+        return run
+
     def skipped():
         fill_kv(parts, calls, list(range(num_layers)), hidden, cache)
         cache.crop(-1)
@@ -125,6 +149,7 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
         head_s=_median_extra(layers(), layers(head=True), repeats),
         capture_s=_median_time(lambda: capture_layer_calls(parts, **step), repeats),
         device=str(device),
+        verify_extra_s=_median_extra(positions(calls, 1), positions(many_calls, VERIFY_POSITIONS), max(repeats // 3, 5)),
     )
 
 
@@ -176,11 +201,13 @@ def draft_candidates(agree: dict[int, torch.Tensor], num_layers: int, costs: Ste
     """Lossless mode's (draft layer, draft length, estimated speed-up), best first, from held-out exit agreement.
 
     agree: {layer: bool [N]} in text order. A draft step from layer E costs E + 1 layers, the head and a
-    capture; a verification costs the whole stack, the head and a capture, whatever the number of drafts
-    (one pass over a few positions costs about one pass at small batch). The tokens a cycle emits are the
-    run of drafts that agree with the full model, plus one. An estimate: calibration then measures the best.
+    capture; a verification costs the whole stack, the head and a capture, plus what a pass over a few
+    positions costs more than a pass over one (`costs.verify_extra`, measured: small on a GPU at small batch,
+    not on every CPU). The tokens a cycle emits are the run of drafts that agree with the full model, plus
+    one. An estimate: calibration then measures the best.
     """
     base = num_layers + costs.head + costs.capture
+    verify = base + costs.verify_extra
     out = []
     for layer, ok in agree.items():
         flags, runs, current = ok.tolist(), [], 0
@@ -189,7 +216,7 @@ def draft_candidates(agree: dict[int, torch.Tensor], num_layers: int, costs: Ste
             runs.append(current)
         run = torch.tensor(runs[::-1], dtype=torch.float64)
         for length in range(1, max_draft + 1):
-            cycle = length * (layer + 1 + costs.head + costs.capture) + base
+            cycle = length * (layer + 1 + costs.head + costs.capture) + verify
             out.append((layer, length, float(run.clamp(max=length).mean() + 1) / cycle * base))
     return sorted(out, key=lambda c: -c[2])
 
