@@ -202,8 +202,8 @@ def draft_candidates(agree: dict[int, torch.Tensor], num_layers: int, costs: Ste
 
     agree: {layer: bool [N]} in text order. A draft step from layer E costs E + 1 layers, the head and a
     capture; a verification costs the whole stack, the head and a capture, plus what a pass over a few
-    positions costs more than a pass over one (`costs.verify_extra`, measured: small on a GPU at small batch,
-    not on every CPU). The tokens a cycle emits are the run of drafts that agree with the full model, plus
+    positions costs more than a pass over one (`costs.verify_extra`, measured here: speculative decoding
+    assumes it small, and on a CPU it can be a third of a step). The tokens a cycle emits are the run of drafts that agree with the full model, plus
     one. An estimate: calibration then measures the best.
     """
     base = num_layers + costs.head + costs.capture
