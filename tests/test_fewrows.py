@@ -13,15 +13,15 @@ from tiny_models import FAMILIES, tiny_model
 
 
 @pytest.fixture
-def always_transposed(monkeypatch):
-    """Take the transposed layout for every eligible call, whatever the timing says."""
-    calls = []
+def transposed_calls(monkeypatch):
+    """The row counts of the calls that took the few-row layout."""
+    calls, original = [], fewrows._transposed
 
-    def faster(weight, rows):
-        calls.append(rows)
-        return True
+    def counting(x, weight, bias):
+        calls.append(x.numel() // x.shape[-1])
+        return original(x, weight, bias)
 
-    monkeypatch.setattr(fewrows, "_transposed_is_faster", faster)
+    monkeypatch.setattr(fewrows, "_transposed", counting)
     return calls
 
 
@@ -36,22 +36,22 @@ def test_transposed_layout_is_the_linear_product(shape, bias):
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_only_inside_the_context_on_cpu_for_few_rows(always_transposed):
+def test_only_inside_the_context_on_cpu_for_few_rows(transposed_calls):
     linear, sub = nn.Linear(8, 8), type("QuantLinear", (nn.Linear,), {})(8, 8)
     fewrows.install([nn.ModuleList([linear, sub])])
     assert "forward" in linear.__dict__ and "forward" not in sub.__dict__  # subclasses keep their own forward
     with torch.no_grad():
         linear(torch.randn(4, 8))
-        assert always_transposed == []  # outside the context
+        assert transposed_calls == []  # outside the context
         with fewrows.few_row_linears():
             linear(torch.randn(1, 8))  # one row: the single-row kernel is already the fast one
             linear(torch.randn(fewrows.MAX_ROWS + 1, 8))
-            assert always_transposed == []
+            assert transposed_calls == []
             linear(torch.randn(1, 3, 8))
-            assert always_transposed == [3]
+            assert transposed_calls == [3]
 
 
-def test_install_is_idempotent_and_a_deep_copy_dispatches_for_the_copy(always_transposed):
+def test_install_is_idempotent_and_a_deep_copy_dispatches_for_the_copy(transposed_calls):
     linear = nn.Linear(8, 8)
     fewrows.install([linear])
     first = linear.__dict__["forward"]
@@ -65,18 +65,8 @@ def test_install_is_idempotent_and_a_deep_copy_dispatches_for_the_copy(always_tr
             assert torch.count_nonzero(twin(torch.randn(3, 8))) == 0
 
 
-def test_timing_decides_once_per_shape_and_row_bucket(monkeypatch):
-    timed = []
-    monkeypatch.setattr(fewrows, "_FASTER", {})
-    monkeypatch.setattr(fewrows, "_time_layouts", lambda weight, rows: timed.append(rows) or False)
-    weight = torch.randn(8, 8)
-    for rows in (2, 3, 4, 3, 5, 8, 2):
-        fewrows._transposed_is_faster(weight, rows)
-    assert timed == [2, 4, 8]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lossless_stays_token_identical_with_the_transposed_layout(family, always_transposed):
+def test_lossless_stays_token_identical_with_the_transposed_layout(family, transposed_calls):
     base = tiny_model(family)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
     torch.manual_seed(0)
@@ -86,4 +76,4 @@ def test_lossless_stays_token_identical_with_the_transposed_layout(family, alway
                          tide_config={"mode": "lossless", "draft_layer": 1, "max_draft": 3})
     assert torch.equal(out, ref)
     if family != "gpt2":  # GPT-2's projections are Conv1D, not nn.Linear
-        assert always_transposed  # verification passes took the transposed layout
+        assert transposed_calls  # verification passes took the transposed layout
