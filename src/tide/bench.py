@@ -133,6 +133,10 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
         same = [bool(torch.equal(a, b)) for a, b in zip(outputs[name], outputs["base"])]
         matched = sum(int((a == b).sum()) for a, b in zip(outputs[name], outputs["base"]))
         row.update(greedy_identical=all(same), greedy_token_match=matched / sum(len(b) for b in outputs["base"]))
+        if cfg is not None and cfg.get("mode") == "lossless":
+            scheme = model.config.resolve_generation(cfg)
+            row["draft"] = ({"draft_layer": scheme.resolve_draft_layer(model.checkpoints, model.parts.num_layers),
+                             "max_draft": scheme.max_draft} if scheme.max_draft else None)  # None: base generate
         if cfg is None or cfg.get("mode") != "lossless":
             with torch.inference_mode():
                 q = teacher_forced(model, token_lists, run_config(cfg) if cfg is not None else {"exit_threshold": 1.0})
@@ -204,6 +208,10 @@ def _line(name: str, row: dict) -> str:
         parts.append(f"agreement {row['agreement']:.3f}")
     if "ppl_delta" in row and row.get("ppl") is not None:
         parts.append(f"ppl {row['ppl']:.2f} ({row['ppl_delta']:+.2f})")
+    if "draft" in row:
+        draft = row["draft"]
+        parts.append(f"drafts from layer {draft['draft_layer']}, up to {draft['max_draft']}" if draft
+                     else "no draft pays here: the base model's generate")
     if "acceptance_rate" in row:
         parts.append(f"acceptance {row['acceptance_rate']:.2f}, mean draft {row['mean_draft']:.2f}")
     return "  ".join(parts)

@@ -5,8 +5,8 @@ CPU that fails for the plain layout: `F.linear(x, W)` with 2-16 rows leaves the 
 for a GEMM path that, measured with PyTorch 2.13's MKL on 2 cores, costs 2-3x the single row even for
 weights far larger than the cache (768 x 32000: 7.8 ms for 1 row, 17 ms for 2, 24 ms for 4). Computing the
 transposed product `W @ x.T` reads the weight once for all the rows (5.8 ms for 2 rows, 7.1 ms for 4).
-A whole 12-layer Llama forward over 2 / 4 / 8 positions then costs x1.0 / x1.1 / x1.7 of one position
-instead of x1.9 / x2.1 / x2.1 at hidden 768 (docs/benchmarks.md, `examples/verify_cost`).
+A whole 12-layer Llama forward (hidden 768) over 2 / 4 / 8 positions then costs x0.91 / x0.96 / x1.43 of one
+position instead of x1.78 / x2.14 / x2.06 (docs/benchmarks.md, `examples/verify_cost`).
 
 Inside `few_row_linears()`, the plain `nn.Linear` modules given to `install` take that layout on CPU for 2
 to `MAX_ROWS` rows. Both layouts compute the same product; only the order of floating-point sums may
