@@ -1,6 +1,7 @@
 """Few-row linears: the transposed layout computes F.linear's product, only where it was asked for."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -49,6 +50,27 @@ def test_only_inside_the_context_on_cpu_for_few_rows(transposed_calls):
             assert transposed_calls == []
             linear(torch.randn(1, 3, 8))
             assert transposed_calls == [3]
+
+
+def test_a_forward_set_by_someone_else_is_kept():
+    import functools
+
+    linear = nn.Linear(8, 8)
+    hooked = functools.partial(nn.Linear.forward, linear)  # as accelerate's hooks set it
+    linear.forward = hooked
+    fewrows.install([linear])
+    assert linear.__dict__["forward"] is hooked
+
+
+def test_an_installed_linear_pickles():
+    linear = nn.Linear(8, 8)
+    fewrows.install([linear])
+    twin = pickle.loads(pickle.dumps(linear))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), linear(x))
+    fewrows.install([twin])  # the copy can be installed again
+    assert twin.__dict__["forward"].__func__ is fewrows.forward
 
 
 def test_install_is_idempotent_and_a_deep_copy_dispatches_for_the_copy(transposed_calls):

@@ -45,12 +45,16 @@ def install(modules) -> None:
     """Give every plain `nn.Linear` in `modules` (once for its lifetime) the dispatching forward."""
     for module in modules:
         for linear in module.modules():
-            if type(linear) is nn.Linear and "forward" not in linear.__dict__:
-                # A bound method (not a closure) so that a deep copy dispatches for the copy.
-                object.__setattr__(linear, "forward", types.MethodType(_forward, linear))
+            own = linear.__dict__.get("forward")  # e.g. accelerate's hooks, or ours: kept
+            # (an unpickled copy holds the class's forward, which may be replaced)
+            if type(linear) is nn.Linear and (own is None or getattr(own, "__func__", None) is nn.Linear.forward):
+                # A bound method (not a closure) so that a deep copy dispatches for the copy; named `forward` so
+                # that pickling it refers to the module's forward.
+                object.__setattr__(linear, "forward", types.MethodType(forward, linear))
 
 
-def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's forward, with the few-row layout inside `few_row_linears()`."""
     if _ACTIVE.get() and x.device.type == "cpu" and x.dim() >= 2:
         rows = x.numel() // x.shape[-1]
         if 2 <= rows <= MAX_ROWS:
