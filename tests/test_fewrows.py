@@ -1,6 +1,7 @@
 """Few-row linears: the transposed layout computes F.linear's product, only where it was asked for."""
 
 import copy
+import functools
 import pickle
 
 import pytest
@@ -53,8 +54,6 @@ def test_only_inside_the_context_on_cpu_for_few_rows(transposed_calls):
 
 
 def test_a_forward_set_by_someone_else_is_kept():
-    import functools
-
     linear = nn.Linear(8, 8)
     hooked = functools.partial(nn.Linear.forward, linear)  # as accelerate's hooks set it
     linear.forward = hooked

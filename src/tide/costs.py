@@ -111,29 +111,20 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
     checkpoints = set(model.checkpoints)
     tests = model.exit_tests({k: 0.5 for k in checkpoints})
 
-    def layers(consult: bool = False, head: bool = False):
-        def run():
-            h = hidden
-            for i in range(num_layers):
-                h = calls[i].run(parts, i, h)
-                if consult and i in checkpoints:
-                    bool(tests[i](h.reshape(-1, h.shape[-1]))[1].any())  # the decision and its host sync
-            if head:
-                parts.logits_from_normed(parts.final_norm(h))
-            cache.crop(-1)
-        return run
+    many_calls = capture_layer_calls(parts, input_ids=ids[:, -VERIFY_POSITIONS:], past_key_values=cache, use_cache=True)
 
-    many = dict(input_ids=ids[:, -VERIFY_POSITIONS:], past_key_values=cache, use_cache=True)
-    many_calls = capture_layer_calls(parts, **many)
-
-    def positions(calls, count: int):
+    def layers(consult: bool = False, head: bool = False, step_calls=calls):
+        """The step of `step_calls` (one position, or VERIFY_POSITIONS as lossless verification runs them)."""
         def run():
-            with few_row_linears():  # as lossless verification runs it
-                h = calls[0].hidden
+            h = step_calls[0].hidden
+            with few_row_linears():  # what Tide's multi-position passes use; one position is unchanged
                 for i in range(num_layers):
-                    h = calls[i].run(parts, i, h)
-                parts.logits_from_normed(parts.final_norm(h))
-            cache.crop(-count)
+                    h = step_calls[i].run(parts, i, h)
+                    if consult and i in checkpoints:
+                        bool(tests[i](h.reshape(-1, h.shape[-1]))[1].any())  # the decision and its host sync
+                if head:
+                    parts.logits_from_normed(parts.final_norm(h))
+            cache.crop(-h.shape[1])
         return run
 
     def skipped():
@@ -149,7 +140,7 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
         head_s=_median_extra(layers(), layers(head=True), repeats),
         capture_s=_median_time(lambda: capture_layer_calls(parts, **step), repeats),
         device=str(device),
-        verify_extra_s=_median_extra(positions(calls, 1), positions(many_calls, VERIFY_POSITIONS), max(repeats // 3, 5)),
+        verify_extra_s=_median_extra(layers(head=True), layers(head=True, step_calls=many_calls), max(repeats // 3, 5)),
     )
 
 
@@ -203,8 +194,8 @@ def draft_candidates(agree: dict[int, torch.Tensor], num_layers: int, costs: Ste
     agree: {layer: bool [N]} in text order. A draft step from layer E costs E + 1 layers, the head and a
     capture; a verification costs the whole stack, the head and a capture, plus what a pass over a few
     positions costs more than a pass over one (`costs.verify_extra`, measured here: speculative decoding
-    assumes it small, and on a CPU it can be a third of a step). The tokens a cycle emits are the run of drafts that agree with the full model, plus
-    one. An estimate: calibration then measures the best.
+    assumes it small, and on a CPU it can be a third of a step). The tokens a cycle emits are the run of
+    drafts that agree with the full model, plus one. An estimate: calibration then measures the best.
     """
     base = num_layers + costs.head + costs.capture
     verify = base + costs.verify_extra
