@@ -46,7 +46,8 @@ def test_calibrate_writes_a_router_repo(router_dir):
     assert json.loads((router_dir / "config.json").read_text())["thresholds"]
 
 
-@pytest.mark.parametrize("mode, flags", [("exit", ["--threshold", "-1"]), ("lossless", ["--max-draft", "2"])])
+@pytest.mark.parametrize("mode, flags", [("exit", ["--threshold", "-1"]), ("lossless", ["--max-draft", "2"]),
+                                         ("lossless", ["--max-draft", "1", "--draft-topk", "3"])])
 def test_generate_prints_text_and_stats(router_dir, capsys, mode, flags):
     assert main(["generate", str(router_dir), "Hello", "--max-new-tokens", "8", "--mode", mode, *flags]) == 0
     out = capsys.readouterr().out

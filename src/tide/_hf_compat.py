@@ -4,7 +4,8 @@
   lossless mode answers it with its own (see `dispatch.py`).
 - `ASSISTED_SWITCH`: the `generate` argument that turns assisted decoding on without an assistant model.
 - Cache layer classes (`cache_layer_kinds`): which layers hold recurrent state or reuse another layer's K/V.
-- Cache internals: a layer's `keys`/`values` tensors, `crop`, `get_seq_length`; the cache's `is_sliding`,
+- Cache internals: a layer's `keys`/`values` tensors (which tree drafts compact in place on a plain
+  `DynamicLayer`), `crop`, `get_seq_length`; the cache's `is_sliding`,
   `get_mask_sizes` and `get_query_offset`, which `LengthView` answers for a chunk of positions.
 
 `check()` verifies them against the installed transformers and raises an error naming the piece that
@@ -19,6 +20,7 @@ import torch
 from transformers import Cache, DynamicCache
 
 __all__ = ["CANDIDATE_GENERATOR_METHOD", "ASSISTED_SWITCH", "LengthView", "layer_kv", "crop_layer", "layer_length",
+           "plain_dynamic_layers", "keep_one_of_tail",
            "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of", "check"]
 
 CANDIDATE_GENERATOR_METHOD = "_get_candidate_generator"
@@ -34,6 +36,25 @@ def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 def crop_layer(cache, layer: int, length: int) -> None:
     """Crop one cache layer (`length` < 0 drops that many newest positions)."""
     cache.layers[layer].crop(length)
+
+
+def plain_dynamic_layers(cache) -> bool:
+    """True when every cache layer is a plain `DynamicLayer` (its keys/values are all its state)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
+
+
+def keep_one_of_tail(cache, layer: int, tail: int, keep: int | None) -> None:
+    """Drop the newest `tail` positions of cache layer `layer`, except the one at index `keep` among them."""
+    entry = cache.layers[layer]
+    if keep:  # move the kept position to the front of the tail, then crop the rest
+        end = entry.keys.shape[-2] - tail
+        entry.keys[..., end, :] = entry.keys[..., end + keep, :]
+        entry.values[..., end, :] = entry.values[..., end + keep, :]
+    drop = tail - (keep is not None)
+    if drop:
+        entry.crop(-drop)
 
 
 def layer_length(cache, layer: int) -> int:
@@ -131,6 +152,11 @@ def check() -> None:
         crop_layer(cache, 0, -1)
         if keys.shape[2] != 3 or layer_length(cache, 0) != 2:
             problems.append("cache layers no longer hold keys/values as [B, H, T, D] or crop differently")
+        if not plain_dynamic_layers(cache):
+            problems.append("DynamicCache no longer builds transformers.cache_utils.DynamicLayer layers")
+        keep_one_of_tail(cache, 0, 1, None)
+        if layer_length(cache, 0) != 1:
+            problems.append("a DynamicLayer's length is no longer its keys' length")
     except (AttributeError, IndexError, TypeError) as err:
         problems.append(f"cache layers changed: {err}")
     if problems:

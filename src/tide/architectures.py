@@ -56,6 +56,7 @@ class ArchSpec:
     layer_types_attr: str | None = "layer_types"  # config attribute listing per-layer attention types
     query_proj: str | None = None  # separate query projection inside a layer (skipped on K/V-only passes)
     kv_projections: KVProjections | None = None  # enables the batched K/V fill of skipped layers
+    tree_drafts: bool = True  # positions come from position_ids, so lossless tree drafts can share one (not alibi)
 
 
 _DECODER = ArchSpec(backbone="model", layers="model.layers", norm="model.norm", query_proj="self_attn.q_proj",
@@ -93,6 +94,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         norm="transformer.ln_f",
         cache_arg="layer_past",
         returns_tuple=True,
+        tree_drafts=False,  # alibi biases follow the attention mask, not position_ids
     ),
 }
 
@@ -355,5 +357,6 @@ def probe_spec(model: nn.Module) -> ArchSpec:
                 norm=f"{prefix}.{norm_name}",
                 lm_head=head_name,
                 cache_arg=cache_arg,
+                tree_drafts=False,  # a probed family may place positions in its mask (alibi): chain drafts only
             )
     raise ValueError(_unsupported_message(model, "no decoder layer list, final norm and head found"))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .calibrate import thresholds_for_target
+from .config import draft_scheme_text
 from .costs import VERIFY_POSITIONS, measure_costs
 from .evaluate import oracle_depths, teacher_forced
 
@@ -121,7 +122,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                     extra[name] = {"mean_layers": layers, "layer_passes_per_token": s.layer_passes_per_token}
                     if s.mode == "lossless":
                         extra[name].update(acceptance_rate=s.acceptance_rate, drafted=s.drafted, accepted=s.accepted,
-                                           verify_passes=s.verify_passes, mean_draft=s.drafted / max(s.verify_passes, 1))
+                                           verify_passes=s.verify_passes, mean_draft=s.drafted / max(s.verify_passes, 1),
+                                           draft_topk=s.draft_topk)
     total_tokens = new_tokens * len(prompt_ids)
     for name, cfg in variants.items():
         tps = total_tokens / statistics.median(times[name])
@@ -135,8 +137,10 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
         row.update(greedy_identical=all(same), greedy_token_match=matched / sum(len(b) for b in outputs["base"]))
         if cfg is not None and cfg.get("mode") == "lossless":
             scheme = model.config.resolve_generation(cfg)
+            ran = extra[name].get("draft_topk", scheme.draft_topk)  # 1 where the tree fell back to a chain
             row["draft"] = ({"draft_layer": scheme.resolve_draft_layer(model.checkpoints, model.parts.num_layers),
-                             "max_draft": scheme.max_draft} if scheme.max_draft else None)  # None: base generate
+                             "max_draft": scheme.max_draft, "draft_topk": ran}
+                            if scheme.max_draft else None)  # None: base generate
         if cfg is None or cfg.get("mode") != "lossless":
             with torch.inference_mode():
                 q = teacher_forced(model, token_lists, run_config(cfg) if cfg is not None else {"exit_threshold": 1.0})
@@ -210,8 +214,7 @@ def _line(name: str, row: dict) -> str:
         parts.append(f"ppl {row['ppl']:.2f} ({row['ppl_delta']:+.2f})")
     if "draft" in row:
         draft = row["draft"]
-        parts.append(f"drafts from layer {draft['draft_layer']}, up to {draft['max_draft']}" if draft
-                     else "no draft pays here: the base model's generate")
+        parts.append(draft_scheme_text(draft) if draft else "no draft pays here: the base model's generate")
     if "acceptance_rate" in row:
         parts.append(f"acceptance {row['acceptance_rate']:.2f}, mean draft {row['mean_draft']:.2f}")
     return "  ".join(parts)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import TideConfig
+from .config import MAX_DRAFT_TOPK, TideConfig, draft_scheme_text
 from .costs import VERIFY_POSITIONS, draft_candidates, layer_cost_of_cascade, measure_costs, measured_speedup, prune_checkpoints
 from .data import load_texts
 from .distributed import Processes
@@ -142,11 +142,12 @@ def calibrate(
         selection, dropped, validation = _validate(tide, tokens, selection, dropped, cfg, procs)
     draft_selection = None
     if costs is not None and opts.draft_trials:
-        candidates = draft_candidates(held.agree(), num_layers, costs, cfg.generation_config.max_draft or 8)[: opts.draft_trials]
+        candidates = draft_candidates(held.ranks(), num_layers, costs, cfg.generation_config.max_draft or 8)[: opts.draft_trials]
         draft_selection = procs.broadcast(_choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main else None)
         chosen = draft_selection.get("chosen")
         tide.config.set_generation_defaults(draft_layer=chosen["draft_layer"] if chosen else None,
-                                            max_draft=chosen["max_draft"] if chosen else 0)
+                                            max_draft=chosen["max_draft"] if chosen else 0,
+                                            draft_topk=chosen["draft_topk"] if chosen else 1)
     cfg.thresholds = tide.heldout_selection.thresholds(selection, tide.checkpoints)
     train_tokens = int(procs.sum([trainer.train_tokens])[0])
     cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), train_tokens)
@@ -217,22 +218,25 @@ def _capture(tide: TideForCausalLM, batch) -> _Capture:
 
 
 def _labels(tide, k: int, states: torch.Tensor, final: torch.Tensor, full_top1: torch.Tensor, cfg: TideConfig):
-    """(agree, label) bool [N]: the exit's top-1 equals the full model's, and the training label."""
-    agree = tide.exit_logits(k, states).argmax(-1) == full_top1
+    """(agree, label, rank) [N]: the exit's top-1 equals the full model's, the training label, and where the full
+    model's top-1 ranks among the exit's logits (0: its top-1; capped at MAX_DRAFT_TOPK, for tree drafts)."""
+    logits = tide.exit_logits(k, states)
+    agree = logits.argmax(-1) == full_top1
+    rank = (logits > logits.gather(-1, full_top1[:, None])).sum(-1).clamp(max=MAX_DRAFT_TOPK).to(torch.uint8)
     if cfg.label == "top1":
-        return agree, agree
-    return agree, F.cosine_similarity(states.float(), final.float(), dim=-1) > cfg.cosine_threshold
+        return agree, agree, rank
+    return agree, F.cosine_similarity(states.float(), final.float(), dim=-1) > cfg.cosine_threshold, rank
 
 
 @torch.no_grad()
 def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig) -> dict:
     """Held-out scalars per checkpoint: router scores (as generation computes them), agreement, label."""
-    out = {"scores": {}, "agree": {}, "labels": {}}
+    out = {"scores": {}, "agree": {}, "labels": {}, "ranks": {}}
     tests = tide.exit_tests({k: 1.0 for k in cap.states})  # the decode step's own checkpoint test
     for k, states in cap.states.items():
-        agree, label = _labels(tide, k, states, cap.final, cap.full_top1, cfg)
+        agree, label, rank = _labels(tide, k, states, cap.final, cap.full_top1, cfg)
         out["scores"][k] = tests[k](states)[0].cpu()
-        out["agree"][k], out["labels"][k] = agree.cpu(), label.cpu()
+        out["agree"][k], out["labels"][k], out["ranks"][k] = agree.cpu(), label.cpu(), rank.cpu()
     return out
 
 
@@ -387,12 +391,13 @@ def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
     device = tide.base.device
     prompts = [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:2]]
     trials = []
-    for layer, length, estimate in candidates:
+    for scheme in candidates:
         try:
-            ratio = measured_speedup(tide, prompts, {"mode": "lossless", "draft_layer": layer, "max_draft": length})
+            ratio = measured_speedup(tide, prompts, {"mode": "lossless", "draft_layer": scheme.draft_layer,
+                                                     "max_draft": scheme.max_draft, "draft_topk": scheme.draft_topk})
         except ValueError as err:  # lossless mode unavailable for this model (e.g. sliding-window caches)
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
-        trials.append({"draft_layer": layer, "max_draft": length, "estimate": estimate, "measured": ratio})
+        trials.append({**scheme._asdict(), "measured": ratio})
     best = max(trials, key=lambda t: t["measured"], default=None)
     return {"trials": trials, "chosen": best if best is not None and best["measured"] > 1.0 else None}
 
@@ -451,11 +456,14 @@ def thresholds_for_target(model, target_agreement: float) -> dict[str, float] | 
 # ---------------------------------------------------------------------- held-out statistics
 class _Heldout:
     def __init__(self):
-        self._scores, self._agree, self._labels = {}, {}, {}
+        self._scores, self._agree, self._labels, self._ranks = {}, {}, {}, {}
+
+    def _stores(self):
+        return {"scores": self._scores, "agree": self._agree, "labels": self._labels, "ranks": self._ranks}
 
     def add(self, scored: dict) -> None:
-        for store, values in ((self._scores, scored["scores"]), (self._agree, scored["agree"]), (self._labels, scored["labels"])):
-            for k, v in values.items():
+        for name, store in self._stores().items():
+            for k, v in scored[name].items():
                 store.setdefault(k, []).append(v.cpu())
 
     def _cat(self, store):
@@ -466,7 +474,8 @@ class _Heldout:
         if procs.world == 1:
             return self
         out = _Heldout()
-        for mine, theirs in ((self._scores, out._scores), (self._agree, out._agree), (self._labels, out._labels)):
+        for name, mine in self._stores().items():
+            theirs = out._stores()[name]
             for k, parts in mine.items():
                 theirs[k] = [procs.gather_cat(torch.cat(parts))]
         return out
@@ -479,6 +488,9 @@ class _Heldout:
 
     def labels(self):
         return self._cat(self._labels)
+
+    def ranks(self):
+        return self._cat(self._ranks)
 
     @property
     def num_tokens(self) -> int:
@@ -541,10 +553,9 @@ def calibration_table(config) -> str:
                      "in layer work")
     draft = cal.get("draft_selection") or {}
     for trial in draft.get("trials", []):
-        lines.append(f"lossless drafts from layer {trial['draft_layer']}, up to {trial['max_draft']}: estimated "
-                     f"x{trial['estimate']:.3f}, measured x{trial['measured']:.3f}")
+        lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, measured x{trial['measured']:.3f}")
     if draft:
         generation = config.generation_config
-        lines.append(f"lossless mode: drafts from layer {generation.draft_layer}, up to {generation.max_draft} per "
-                     "verification" if generation.max_draft else "lossless mode: no draft pays on this model and machine (it decodes plainly)")
+        lines.append(f"lossless mode: {draft_scheme_text(generation.to_dict())}" if generation.max_draft
+                     else "lossless mode: no draft pays on this model and machine (it decodes plainly)")
     return "\n".join(lines)

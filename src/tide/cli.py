@@ -67,6 +67,8 @@ def _tide_overrides(args) -> dict:
         overrides["draft_layer"] = args.draft_layer
     if args.max_draft is not None:
         overrides["max_draft"] = args.max_draft
+    if args.draft_topk is not None:
+        overrides["draft_topk"] = args.draft_topk
     return overrides
 
 
@@ -150,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, help="exit mode: override the calibrated thresholds")
     p.add_argument("--draft-layer", type=int, help="lossless mode: the checkpoint whose exit head drafts")
     p.add_argument("--max-draft", type=int, help="lossless mode: most drafts per verification (0: no drafting)")
+    p.add_argument("--draft-topk", type=int, help="lossless mode, greedy: verify the exit head's k best tokens together "
+                                                  "(a one-level draft tree; 1: chain drafts)")
     p.add_argument("--kv-strategy", choices=["propagate", "recompute"])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

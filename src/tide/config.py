@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-__all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS"]
+__all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "draft_scheme_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS"]
 
 LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
@@ -27,7 +27,8 @@ MODES = ("exit", "lossless")
 
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "max_draft",
-                     "draft_layer")
+                     "draft_layer", "draft_topk")
+MAX_DRAFT_TOPK = 8  # tree drafts: candidates verified together with the token before them
 
 
 class TideGenerationConfig:
@@ -57,13 +58,19 @@ class TideGenerationConfig:
         draft_layer (`int`, *optional*):
             Lossless mode: the checkpoint whose exit head drafts tokens. If unset, the first checkpoint at or
             after a quarter of the stack.
+        draft_topk (`int`, *optional*, defaults to 1):
+            Lossless mode, greedy decoding: 1 drafts a chain of up to `max_draft` tokens. k > 1 drafts the exit
+            head's k best tokens for the next position instead, verified together in one pass (a one-level
+            draft tree): one of them is accepted when the full model agrees with it. Sampling always drafts a
+            chain; models whose attention cannot take a tree mask (sliding windows, alibi) fall back to a
+            chain of one.
     """
 
     def __init__(self, exit_threshold: float | None = None, thresholds: dict | None = None, min_layers: int = 0,
                  kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False, max_draft: int = 8,
-                 draft_layer: int | None = None):
+                 draft_layer: int | None = None, draft_topk: int = 1):
         self.exit_threshold, self.min_layers, self.kv_strategy, self.mode = exit_threshold, min_layers, kv_strategy, mode
-        self.prefill_exit, self.max_draft, self.draft_layer = prefill_exit, max_draft, draft_layer
+        self.prefill_exit, self.max_draft, self.draft_layer, self.draft_topk = prefill_exit, max_draft, draft_layer, draft_topk
         self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
         self.validate()
 
@@ -105,6 +112,10 @@ class TideGenerationConfig:
         _check_int("max_draft", self.max_draft, minimum=0, owner="tide_config")
         if self.draft_layer is not None:
             _check_int("draft_layer", self.draft_layer, minimum=0, owner="tide_config")
+        _check_int("draft_topk", self.draft_topk, minimum=1, owner="tide_config")
+        if self.draft_topk > MAX_DRAFT_TOPK:
+            raise ValueError(f"tide_config.draft_topk must be at most {MAX_DRAFT_TOPK} (candidates verified in one pass), "
+                             f"got {self.draft_topk}.")
         if not isinstance(self.prefill_exit, bool):
             raise ValueError(f"tide_config.prefill_exit must be True or False, got {self.prefill_exit!r}.")
         if self.exit_threshold is not None:
@@ -149,6 +160,14 @@ class TideGenerationConfig:
         if self.draft_layer is not None:
             return self.draft_layer
         return next((k for k in checkpoints if k + 1 >= num_layers // 4), checkpoints[-1])
+
+
+def draft_scheme_text(scheme: dict) -> str:
+    """'drafts from layer E, up to N per verification' or 'tree drafts from layer E, k candidates' for a dict
+    with draft_layer, max_draft and (optionally) draft_topk."""
+    if scheme.get("draft_topk", 1) > 1:
+        return f"tree drafts from layer {scheme['draft_layer']}, {scheme['draft_topk']} candidates per verification"
+    return f"drafts from layer {scheme['draft_layer']}, up to {scheme['max_draft']} per verification"
 
 
 # Keys that transformers itself writes into every config.json, never "unknown".

@@ -5,7 +5,8 @@ every decoder layer in turn (so each layer's weights come from memory as in a re
 test (exit head + norm + router + threshold + host sync) at every checkpoint in turn, the batched K/V fill
 of the skipped layers, the head, and capturing the layers' arguments. Costs are reported relative to a
 decoder layer. `prune_checkpoints` turns those costs and calibration's held-out cascade into the set of
-checkpoints worth consulting; `draft_candidates` ranks lossless mode's draft layer and length the same way, and
+checkpoints worth consulting; `draft_candidates` ranks lossless mode's drafting schemes (draft layer, chain
+length or tree width) the same way, and
 `measured_speedup` times a configuration against the base model.
 Nothing here trains or saves anything.
 """
@@ -15,15 +16,17 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
 
+from .config import MAX_DRAFT_TOPK
 from .fewrows import few_row_linears
 from .kvfill import fill_kv
 from .layercalls import capture_layer_calls
 
-__all__ = ["StepCosts", "VERIFY_POSITIONS", "draft_candidates", "measure_costs", "measured_speedup", "prune_checkpoints"]
+__all__ = ["StepCosts", "DraftScheme", "VERIFY_POSITIONS", "draft_candidates", "measure_costs", "measured_speedup", "prune_checkpoints"]
 
 VERIFY_POSITIONS = 4  # the verification timed by measure_costs: three drafts and the token before them
 
@@ -188,28 +191,43 @@ def prune_checkpoints(select, layers: list[int], total: int, num_layers: int, co
         active, selection = rest, trial
 
 
-def draft_candidates(agree: dict[int, torch.Tensor], num_layers: int, costs: StepCosts, max_draft: int = 8):
-    """Lossless mode's (draft layer, draft length, estimated speed-up), best first, from held-out exit agreement.
+class DraftScheme(NamedTuple):
+    draft_layer: int
+    max_draft: int  # chain drafts: most per verification
+    draft_topk: int  # > 1: one-level tree drafts of this many candidates (max_draft is then 1)
+    estimate: float  # estimated speed-up over the base model
 
-    agree: {layer: bool [N]} in text order. A draft step from layer E costs E + 1 layers, the head and a
-    capture; a verification costs the whole stack, the head and a capture, plus what a pass over a few
-    positions costs more than a pass over one (`costs.verify_extra`, measured here: speculative decoding
-    assumes it small, and on a CPU it can be a third of a step). The tokens a cycle emits are the run of
-    drafts that agree with the full model, plus one. An estimate: calibration then measures the best.
+
+def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: StepCosts, max_draft: int = 8,
+                     max_topk: int = MAX_DRAFT_TOPK) -> list[DraftScheme]:
+    """Lossless mode's drafting schemes with their estimated speed-up, best first, from held-out exit heads.
+
+    ranks: {layer: [N]} in text order, where the full model's next token ranks among the exit head's logits
+    (0: its top-1). A draft step from layer E costs E + 1 layers, the head and a capture; a verification
+    costs the whole stack, the head and a capture, plus what a pass over a few positions costs more than a
+    pass over one (`costs.verify_extra`, measured here: speculative decoding assumes it small, and on a CPU
+    it can be a third of a step). A chain cycle emits the run of drafts that agree with the full model, plus
+    one; a tree cycle (k candidates for one position, verified with the token before them in the same kind of
+    pass, plus one more capture) emits two tokens when the full model's token is among the k, else one. An
+    estimate: calibration then measures the best.
     """
     base = num_layers + costs.head + costs.capture
     verify = base + costs.verify_extra
     out = []
-    for layer, ok in agree.items():
-        flags, runs, current = ok.tolist(), [], 0
+    for layer, rank in ranks.items():
+        flags, runs, current = (rank == 0).tolist(), [], 0
         for flag in reversed(flags):  # runs[t]: consecutive agreeing positions from t on
             current = current + 1 if flag else 0
             runs.append(current)
         run = torch.tensor(runs[::-1], dtype=torch.float64)
+        draft = layer + 1 + costs.head + costs.capture
         for length in range(1, max_draft + 1):
-            cycle = length * (layer + 1 + costs.head + costs.capture) + verify
-            out.append((layer, length, float(run.clamp(max=length).mean() + 1) / cycle * base))
-    return sorted(out, key=lambda c: -c[2])
+            out.append(DraftScheme(layer, length, 1, float(run.clamp(max=length).mean() + 1) / (length * draft + verify) * base))
+        if max_draft:
+            for k in range(2, max_topk + 1):
+                hit = float((rank.long() < k).double().mean())
+                out.append(DraftScheme(layer, 1, k, (1 + hit) / (draft + verify + costs.capture) * base))
+    return sorted(out, key=lambda c: -c.estimate)
 
 
 def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_tokens: int = 24, repeats: int = 3) -> float:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .architectures import resolve
-from .config import TideConfig
+from .config import TideConfig, draft_scheme_text
 
 __all__ = [
     "CONFIG_NAME",
@@ -281,8 +281,7 @@ def model_card(config: TideConfig) -> str:
                          f"{costs['checkpoint']:.2f} decoder layer, a skipped layer's K/V {costs['skipped_layer']:.2f} layer.")
         generation = config.generation_config
         if generation.draft_layer is not None:
-            lines.append(f"Lossless mode drafts from layer {generation.draft_layer}, up to {generation.max_draft} tokens "
-                         "per verification.")
+            lines.append(f"Lossless mode: {draft_scheme_text(generation.to_dict())}.")
     lines += [
         "",
         "## Use",

@@ -23,6 +23,7 @@ from .dispatch import base_forward
 from .fewrows import few_row_linears
 from .layercalls import capture_layer_calls
 from .stats import GenerationStats
+from .treedraft import TreeDrafter
 
 __all__ = ["LosslessSession", "check_rollback"]
 
@@ -47,6 +48,8 @@ class LosslessSession:
         self.draft_layer = config.resolve_draft_layer(model.checkpoints, self.parts.num_layers)
         self.max_draft = config.max_draft
         self.cap = config.max_draft
+        self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1
+        self.verified = None  # (ids, logits) a tree draft already verified, for the next forward
         self.user_stopping_criteria = stopping_criteria
         self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact")
         self.pending_ids = None  # [1, P] tokens through the shallow layers only
@@ -58,7 +61,11 @@ class LosslessSession:
         return 0 if self.pending_ids is None else self.pending_ids.shape[1]
 
     def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, **_):
-        return _TideDrafter(self, generation_config, logits_processor, model_kwargs)
+        chain = _TideDrafter(self, generation_config, logits_processor, model_kwargs)
+        if self.draft_topk > 1 and not generation_config.do_sample:
+            self.stats.draft_topk = self.draft_topk
+            return TreeDrafter(self, chain)
+        return chain
 
     # ------------------------------------------------------------------ the shallow step (drafting)
     def shallow_step(self, token: torch.Tensor, cache, mask) -> torch.Tensor:
@@ -88,6 +95,12 @@ class LosslessSession:
     @torch.no_grad()
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, **kwargs):
         """Full-model logits [1, P + 1, V] for the drafted positions and the last token of `input_ids`."""
+        if self.verified is not None:  # a tree draft: its logits came from the pass that verified it
+            ids, logits = self.verified
+            self.verified = None
+            if input_ids is None or not torch.equal(input_ids[:, -ids.shape[1]:].to(ids.device), ids):
+                raise RuntimeError("Tide lossless mode: the verified tokens are not the drafted ones.")
+            return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         pending, cache = self.pending, past_key_values
         if cache is None or input_ids is None or input_ids.shape[1] < pending + 1:
             raise RuntimeError("Tide lossless mode: unexpected verification call (was generate's flow changed?).")

@@ -25,9 +25,10 @@ class GenerationStats:
     wall_time_s: float = 0.0
     decode_time_s: float = 0.0
     # lossless mode
-    drafted: int = 0
+    drafted: int = 0  # draft steps (a tree draft step offers `draft_topk` candidates for one position)
     accepted: int = 0
     verify_passes: int = 0
+    draft_topk: int = 1  # 1: chain drafts; k > 1: one-level tree drafts of k candidates
 
     def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0) -> None:
         """Count one exit-mode decode step: where its tokens left and the layer work it ran."""
@@ -84,6 +85,7 @@ class GenerationStats:
         ]
         if self.mode == "lossless":
             rows += [
+                ("draft scheme", f"tree of {self.draft_topk} candidates" if self.draft_topk > 1 else "chain"),
                 ("drafted / accepted", f"{self.drafted} / {self.accepted} ({self.acceptance_rate:.1%})"),
                 ("verification passes", str(self.verify_passes)),
                 ("layer passes per token", f"{self.layer_passes_per_token:.2f} (the base model: {self.num_layers})"),

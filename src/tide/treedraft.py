@@ -1,0 +1,211 @@
+"""Lossless tree drafts: the exit head's k best tokens for the next position, verified together in one pass.
+
+A chain draft is accepted only when the exit head's top-1 is the full model's token; the full model's token is
+often among its top few (docs/benchmarks.md). One cycle here, for the last emitted token x:
+
+1. x runs through the shallow layers 0..E (as a chain draft would) and the exit head at E gives k candidates.
+2. The k candidates run through layers 0..E side by side, all at x's position + 1, each seeing the context
+   and itself but not the other candidates (a tree attention mask).
+3. The deep layers E+1..L-1 run over x and the k candidates at once, with the same mask; the final head
+   gives the full model's logits at x and at each candidate.
+4. If the full model's next token (greedy, after the logits processors) is a candidate, the cache keeps that
+   candidate's positions and it is handed to transformers' assisted generation as an already verified draft
+   (its logits are those of step 3, so transformers' own acceptance test and bonus token run unchanged);
+   otherwise every candidate is dropped and x's logits give the next token.
+
+The tree mask is the mask the backbone builds for the chunk, with the candidate-to-candidate entries
+blocked. Where no 4-D mask tensor reaches the layers, or a cache layer is not a plain `DynamicLayer`
+(sliding windows keep their own bookkeeping), the cycle falls back to a chain draft of one. Families whose
+positions live in the mask rather than in `position_ids` (alibi) never get here (`ArchSpec.tree_drafts`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ._hf_compat import LengthView, keep_one_of_tail, layer_length, plain_dynamic_layers
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .fewrows import few_row_linears
+from .layercalls import LayerCall, capture_layer_calls
+
+__all__ = ["TreeDrafter", "tree_mask_calls", "without_first_position"]
+
+
+def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor) -> list[LayerCall] | None:
+    """Copies of `calls` whose 4-D attention masks also block `blocked` [Q, Q] (query row, chunk key column).
+
+    The chunk's keys are the mask's last Q columns. None when a call carries no 4-D mask for Q queries."""
+    q = blocked.shape[0]
+    patched: dict[int, LayerCall] = {}
+    for call in calls:
+        if id(call) in patched:
+            continue
+        args, kwargs, found = list(call.args), dict(call.kwargs), False
+        for where, value in [*enumerate(args), *kwargs.items()]:
+            if not (isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-2] == q
+                    and value.shape[-1] >= q):
+                continue
+            mask = value.clone()
+            chunk = mask[..., -q:]
+            if mask.dtype == torch.bool:
+                chunk.masked_fill_(blocked.to(mask.device), False)
+            else:
+                chunk.masked_fill_(blocked.to(mask.device), torch.finfo(mask.dtype).min)
+            if isinstance(where, int):
+                args[where] = mask
+            else:
+                kwargs[where] = mask
+            found = True
+        if not found:
+            return None
+        patched[id(call)] = LayerCall(tuple(args), kwargs)
+    return [patched[id(call)] for call in calls]
+
+
+def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | None:
+    """The calls for a chunk of `q` positions turned into calls for its last `q - 1` positions (same keys).
+
+    Per-position arguments lose their first query: the hidden states and rotary tables [B, q, ...] (3-D),
+    position ids [B, q], cache positions [q], and 4-D masks [B, h, q, K] (rows). None when a tensor has a
+    dimension of size q anywhere else, which this cannot place."""
+    sliced: dict[int, LayerCall] = {}
+
+    def cut(value):
+        if isinstance(value, (tuple, list)):
+            parts = [cut(v) for v in value]
+            return _UNPLACED if any(p is _UNPLACED for p in parts) else type(value)(parts)
+        if not isinstance(value, torch.Tensor) or q not in value.shape:
+            return value
+        if value.dim() == 4 and value.shape[-2] == q and q not in (value.shape[0], value.shape[1], value.shape[-1]):
+            return value[..., 1:, :]
+        if value.dim() in (2, 3) and value.shape[1] == q and q not in (value.shape[0], *value.shape[2:]):
+            return value[:, 1:]
+        if value.dim() == 1:
+            return value[1:]
+        return _UNPLACED
+
+    for call in calls:
+        if id(call) in sliced:
+            continue
+        args = [cut(v) for v in call.args]
+        kwargs = {name: cut(v) for name, v in call.kwargs.items()}
+        if any(v is _UNPLACED for v in [*args, *kwargs.values()]):
+            return None
+        sliced[id(call)] = LayerCall(tuple(args), kwargs)
+    return [sliced[id(call)] for call in calls]
+
+
+_UNPLACED = object()
+
+
+def _siblings_blocked(k: int, lead: int) -> torch.Tensor:
+    """[lead + k, lead + k]: True where candidate a would see candidate b != a (the `lead` rows see no candidate)."""
+    blocked = torch.zeros(lead + k, lead + k, dtype=torch.bool)
+    blocked[lead:, lead:] = ~torch.eye(k, dtype=torch.bool)
+    return blocked
+
+
+class TreeDrafter(CandidateGenerator):
+    """Greedy lossless drafting with `session.draft_topk` candidates per cycle (used by `LosslessSession`)."""
+
+    def __init__(self, session, chain):
+        self.session, self.chain = session, chain  # chain: the session's chain drafter (prefill, masks, stopping)
+        self.k = session.draft_topk
+        self.usable = None  # known at the first call: the cache can be compacted and the layers take a tree mask
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches: int):
+        self.chain.update_candidate_strategy(input_ids, scores, num_matches)
+
+    def get_candidates(self, input_ids: torch.LongTensor):
+        session, chain, stats = self.session, self.chain, self.session.stats
+        start = time.perf_counter()
+        chain._prefill(input_ids)
+        cache = chain.cache
+        if self.usable is None:
+            self.usable = plain_dynamic_layers(cache)
+        if not self.usable or chain.max_length - input_ids.shape[1] < 2:
+            stats.decode_time_s += time.perf_counter() - start
+            stats.draft_topk = stats.draft_topk if self.usable else 1
+            return chain.get_candidates(input_ids)  # a cache the tree cannot compact, or no room for a draft
+        x = input_ids[:, -1:]
+        with torch.no_grad():
+            state = session.shallow_step(x, cache, chain._mask(input_ids))
+            draft_scores = chain.logits_processor(input_ids, session.model.exit_logits(session.draft_layer, state[:, -1]).float())
+            candidates = draft_scores.topk(self.k, dim=-1).indices  # [1, k]
+            logits = self._verify(candidates, cache, chain._mask(input_ids))
+        chain.drafted = 1
+        stats.drafted += 1
+        if logits is None:  # no tree mask reached the layers: a chain draft of one (the session verifies it)
+            if layer_length(cache, 0) > 1:  # (a one-token context may get no mask: causal attention needs none)
+                self.usable, stats.draft_topk = False, 1  # this model's attention takes none: chains from here on
+            stats.decode_time_s += time.perf_counter() - start
+            return torch.cat([input_ids, candidates[:, :1]], 1), None
+        target = chain.logits_processor(input_ids, logits[:, 0].float()).argmax(-1, keepdim=True)  # [1, 1]
+        hits = (candidates[0] == target[0]).nonzero()
+        stops = int(target) in chain.eos or chain._stops(torch.cat([input_ids, target], 1), logits[:, 0])
+        keep = int(hits[0]) if len(hits) and not stops else None  # a stopping token comes from x's logits
+        for layer in range(session.parts.num_layers):
+            keep_one_of_tail(cache, layer, self.k, keep)
+        if keep is None:
+            session.verified = (x, logits[:, :1])
+            out = input_ids
+        else:
+            session.verified = (torch.cat([x, target], 1), logits[:, [0, 1 + keep]])
+            out = torch.cat([input_ids, target], 1)
+        stats.decode_time_s += time.perf_counter() - start
+        return out, None
+
+    def _verify(self, candidates: torch.Tensor, cache, mask) -> torch.Tensor | None:
+        """Full-model logits [1, 1 + k, V] at the pending token x and at each candidate; None if no tree mask."""
+        session, parts, k = self.session, self.session.parts, candidates.shape[1]
+        x_ids, x_state = session.pending_ids, session.pending_states  # [1, 1], [1, 1, H]
+        have = layer_length(cache, 0)  # shallow layers hold x; deep layers do not yet
+        x_position = _last_position(mask, have)
+        deep = capture_layer_calls(parts, input_ids=torch.cat([x_ids, candidates], 1),
+                                   past_key_values=LengthView(cache, have - 1), use_cache=True,
+                                   position_ids=torch.cat([x_position, (x_position + 1).expand(1, k)], 1),
+                                   **_grown(mask, have + k))
+        deep = tree_mask_calls(deep, _siblings_blocked(k, 1))
+        if deep is None:
+            return None
+        # The candidates' chunk for the shallow layers is the same chunk without x: same keys (x is cached
+        # there), same positions. Sliced from the deep calls where every per-position argument is recognised,
+        # else captured.
+        shallow = without_first_position(deep[: session.draft_layer + 1], k + 1)
+        if shallow is None:
+            shallow = tree_mask_calls(capture_layer_calls(
+                parts, input_ids=candidates, past_key_values=LengthView(cache, have), use_cache=True,
+                position_ids=(x_position + 1).expand(1, k), **_grown(mask, have + k)), _siblings_blocked(k, 0))
+        with few_row_linears():  # k and 1 + k positions: on CPU, a layout that reads each weight once
+            states = shallow[0].hidden
+            for i in range(session.draft_layer + 1):
+                states = shallow[i].run(parts, i, states)
+            states = torch.cat([x_state, states], 1)
+            for i in range(session.draft_layer + 1, parts.num_layers):
+                states = deep[i].run(parts, i, states)
+            logits = parts.logits_from_normed(parts.final_norm(states))
+        session.pending_ids = session.pending_states = None
+        session.stats.layer_passes += parts.num_layers  # the candidates' shallow layers and everything's deep ones
+        session.stats.verify_passes += 1
+        session.stats.decode_steps += 1
+        return logits
+
+
+def _last_position(mask, length: int) -> torch.Tensor:
+    """[1, 1] position id of the token at index `length - 1` (from the attention mask when there is one)."""
+    if mask is None:
+        return torch.tensor([[length - 1]])
+    mask = mask[:, :length] if mask.shape[1] >= length else torch.cat(
+        [mask, mask.new_ones(1, length - mask.shape[1])], 1)
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -1:]
+
+
+def _grown(mask, length: int) -> dict:
+    if mask is None:
+        return {}
+    if mask.shape[1] < length:
+        mask = torch.cat([mask, mask.new_ones(1, length - mask.shape[1])], 1)
+    return {"attention_mask": mask[:, :length]}

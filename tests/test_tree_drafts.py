@@ -1,0 +1,245 @@
+"""Lossless tree drafts (`draft_topk` > 1): output identical to the base model's, the cache compacted to exactly
+what the base model holds, and a candidate that is not the exit head's top-1 really accepted."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+import tide
+from generation_helpers import BanToken, StopAfter
+from tiny_models import FAMILIES, tiny_model
+from tide.config import MAX_DRAFT_TOPK
+from tide.treedraft import tree_mask_calls
+
+
+def _wrap(family="llama"):
+    base = tiny_model(family)
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    torch.manual_seed(1)
+    with torch.no_grad():  # exit heads that are right only sometimes
+        for k in model.checkpoints:
+            for p in model.routers[k].translator.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+    return model, base
+
+
+def _ids(length=9, seed=0):
+    torch.manual_seed(seed)
+    return torch.randint(4, 100, (1, length))
+
+
+def _tree(layer=1, topk=3):
+    return {"mode": "lossless", "draft_layer": layer, "draft_topk": topk}
+
+
+@pytest.mark.parametrize("draft_layer, topk", [(1, 2), (1, 4), (3, 3)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_is_token_identical(family, draft_layer, topk):
+    model, base = _wrap(family)
+    ids = _ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    out = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config=_tree(draft_layer, topk))
+    assert torch.equal(out, ref)
+    stats = model.last_stats
+    assert stats.decode_tokens == 16
+    tree = model.parts.spec.tree_drafts and family not in ("mistral", "qwen2", "gemma2", "gemma3_text")
+    assert stats.draft_topk == (topk if tree else 1)  # sliding-window caches and alibi draft chains
+    if tree:  # each tree cycle: x through layers 0..E, then the candidates' shallow and everyone's deep layers
+        assert stats.layer_passes == stats.verify_passes * model.parts.num_layers + stats.drafted * (draft_layer + 1)
+
+
+class _RankedOracle:
+    """An exit head that ranks the base model's true next token `rank`-th (0 = top-1), knowing the reference."""
+
+    def __init__(self, reference: torch.Tensor, start: int, vocab: int, rank: int, step: int = 2):
+        self.reference, self.position, self.vocab, self.rank, self.step = reference[0], start, vocab, rank, step
+
+    def __call__(self, layer, hidden):
+        true = int(self.reference[self.position])
+        logits = torch.zeros(hidden.shape[0], self.vocab)
+        for r in range(self.rank):
+            logits[:, (true + 1 + r) % self.vocab] = 3.0 + r
+        logits[:, true] = 2.0
+        self.position += self.step  # tokens each cycle emits: 2 when a candidate is accepted
+        return logits
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+def test_a_candidate_below_the_top_is_accepted(family):
+    model, base = _wrap(family)
+    ids = _ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=15)
+    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2)
+    out = model.generate(ids, do_sample=False, max_new_tokens=15, tide_config=_tree(1, 3))
+    assert torch.equal(out, ref)
+    stats = model.last_stats
+    assert stats.accepted == stats.drafted == 7 and stats.verify_passes == 8  # 7 cycles of 2 tokens, then 1
+
+
+def test_a_tree_too_narrow_for_the_true_token_accepts_nothing():
+    model, base = _wrap()
+    ids = _ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=8)
+    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2, step=1)
+    out = model.generate(ids, do_sample=False, max_new_tokens=8, tide_config=_tree(1, 2))
+    assert torch.equal(out, ref) and model.last_stats.accepted == 0
+
+
+@pytest.mark.parametrize("topk", [2, 3])
+def test_the_cache_holds_what_the_base_model_holds(topk):
+    model, base = _wrap()
+    ids = _ids()
+    kwargs = dict(do_sample=False, max_new_tokens=14, return_dict_in_generate=True)
+    ref = base.generate(ids, **kwargs)
+    model.exit_logits = _RankedOracle(ref.sequences, ids.shape[1], base.config.vocab_size, rank=topk - 1)
+    out = model.generate(ids, tide_config=_tree(1, topk), **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    for layer in range(model.parts.num_layers):
+        mine, theirs = out.past_key_values.layers[layer], ref.past_key_values.layers[layer]
+        length = min(mine.keys.shape[-2], theirs.keys.shape[-2])
+        assert length >= ref.sequences.shape[1] - 2
+        torch.testing.assert_close(mine.keys[..., :length, :], theirs.keys[..., :length, :], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values[..., :length, :], theirs.values[..., :length, :], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("new_tokens", [1, 2, 3, 8])
+def test_max_new_tokens(new_tokens):
+    model, base = _wrap()
+    ids = _ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=new_tokens)
+    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
+    out = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, tide_config=_tree(1, 2))
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 5])
+def test_stopping_criterion_and_eos(stop_after):
+    model, base = _wrap()
+    ids = _ids()
+    criteria = StoppingCriteriaList([StopAfter(ids.shape[1] + stop_after)])
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12, stopping_criteria=criteria)
+    out = model.generate(ids, do_sample=False, max_new_tokens=12, stopping_criteria=criteria, tide_config=_tree(1, 4))
+    assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + stop_after
+    eos = int(base.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1] + stop_after])
+    for m in (base, model.base):
+        m.generation_config.eos_token_id = eos
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12)
+    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
+    out = model.generate(ids, do_sample=False, max_new_tokens=12, tide_config=_tree(1, 2))
+    assert torch.equal(out, ref) and int(out[0, -1]) == eos
+
+
+def test_logits_processor_applies_to_verified_tokens():
+    model, base = _wrap()
+    ids = _ids()
+    banned = int(base.generate(ids, do_sample=False, max_new_tokens=3)[0, -1])
+    processors = LogitsProcessorList([BanToken(banned)])
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=processors)
+    out = model.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=processors, tide_config=_tree(1, 4))
+    assert torch.equal(out, ref) and banned not in out[0, ids.shape[1]:].tolist()
+
+
+def test_left_padding_mask():
+    model, base = _wrap()
+    ids = _ids()
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1)
+    ref = base.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=10)
+    model.exit_logits = _RankedOracle(ref, padded.shape[1], base.config.vocab_size, rank=1)
+    out = model.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=10, tide_config=_tree(1, 2))
+    assert torch.equal(out, ref) and model.last_stats.accepted > 0
+
+
+def test_one_token_prompt():
+    model, base = _wrap()
+    ids = _ids(length=1)
+    ref = base.generate(ids, do_sample=False, max_new_tokens=10)
+    model.exit_logits = _RankedOracle(ref, 1, base.config.vocab_size, rank=1)
+    out = model.generate(ids, do_sample=False, max_new_tokens=10, tide_config=_tree(1, 2))
+    assert torch.equal(out, ref) and model.last_stats.draft_topk == 2
+
+
+def test_sampling_drafts_a_chain():
+    model, _ = _wrap()
+    torch.manual_seed(0)
+    model.generate(_ids(), do_sample=True, max_new_tokens=6, tide_config=_tree(1, 3))
+    assert model.last_stats.draft_topk == 1 and "chain" in model.last_stats.summary()
+
+
+@pytest.mark.parametrize("bad", [0, -1, MAX_DRAFT_TOPK + 1, 2.0, "3", True])
+def test_bad_draft_topk_is_a_clear_error(bad):
+    model, _ = _wrap()
+    with pytest.raises(ValueError, match="draft_topk"):
+        model.generate(_ids(), max_new_tokens=2, tide_config=_tree(1, bad))
+
+
+def test_tree_mask_blocks_only_siblings():
+    from tide.layercalls import LayerCall
+
+    causal = torch.zeros(1, 1, 3, 5)
+    causal[..., 0, 3:] = causal[..., 1, 4] = torch.finfo(torch.float32).min  # 2 cached keys, then a chunk of 3
+    blocked = torch.zeros(3, 3, dtype=torch.bool)
+    blocked[2, 1] = True
+    (call,) = tree_mask_calls([LayerCall((torch.zeros(1, 3, 4),), {"attention_mask": causal})], blocked)
+    mask = call.kwargs["attention_mask"]
+    assert mask[0, 0, 2, 3] == torch.finfo(torch.float32).min and (mask[..., :2] == 0).all()
+    assert torch.equal(mask.clone().index_put_((torch.tensor(0), torch.tensor(0), torch.tensor(2), torch.tensor(3)),
+                                               torch.tensor(0.0)), causal)
+    as_bool = tree_mask_calls([LayerCall((), {"attention_mask": causal == 0})], blocked)[0].kwargs["attention_mask"]
+    assert not as_bool[0, 0, 2, 3] and as_bool[0, 0, 2, 2] and as_bool[0, 0, 2, 4]
+    assert tree_mask_calls([LayerCall((torch.zeros(1, 3, 4),), {"attention_mask": None})], blocked) is None
+
+
+def test_draft_candidates_weigh_chains_against_trees():
+    from tide.costs import StepCosts, draft_candidates
+
+    costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=1.0, capture_s=0.5, device="cpu",
+                      verify_extra_s=0.5)
+    # the full model's token is the exit head's second choice at every position: only trees of 2+ catch it
+    ranks = {1: torch.ones(400, dtype=torch.uint8)}
+    schemes = draft_candidates(ranks, num_layers=12, costs=costs, max_draft=4, max_topk=4)
+    best = schemes[0]
+    assert (best.draft_layer, best.max_draft, best.draft_topk) == (1, 1, 2)  # every cycle emits 2 tokens
+    base, verify = 12 + 1.0 + 0.5, 12 + 1.0 + 0.5 + 0.5
+    assert best.estimate == pytest.approx(2 / (2 + 1.0 + 0.5 + verify + 0.5) * base)
+    chains = [s for s in schemes if s.draft_topk == 1]
+    assert len(chains) == 4 and all(s.estimate < 1 for s in chains)  # no chain draft is ever accepted
+    assert {s.draft_topk for s in schemes} == {1, 2, 3, 4}
+    assert all(s.max_draft == 1 for s in schemes if s.draft_topk > 1)
+    assert not [s for s in draft_candidates(ranks, 12, costs, max_draft=0) if s.draft_topk > 1]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "phi", "gpt_neox"])
+def test_one_capture_serves_both_tree_passes(family, monkeypatch):
+    """The candidates' shallow calls are sliced from the deep chunk's calls (same keys, same positions)."""
+    import tide.treedraft as treedraft
+
+    model, base = _wrap(family)
+    ids = _ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=9)
+    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
+    captures = []
+    real = treedraft.capture_layer_calls
+    monkeypatch.setattr(treedraft, "capture_layer_calls", lambda *a, **kw: captures.append(1) or real(*a, **kw))
+    out = model.generate(ids, do_sample=False, max_new_tokens=9, tide_config=_tree(1, 2))
+    assert torch.equal(out, ref)
+    assert len(captures) == model.last_stats.drafted == 4  # four tree cycles of two tokens, then one plain step
+
+
+def test_without_first_position_slices_every_per_position_argument():
+    from tide.layercalls import LayerCall
+    from tide.treedraft import without_first_position
+
+    q = 3
+    hidden, mask = torch.randn(1, q, 16), torch.randn(1, 1, q, 7)
+    rotary = (torch.randn(1, q, 6), torch.randn(1, q, 6))
+    call = LayerCall((hidden, "cache"), {"attention_mask": mask, "position_embeddings": rotary,
+                                          "position_ids": torch.arange(q)[None], "cache_position": torch.arange(4, 4 + q),
+                                          "use_cache": True})
+    (cut,) = without_first_position([call], q)
+    assert torch.equal(cut.args[0], hidden[:, 1:]) and cut.args[1] == "cache"
+    assert torch.equal(cut.kwargs["attention_mask"], mask[..., 1:, :])
+    assert all(torch.equal(a, b[:, 1:]) for a, b in zip(cut.kwargs["position_embeddings"], rotary))
+    assert cut.kwargs["position_ids"].tolist() == [[1, 2]] and cut.kwargs["cache_position"].tolist() == [5, 6]
+    ambiguous = LayerCall((hidden,), {"something": torch.randn(q, q)})  # a q-sized axis it cannot place
+    assert without_first_position([ambiguous], q) is None
