@@ -20,3 +20,14 @@ class StopAfter(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+class BoostInPlace(LogitsProcessor):
+    """Adds `amount` to one token's score, in place (applying it twice to the same logits would differ)."""
+
+    def __init__(self, token, amount):
+        self.token, self.amount = token, amount
+
+    def __call__(self, input_ids, scores):
+        scores[:, self.token] += self.amount
+        return scores

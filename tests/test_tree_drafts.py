@@ -6,7 +6,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 import tide
-from generation_helpers import BanToken, StopAfter
+from generation_helpers import BanToken, BoostInPlace, StopAfter
 from tiny_models import FAMILIES, tiny_model
 from tide.config import MAX_DRAFT_TOPK
 from tide.treedraft import tree_mask_calls
@@ -55,7 +55,7 @@ class _RankedOracle:
         self.reference, self.position, self.vocab, self.rank, self.step = reference[0], start, vocab, rank, step
 
     def __call__(self, layer, hidden):
-        true = int(self.reference[self.position])
+        true = int(self.reference[min(self.position, self.reference.shape[0] - 1)])
         logits = torch.zeros(hidden.shape[0], self.vocab)
         for r in range(self.rank):
             logits[:, (true + 1 + r) % self.vocab] = 3.0 + r
@@ -139,6 +139,18 @@ def test_logits_processor_applies_to_verified_tokens():
     assert torch.equal(out, ref) and banned not in out[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.parametrize("token", [5, 17, 33, 60, 91])
+def test_an_in_place_logits_processor_applies_once(token):
+    """transformers applies the processors to the verification logits: the drafter must not have changed them."""
+    model, base = _wrap()
+    ids = _ids()
+    processors = LogitsProcessorList([BoostInPlace(token, 0.3)])
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=processors)
+    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
+    out = model.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=processors, tide_config=_tree(1, 2))
+    assert torch.equal(out, ref)
+
+
 def test_left_padding_mask():
     model, base = _wrap()
     ids = _ids()
@@ -200,8 +212,9 @@ def test_draft_candidates_weigh_chains_against_trees():
     schemes = draft_candidates(ranks, num_layers=12, costs=costs, max_draft=4, max_topk=4)
     best = schemes[0]
     assert (best.draft_layer, best.max_draft, best.draft_topk) == (1, 1, 2)  # every cycle emits 2 tokens
-    base, verify = 12 + 1.0 + 0.5, 12 + 1.0 + 0.5 + 0.5
-    assert best.estimate == pytest.approx(2 / (2 + 1.0 + 0.5 + verify + 0.5) * base)
+    base = 12 + 1.0 + 0.5
+    verify = base + 0.5 * 2 / 3  # a pass over 3 positions: 2/3 of what 4 positions add (verify_extra)
+    assert best.estimate == pytest.approx(2 / (2 + 1.0 + 0.5 + verify) * base)
     chains = [s for s in schemes if s.draft_topk == 1]
     assert len(chains) == 4 and all(s.estimate < 1 for s in chains)  # no chain draft is ever accepted
     assert {s.draft_topk for s in schemes} == {1, 2, 3, 4}

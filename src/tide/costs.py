@@ -204,15 +204,18 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
 
     ranks: {layer: [N]} in text order, where the full model's next token ranks among the exit head's logits
     (0: its top-1). A draft step from layer E costs E + 1 layers, the head and a capture; a verification
-    costs the whole stack, the head and a capture, plus what a pass over a few positions costs more than a
-    pass over one (`costs.verify_extra`, measured here: speculative decoding assumes it small, and on a CPU
-    it can be a third of a step). A chain cycle emits the run of drafts that agree with the full model, plus
-    one; a tree cycle (k candidates for one position, verified with the token before them in the same kind of
-    pass, plus one more capture) emits two tokens when the full model's token is among the k, else one. An
-    estimate: calibration then measures the best.
+    costs the whole stack, the head and a capture, plus what a pass over p positions costs more than a pass
+    over one: `costs.verify_extra` (measured here for VERIFY_POSITIONS; speculative decoding assumes it small,
+    and on a CPU it can be a third of a step) scaled by (p - 1) / (VERIFY_POSITIONS - 1). A chain cycle emits the run of drafts that agree with the full model, plus
+    one; a tree cycle (k candidates for one position, run through the shallow layers together and verified
+    with the token before them in one pass: about a chain cycle of one draft) emits two tokens when the full
+    model's token is among the k, else one. An estimate: calibration then measures the best.
     """
     base = num_layers + costs.head + costs.capture
-    verify = base + costs.verify_extra
+
+    def verify(positions: int) -> float:
+        return base + costs.verify_extra * (positions - 1) / (VERIFY_POSITIONS - 1)
+
     out = []
     for layer, rank in ranks.items():
         flags, runs, current = (rank == 0).tolist(), [], 0
@@ -222,11 +225,12 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
         run = torch.tensor(runs[::-1], dtype=torch.float64)
         draft = layer + 1 + costs.head + costs.capture
         for length in range(1, max_draft + 1):
-            out.append(DraftScheme(layer, length, 1, float(run.clamp(max=length).mean() + 1) / (length * draft + verify) * base))
+            tokens = float(run.clamp(max=length).mean() + 1)
+            out.append(DraftScheme(layer, length, 1, tokens / (length * draft + verify(length + 1)) * base))
         if max_draft:
             for k in range(2, max_topk + 1):
                 hit = float((rank.long() < k).double().mean())
-                out.append(DraftScheme(layer, 1, k, (1 + hit) / (draft + verify + costs.capture) * base))
+                out.append(DraftScheme(layer, 1, k, (1 + hit) / (draft + verify(k + 1)) * base))
     return sorted(out, key=lambda c: -c.estimate)
 
 

@@ -143,7 +143,8 @@ class TreeDrafter(CandidateGenerator):
                 self.usable, stats.draft_topk = False, 1  # this model's attention takes none: chains from here on
             stats.decode_time_s += time.perf_counter() - start
             return torch.cat([input_ids, candidates[:, :1]], 1), None
-        target = chain.logits_processor(input_ids, logits[:, 0].float()).argmax(-1, keepdim=True)  # [1, 1]
+        # (a copy: processors may work in place, and transformers applies them to these logits itself)
+        target = chain.logits_processor(input_ids, logits[:, 0].to(torch.float32, copy=True)).argmax(-1, keepdim=True)
         hits = (candidates[0] == target[0]).nonzero()
         stops = int(target) in chain.eos or chain._stops(torch.cat([input_ids, target], 1), logits[:, 0])
         keep = int(hits[0]) if len(hits) and not stops else None  # a stopping token comes from x's logits

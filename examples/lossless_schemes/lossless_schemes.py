@@ -1,0 +1,149 @@
+"""Lossless drafting schemes timed against the base model, and one tree cycle timed piece by piece.
+
+    python examples/lossless_schemes/lossless_schemes.py --routers DIR [--model DIR] [--schemes 0:1:1,0:1:3]
+
+A scheme is `draft_layer:max_draft:draft_topk` (topk 1: a chain of up to max_draft drafts; k > 1: a tree of
+k candidates). Each repeat runs the base model and every scheme once, on one of the demo prompts in turn
+(interleaved, so that the machine's drift hits them alike); the ratio is the median of the per-repeat ratios,
+with the interquartile range. `--pieces` also times the parts of one tree cycle after a 40-token context.
+Without `--model`, the shipped demo model; `--routers` is a router repo calibrated for that model
+(e.g. the one `tide demo` saves).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from tide import TideForCausalLM
+from tide._hf_compat import LengthView, keep_one_of_tail
+from tide.demo import DEMO_MODEL_DIR, DEMO_PROMPTS
+from tide.fewrows import few_row_linears
+from tide.layercalls import capture_layer_calls
+from tide.treedraft import tree_mask_calls, without_first_position
+
+
+def parse_schemes(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(v) for v in item.split(":")) for item in text.split(",")]
+
+
+def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
+    prompts = [tokenizer(p, return_tensors="pt")["input_ids"] for p in DEMO_PROMPTS]
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    def seconds(scheme, ids):
+        start = time.perf_counter()
+        if scheme is None:
+            model.base.generate(ids, **kwargs)
+        else:
+            layer, length, topk = scheme
+            model.generate(ids, tide_config={"mode": "lossless", "draft_layer": layer, "max_draft": length,
+                                             "draft_topk": topk}, **kwargs)
+        return time.perf_counter() - start
+
+    runs = [None, *schemes]
+    for scheme in runs:  # warm-up
+        seconds(scheme, prompts[0])
+    times = {scheme: [] for scheme in runs}
+    for repeat in range(repeats):
+        for scheme in runs:
+            times[scheme].append(seconds(scheme, prompts[repeat % len(prompts)]))
+    print(f"base: {statistics.median(times[None]) * 1000 / new_tokens:.2f} ms per token")
+    print("draft layer | max draft | topk | vs base [IQR] | accepted / drafted | layer passes per token")
+    for scheme in schemes:
+        ratios = sorted(b / t for b, t in zip(times[None], times[scheme]))
+        accepted = drafted = passes = tokens = 0
+        for ids in prompts:
+            seconds(scheme, ids)
+            s = model.last_stats
+            accepted, drafted, passes, tokens = (accepted + s.accepted, drafted + s.drafted,
+                                                 passes + s.layer_passes, tokens + s.decode_tokens)
+        quart = len(ratios) // 4
+        print(f"{scheme[0]} | {scheme[1]} | {scheme[2]} | x{statistics.median(ratios):.3f} "
+              f"[{ratios[quart]:.2f}-{ratios[-1 - quart]:.2f}] | {accepted} / {drafted} | {passes / tokens:.2f}")
+
+
+@torch.no_grad()
+def pieces(model, layer: int, topk: int, repeats: int = 60) -> None:
+    """One tree cycle's parts, as `tide.treedraft` runs them, against one base decode step."""
+    parts, num_layers = model.parts, model.parts.num_layers
+    ids = torch.randint(5, model.base.config.vocab_size - 1, (1, 41))
+    blocked = torch.zeros(topk + 1, topk + 1, dtype=torch.bool)
+    blocked[1:, 1:] = ~torch.eye(topk, dtype=torch.bool)
+    cache = DynamicCache(config=model.base.config)
+    model.base(ids[:, :40], past_key_values=cache, use_cache=True)
+    times: dict = {}
+    for repeat in range(repeats):
+        marks = [("start", time.perf_counter())]
+
+        def mark(name):
+            marks.append((name, time.perf_counter()))
+
+        model.base(ids[:, 40:], past_key_values=cache, use_cache=True)
+        cache.crop(-1)
+        mark("one base decode step (whole forward)")
+        calls = capture_layer_calls(parts, input_ids=ids[:, 40:], past_key_values=cache, use_cache=True,
+                                    position_ids=torch.tensor([[40]]))
+        mark("x: capture")
+        state = calls[0].hidden
+        for i in range(layer + 1):
+            state = calls[i].run(parts, i, state)
+        mark(f"x: layers 0..{layer}")
+        candidates = model.exit_logits(layer, state[:, -1]).topk(topk, -1).indices
+        mark("exit head + top-k")
+        deep = capture_layer_calls(parts, input_ids=torch.cat([ids[:, 40:], candidates], 1),
+                                   past_key_values=LengthView(cache, 40), use_cache=True,
+                                   position_ids=torch.tensor([[40] + [41] * topk]))
+        mark(f"capture of the {topk + 1}-position chunk")
+        deep = tree_mask_calls(deep, blocked)
+        shallow = without_first_position(deep[: layer + 1], topk + 1)
+        mark("tree mask + slicing the candidates' calls")
+        with few_row_linears():
+            states = shallow[0].hidden
+            for i in range(layer + 1):
+                states = shallow[i].run(parts, i, states)
+            mark(f"candidates: layers 0..{layer}")
+            states = torch.cat([state, states], 1)
+            for i in range(layer + 1, num_layers):
+                states = deep[i].run(parts, i, states)
+            mark(f"layers {layer + 1}..{num_layers - 1} over {topk + 1} positions")
+            parts.logits_from_normed(parts.final_norm(states))
+            mark(f"final norm + head over {topk + 1} positions")
+        for i in range(num_layers):
+            keep_one_of_tail(cache, i, topk, 1)
+        mark("keeping the accepted candidate's K/V")
+        for i in range(num_layers):
+            cache.layers[i].crop(-2)
+        if repeat >= 10:
+            for (_, before), (name, after) in zip(marks, marks[1:]):
+                times.setdefault(name, []).append((after - before) * 1000)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    step = medians.pop("one base decode step (whole forward)")
+    print(f"one base decode step: {step:.2f} ms")
+    for name, ms in medians.items():
+        print(f"{name:45s} {ms:6.2f} ms")
+    print(f"{'cycle':45s} {sum(medians.values()):6.2f} ms ({sum(medians.values()) / step:.2f} steps)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(DEMO_MODEL_DIR))
+    parser.add_argument("--routers", required=True)
+    parser.add_argument("--schemes", default="0:1:1,1:1:1,0:1:2,0:1:3,0:1:4,1:1:3,1:1:4")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pieces", action="store_true", help="also time one tree cycle piece by piece")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    base = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    model = TideForCausalLM.from_pretrained(args.routers, base_model=base)
+    compare(model, AutoTokenizer.from_pretrained(args.model), parse_schemes(args.schemes), args.repeats, args.new_tokens)
+    if args.pieces:
+        pieces(model, layer=0, topk=3)
+
+
+if __name__ == "__main__":
+    main()
