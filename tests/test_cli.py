@@ -74,6 +74,8 @@ def test_bench_writes_json_and_plot(router_dir, text_file, tmp_path):
         assert variants["lossless"]["greedy_identical"]
     assert {"checkpoint", "skipped_layer", "head", "layer_s"} <= set(results["costs"])
     assert results["oracle"]["exits"] > 0 and results["oracle"]["lens"] > 0
+    trials = results["draft_selection"]["trials"]  # what calibration timed for lossless mode, chains and trees
+    assert trials and all({"draft_layer", "max_draft", "draft_topk", "estimate", "measured"} <= set(t) for t in trials)
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 

@@ -213,7 +213,7 @@ def test_draft_candidates_weigh_chains_against_trees():
     best = schemes[0]
     assert (best.draft_layer, best.max_draft, best.draft_topk) == (1, 1, 2)  # every cycle emits 2 tokens
     base = 12 + 1.0 + 0.5
-    verify = base + 0.5 * 2 / 3  # a pass over 3 positions: 2/3 of what 4 positions add (verify_extra)
+    verify = base + 0.5 * 2 / 3  # a pass over 3 positions: 2/3 of what 4 positions add (verify_extra, no wide one)
     assert best.estimate == pytest.approx(2 / (2 + 1.0 + 0.5 + verify) * base)
     chains = [s for s in schemes if s.draft_topk == 1]
     assert len(chains) == 4 and all(s.estimate < 1 for s in chains)  # no chain draft is ever accepted
@@ -256,3 +256,16 @@ def test_without_first_position_slices_every_per_position_argument():
     assert cut.kwargs["position_ids"].tolist() == [[1, 2]] and cut.kwargs["cache_position"].tolist() == [5, 6]
     ambiguous = LayerCall((hidden,), {"something": torch.randn(q, q)})  # a q-sized axis it cannot place
     assert without_first_position([ambiguous], q) is None
+
+
+def test_verification_cost_follows_the_measured_points():
+    from tide.costs import StepCosts, draft_candidates
+
+    costs = StepCosts(layer_s=2.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=2.0, capture_s=0.0, device="cpu",
+                      verify_extra_s=0.0, wide_verify_extra_s=16.0)  # 4 positions cost nothing more, 8 cost 8 layers
+    assert [costs.verify_extra_at(p) for p in (1, 2, 4, 6, 8, 10)] == pytest.approx([0, 0, 0, 4, 8, 12])
+    assert costs.as_dict()["wide_verify_extra"] == pytest.approx(8.0)
+    # every head's top-8 holds the full model's token, its top-3 half the time: the wide trees pay for their width
+    ranks = {0: torch.tensor([0, 2, 5, 7] * 100, dtype=torch.uint8)}
+    best = draft_candidates(ranks, num_layers=12, costs=costs, max_draft=2)[0]
+    assert best.draft_topk == 3

@@ -19,7 +19,7 @@ import torch
 
 from .calibrate import thresholds_for_target
 from .config import draft_scheme_text
-from .costs import VERIFY_POSITIONS, measure_costs
+from .costs import VERIFY_POSITIONS, WIDE_VERIFY_POSITIONS, measure_costs
 from .evaluate import oracle_depths, teacher_forced
 
 __all__ = ["run_bench", "plot_bench"]
@@ -102,7 +102,14 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     results["oracle"] = oracle
     progress(f"costs on {results['machine']}: consulted checkpoint {costs.checkpoint:.2f} layer, skipped layer's K/V "
              f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer, "
-             f"verifying {VERIFY_POSITIONS} positions instead of 1 +{costs.verify_extra:.2f} layer")
+             f"verifying {VERIFY_POSITIONS} / {WIDE_VERIFY_POSITIONS} positions instead of 1 +{costs.verify_extra:.2f} / "
+             f"+{costs.verify_extra_at(WIDE_VERIFY_POSITIONS):.2f} layer")
+    draft = (model.config.calibration or {}).get("draft_selection")
+    if draft:
+        results["draft_selection"] = draft
+        for trial in draft.get("trials", []):
+            progress(f"calibration timed lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, "
+                     f"measured x{trial['measured']:.3f}")
     progress(f"oracle bound with checkpoints {model.checkpoints}: x{oracle['exits']:.3f} through the "
              f"{model.config.exit_head} exit heads, x{oracle['lens']:.3f} through the logit lens "
              f"(x{oracle['lens_every_layer']:.3f} lens with every layer)")

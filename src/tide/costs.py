@@ -26,9 +26,10 @@ from .fewrows import few_row_linears
 from .kvfill import fill_kv
 from .layercalls import capture_layer_calls
 
-__all__ = ["StepCosts", "DraftScheme", "VERIFY_POSITIONS", "draft_candidates", "measure_costs", "measured_speedup", "prune_checkpoints"]
+__all__ = ["StepCosts", "DraftScheme", "VERIFY_POSITIONS", "WIDE_VERIFY_POSITIONS", "draft_candidates", "measure_costs", "measured_speedup", "prune_checkpoints"]
 
 VERIFY_POSITIONS = 4  # the verification timed by measure_costs: three drafts and the token before them
+WIDE_VERIFY_POSITIONS = 8  # and a wider one (a tree of seven candidates), where few-row passes start to cost
 
 
 @dataclass
@@ -44,10 +45,21 @@ class StepCosts:
     # a pass over VERIFY_POSITIONS positions (whole stack + head, as lossless verification runs it) minus a
     # one-position pass: what verifying a few drafted positions at once adds to a decode step
     verify_extra_s: float = 0.0
+    # the same for WIDE_VERIFY_POSITIONS positions (None: not measured, e.g. inside a short sliding window)
+    wide_verify_extra_s: float | None = None
 
     @property
     def verify_extra(self) -> float:
         return self.verify_extra_s / self.layer_s
+
+    def verify_extra_at(self, positions: int) -> float:
+        """What a verification pass over `positions` positions adds to a one-position step, in layers: linear
+        through the measured points (1: nothing, VERIFY_POSITIONS, WIDE_VERIFY_POSITIONS), and beyond."""
+        points = [(1, 0.0), (VERIFY_POSITIONS, self.verify_extra)]
+        if self.wide_verify_extra_s is not None:
+            points.append((WIDE_VERIFY_POSITIONS, max(self.wide_verify_extra_s / self.layer_s, self.verify_extra)))
+        (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if positions <= b[0]), points[-2:])
+        return max(0.0, y0 + (y1 - y0) * (positions - x0) / (x1 - x0))
 
     @property
     def checkpoint(self) -> float:
@@ -68,7 +80,7 @@ class StepCosts:
     def as_dict(self) -> dict:
         out = asdict(self)
         out.update(checkpoint=self.checkpoint, skipped_layer=self.skipped_layer, head=self.head, capture=self.capture,
-                   verify_extra=self.verify_extra)
+                   verify_extra=self.verify_extra, wide_verify_extra=self.verify_extra_at(WIDE_VERIFY_POSITIONS))
         return out
 
 
@@ -101,8 +113,10 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
     parts, base = model.parts, model.base
     device = base.device
     window = getattr(base.config.get_text_config(), "sliding_window", None)
+    wide = not window or window > 2 * WIDE_VERIFY_POSITIONS + 1  # room for the wide pass inside the window
     if window:  # stay inside the window: a sliding layer that has evicted keys cannot be cropped back
-        prompt_length = max(1, min(prompt_length, window - VERIFY_POSITIONS - 1))
+        most = WIDE_VERIFY_POSITIONS if wide else VERIFY_POSITIONS
+        prompt_length = max(1, min(prompt_length, window - most - 1))
     ids = torch.arange(prompt_length + 1, device=device).remainder(base.config.get_text_config().vocab_size)[None] + 0
     cache = DynamicCache(config=base.config)
     base(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
@@ -115,6 +129,8 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
     tests = model.exit_tests({k: 0.5 for k in checkpoints})
 
     many_calls = capture_layer_calls(parts, input_ids=ids[:, -VERIFY_POSITIONS:], past_key_values=cache, use_cache=True)
+    wide_calls = capture_layer_calls(parts, input_ids=ids[:, -WIDE_VERIFY_POSITIONS:], past_key_values=cache,
+                                     use_cache=True) if wide else None
 
     def layers(consult: bool = False, head: bool = False, step_calls=calls):
         """The step of `step_calls` (one position, or VERIFY_POSITIONS as lossless verification runs them)."""
@@ -144,6 +160,8 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
         capture_s=_median_time(lambda: capture_layer_calls(parts, **step), repeats),
         device=str(device),
         verify_extra_s=_median_extra(layers(head=True), layers(head=True, step_calls=many_calls), max(repeats // 3, 5)),
+        wide_verify_extra_s=None if wide_calls is None else _median_extra(
+            layers(head=True), layers(head=True, step_calls=wide_calls), max(repeats // 3, 5)),
     )
 
 
@@ -205,8 +223,8 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
     ranks: {layer: [N]} in text order, where the full model's next token ranks among the exit head's logits
     (0: its top-1). A draft step from layer E costs E + 1 layers, the head and a capture; a verification
     costs the whole stack, the head and a capture, plus what a pass over p positions costs more than a pass
-    over one: `costs.verify_extra` (measured here for VERIFY_POSITIONS; speculative decoding assumes it small,
-    and on a CPU it can be a third of a step) scaled by (p - 1) / (VERIFY_POSITIONS - 1). A chain cycle emits the run of drafts that agree with the full model, plus
+    over one (`costs.verify_extra_at(p)`, measured here for 4 and 8 positions; speculative decoding assumes it
+    small, and on a CPU it can be a third of a step). A chain cycle emits the run of drafts that agree with the full model, plus
     one; a tree cycle (k candidates for one position, run through the shallow layers together and verified
     with the token before them in one pass: about a chain cycle of one draft) emits two tokens when the full
     model's token is among the k, else one. An estimate: calibration then measures the best.
@@ -214,7 +232,7 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
     base = num_layers + costs.head + costs.capture
 
     def verify(positions: int) -> float:
-        return base + costs.verify_extra * (positions - 1) / (VERIFY_POSITIONS - 1)
+        return base + costs.verify_extra_at(positions)
 
     out = []
     for layer, rank in ranks.items():

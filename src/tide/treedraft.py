@@ -13,8 +13,8 @@ often among its top few (docs/benchmarks.md). One cycle here, for the last emitt
    (its logits are those of step 3, so transformers' own acceptance test and bonus token run unchanged);
    otherwise every candidate is dropped and x's logits give the next token.
 
-The tree mask is the mask the backbone builds for the chunk, with the candidate-to-candidate entries
-blocked. Where no 4-D mask tensor reaches the layers, or a cache layer is not a plain `DynamicLayer`
+The tree mask is the mask the backbone builds for the chunk [x, candidates], with the candidate-to-candidate
+entries blocked; the candidates' shallow calls are the same calls without x's row (one capture per cycle). Where no 4-D mask tensor reaches the layers, or a cache layer is not a plain `DynamicLayer`
 (sliding windows keep their own bookkeeping), the cycle falls back to a chain draft of one. Families whose
 positions live in the mask rather than in `position_ids` (alibi) never get here (`ArchSpec.tree_drafts`).
 """
@@ -24,10 +24,9 @@ from __future__ import annotations
 import time
 
 import torch
-
-from ._hf_compat import LengthView, keep_one_of_tail, layer_length, plain_dynamic_layers
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from ._hf_compat import LengthView, keep_one_of_tail, layer_length, plain_dynamic_layers
 from .fewrows import few_row_linears
 from .layercalls import LayerCall, capture_layer_calls
 
