@@ -269,3 +269,20 @@ def test_verification_cost_follows_the_measured_points():
     ranks = {0: torch.tensor([0, 2, 5, 7] * 100, dtype=torch.uint8)}
     best = draft_candidates(ranks, num_layers=12, costs=costs, max_draft=2)[0]
     assert best.draft_topk == 3
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_candidates_captured_when_their_calls_cannot_be_sliced(padded, monkeypatch):
+    import tide.treedraft as treedraft
+
+    model, base = _wrap()
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    if padded:
+        ids = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], 1)
+        mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), mask], 1)
+    ref = base.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=9)
+    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2)
+    monkeypatch.setattr(treedraft, "without_first_position", lambda calls, q: None)
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=9, tide_config=_tree(1, 3))
+    assert torch.equal(out, ref) and model.last_stats.accepted == 4

@@ -23,7 +23,7 @@ from .dispatch import base_forward
 from .fewrows import few_row_linears
 from .layercalls import capture_layer_calls
 from .stats import GenerationStats
-from .treedraft import TreeDrafter
+from .treedraft import TreeDrafter, grown_mask, new_positions
 
 __all__ = ["LosslessSession", "check_rollback"]
 
@@ -70,7 +70,7 @@ class LosslessSession:
     # ------------------------------------------------------------------ the shallow step (drafting)
     def shallow_step(self, token: torch.Tensor, cache, mask) -> torch.Tensor:
         """Run token [1, 1] through layers 0..E on the real cache; keep and return its layer-E state [1, 1, H]."""
-        inputs = _positions(mask, cache.get_seq_length(), 1)
+        inputs = new_positions(mask, cache.get_seq_length(), 1)
         calls = capture_layer_calls(self.parts, input_ids=token, past_key_values=cache, use_cache=True, **inputs)
         hidden = calls[0].hidden
         for i in range(self.draft_layer + 1):
@@ -110,7 +110,7 @@ class LosslessSession:
         self.shallow_step(input_ids[:, -1:], cache, attention_mask)
         ids, states = self.pending_ids, self.pending_states  # [1, P + 1], [1, P + 1, H]
         deep_length = layer_length(cache, self.parts.num_layers - 1)  # deep layers hold every position before the chunk
-        inputs = _positions(attention_mask, deep_length, ids.shape[1])
+        inputs = new_positions(attention_mask, deep_length, ids.shape[1])
         calls = capture_layer_calls(self.parts, input_ids=ids, past_key_values=LengthView(cache, deep_length),
                                     use_cache=True, **inputs)
         with few_row_linears():  # P + 1 positions: on CPU, a layout that reads each weight once for all of them
@@ -123,24 +123,6 @@ class LosslessSession:
         self.stats.decode_steps += 1
         self.stats.decode_time_s += time.perf_counter() - start
         return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
-
-
-def _grown_mask(mask, length: int):
-    """The attention mask for the first `length` positions: cut, or extended with ones for new tokens."""
-    if mask is None:
-        return None
-    if mask.shape[1] >= length:
-        return mask[:, :length]
-    return torch.cat([mask, mask.new_ones(mask.shape[0], length - mask.shape[1])], dim=1)
-
-
-def _positions(mask, past: int, length: int) -> dict:
-    """attention_mask / position_ids for `length` new positions after `past` cached ones (batch 1)."""
-    if mask is None:
-        return {"position_ids": torch.arange(past, past + length).unsqueeze(0)}
-    mask = _grown_mask(mask, past + length)
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
-    return {"attention_mask": mask, "position_ids": positions}
 
 
 class _TideDrafter(CandidateGenerator):
@@ -206,7 +188,7 @@ class _TideDrafter(CandidateGenerator):
             self.session.stats.prefill_tokens += input_ids.shape[1] - 1 - have
 
     def _mask(self, tokens):
-        return _grown_mask(self.mask, tokens.shape[1])
+        return grown_mask(self.mask, tokens.shape[1])
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         if self.do_sample:

@@ -30,7 +30,7 @@ from ._hf_compat import LengthView, keep_one_of_tail, layer_length, plain_dynami
 from .fewrows import few_row_linears
 from .layercalls import LayerCall, capture_layer_calls
 
-__all__ = ["TreeDrafter", "tree_mask_calls", "without_first_position"]
+__all__ = ["TreeDrafter", "tree_mask_calls", "without_first_position", "grown_mask", "new_positions"]
 
 
 def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor) -> list[LayerCall] | None:
@@ -163,11 +163,11 @@ class TreeDrafter(CandidateGenerator):
         session, parts, k = self.session, self.session.parts, candidates.shape[1]
         x_ids, x_state = session.pending_ids, session.pending_states  # [1, 1], [1, 1, H]
         have = layer_length(cache, 0)  # shallow layers hold x; deep layers do not yet
-        x_position = _last_position(mask, have)
+        inputs = new_positions(mask, have - 1, k + 1)  # the chunk [x, candidates]: the mask grown over it
+        x_position = inputs["position_ids"][:, :1]
+        inputs["position_ids"] = torch.cat([x_position, (x_position + 1).expand(1, k)], 1)  # candidates: x's + 1
         deep = capture_layer_calls(parts, input_ids=torch.cat([x_ids, candidates], 1),
-                                   past_key_values=LengthView(cache, have - 1), use_cache=True,
-                                   position_ids=torch.cat([x_position, (x_position + 1).expand(1, k)], 1),
-                                   **_grown(mask, have + k))
+                                   past_key_values=LengthView(cache, have - 1), use_cache=True, **inputs)
         deep = tree_mask_calls(deep, _siblings_blocked(k, 1))
         if deep is None:
             return None
@@ -176,9 +176,9 @@ class TreeDrafter(CandidateGenerator):
         # else captured.
         shallow = without_first_position(deep[: session.draft_layer + 1], k + 1)
         if shallow is None:
-            shallow = tree_mask_calls(capture_layer_calls(
-                parts, input_ids=candidates, past_key_values=LengthView(cache, have), use_cache=True,
-                position_ids=(x_position + 1).expand(1, k), **_grown(mask, have + k)), _siblings_blocked(k, 0))
+            inputs["position_ids"] = inputs["position_ids"][:, 1:]
+            shallow = tree_mask_calls(capture_layer_calls(parts, input_ids=candidates, use_cache=True, **inputs,
+                                                          past_key_values=LengthView(cache, have)), _siblings_blocked(k, 0))
         with few_row_linears():  # k and 1 + k positions: on CPU, a layout that reads each weight once
             states = shallow[0].hidden
             for i in range(session.draft_layer + 1):
@@ -194,18 +194,19 @@ class TreeDrafter(CandidateGenerator):
         return logits
 
 
-def _last_position(mask, length: int) -> torch.Tensor:
-    """[1, 1] position id of the token at index `length - 1` (from the attention mask when there is one)."""
+def grown_mask(mask, length: int):
+    """The attention mask for the first `length` positions: cut, or extended with ones for new tokens."""
     if mask is None:
-        return torch.tensor([[length - 1]])
-    mask = mask[:, :length] if mask.shape[1] >= length else torch.cat(
-        [mask, mask.new_ones(1, length - mask.shape[1])], 1)
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -1:]
+        return None
+    if mask.shape[1] >= length:
+        return mask[:, :length]
+    return torch.cat([mask, mask.new_ones(mask.shape[0], length - mask.shape[1])], dim=1)
 
 
-def _grown(mask, length: int) -> dict:
+def new_positions(mask, past: int, length: int) -> dict:
+    """attention_mask / position_ids for `length` new positions after `past` cached ones (batch 1)."""
     if mask is None:
-        return {}
-    if mask.shape[1] < length:
-        mask = torch.cat([mask, mask.new_ones(1, length - mask.shape[1])], 1)
-    return {"attention_mask": mask[:, :length]}
+        return {"position_ids": torch.arange(past, past + length).unsqueeze(0)}
+    mask = grown_mask(mask, past + length)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+    return {"attention_mask": mask, "position_ids": positions}
