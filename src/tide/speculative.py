@@ -7,7 +7,8 @@ drafted positions at once (their layer-E states were kept), which makes the cach
 the full model's logits for every position. Acceptance (longest greedy prefix, or the speculative-sampling
 rule), cache cropping, logits processors, stopping on EOS/length and streaming of accepted tokens are
 transformers' own `_assisted_decoding`. Batch size 1. No router or threshold is involved: a wrong draft
-costs time, never output.
+costs time, never output. With `draft_topk` > 1 (greedy), `treedraft.TreeDrafter` drafts a one-level tree of
+candidates instead of a chain and hands this session's `forward` logits it has already verified.
 """
 
 from __future__ import annotations
