@@ -23,6 +23,8 @@ def _wrap(family="llama", **cfg):
 
 
 LOSSLESS = {"mode": "lossless"}
+# chain drafts, and tree drafts (tests/test_tree_drafts.py has their own cases)
+SCHEMES = {"chain": LOSSLESS, "tree": {"mode": "lossless", "draft_layer": 1, "draft_topk": 4}}
 
 
 def _ids(length=9, seed=0):
@@ -111,24 +113,26 @@ def test_max_new_tokens_mid_draft(new_tokens):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("stop_after", [1, 3, 6])
-def test_stopping_criterion_mid_draft(stop_after):
+@pytest.mark.parametrize("stop_after", [1, 2, 3, 5, 6])
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_stopping_criterion_mid_draft(scheme, stop_after):
     model, base = _wrap()
     ids = _ids()
     criteria = StoppingCriteriaList([StopAfter(ids.shape[1] + stop_after)])
     ref = base.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria)
     out = model.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria,
-                         tide_config=LOSSLESS)
+                         tide_config=SCHEMES[scheme])
     assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + stop_after
 
 
-def test_logits_processor_applies_to_verified_tokens():
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_logits_processor_applies_to_verified_tokens(scheme):
     model, base = _wrap()
     ids = _ids()
     banned = int(base.generate(ids, do_sample=False, max_new_tokens=3)[0, -1])
     ref = base.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]))
     out = model.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]),
-                         tide_config=LOSSLESS)
+                         tide_config=SCHEMES[scheme])
     assert torch.equal(out, ref) and banned not in out[0, ids.shape[1]:].tolist()
 
 

@@ -133,7 +133,8 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
                                      use_cache=True) if wide else None
 
     def layers(consult: bool = False, head: bool = False, step_calls=calls):
-        """The step of `step_calls` (one position, or VERIFY_POSITIONS as lossless verification runs them)."""
+        """The step of `step_calls` (one position, or the VERIFY_POSITIONS / WIDE_VERIFY_POSITIONS chunk, as
+        lossless verification runs it)."""
         def run():
             h = step_calls[0].hidden
             with few_row_linears():  # what Tide's multi-position passes use; one position is unchanged
@@ -224,10 +225,11 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
     (0: its top-1). A draft step from layer E costs E + 1 layers, the head and a capture; a verification
     costs the whole stack, the head and a capture, plus what a pass over p positions costs more than a pass
     over one (`costs.verify_extra_at(p)`, measured here for 4 and 8 positions; speculative decoding assumes it
-    small, and on a CPU it can be a third of a step). A chain cycle emits the run of drafts that agree with the full model, plus
-    one; a tree cycle (k candidates for one position, run through the shallow layers together and verified
-    with the token before them in one pass: about a chain cycle of one draft) emits two tokens when the full
-    model's token is among the k, else one. An estimate: calibration then measures the best.
+    small, and on a CPU it can be a third of a step). A chain cycle emits the run of drafts that agree with
+    the full model, plus one; a tree cycle (k candidates for one position, run through the shallow layers
+    together and verified with the token before them in one pass: about a chain cycle of one draft) emits
+    two tokens when the full model's token is among the k, else one. An estimate: calibration then measures
+    the best.
     """
     base = num_layers + costs.head + costs.capture
 

@@ -127,7 +127,8 @@ class TreeDrafter(CandidateGenerator):
             self.usable = plain_dynamic_layers(cache)
         if not self.usable or chain.max_length - input_ids.shape[1] < 2:
             stats.decode_time_s += time.perf_counter() - start
-            stats.draft_topk = stats.draft_topk if self.usable else 1
+            if not self.usable:
+                stats.draft_topk = 1
             return chain.get_candidates(input_ids)  # a cache the tree cannot compact, or no room for a draft
         x = input_ids[:, -1:]
         with torch.no_grad():
