@@ -16,9 +16,10 @@ def _wrap(family="llama"):
     base = tiny_model(family)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
     torch.manual_seed(1)
-    with torch.no_grad():  # exit heads that are right only sometimes
+    with torch.no_grad():  # exit and draft heads that are right only sometimes
         for k in model.checkpoints:
-            for p in model.routers[k].translator.parameters():
+            heads = [model.routers[k].translator, model.routers[k].draft]
+            for p in (p for head in heads if head is not None for p in head.parameters()):
                 p.add_(torch.randn_like(p) * 0.3)
     return model, base
 
@@ -49,19 +50,20 @@ def test_greedy_is_token_identical(family, draft_layer, topk):
 
 
 class _RankedOracle:
-    """An exit head that ranks the base model's true next token `rank`-th (0 = top-1), knowing the reference."""
+    """A draft head that ranks the base model's true next token `rank`-th (0 = top-1), knowing the reference;
+    installed as `model.draft_logits`."""
 
     def __init__(self, reference: torch.Tensor, start: int, vocab: int, rank: int, step: int = 2):
         self.reference, self.position, self.vocab, self.rank, self.step = reference[0], start, vocab, rank, step
 
-    def __call__(self, layer, hidden):
+    def __call__(self, layer, hidden, context):
         true = int(self.reference[min(self.position, self.reference.shape[0] - 1)])
         logits = torch.zeros(hidden.shape[0], self.vocab)
         for r in range(self.rank):
             logits[:, (true + 1 + r) % self.vocab] = 3.0 + r
         logits[:, true] = 2.0
         self.position += self.step  # tokens each cycle emits: 2 when a candidate is accepted
-        return logits
+        return logits, hidden
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
@@ -69,7 +71,7 @@ def test_a_candidate_below_the_top_is_accepted(family):
     model, base = _wrap(family)
     ids = _ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=15)
-    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2)
+    model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2)
     out = model.generate(ids, do_sample=False, max_new_tokens=15, tide_config=_tree(1, 3))
     assert torch.equal(out, ref)
     stats = model.last_stats
@@ -80,7 +82,7 @@ def test_a_tree_too_narrow_for_the_true_token_accepts_nothing():
     model, base = _wrap()
     ids = _ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=8)
-    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2, step=1)
+    model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2, step=1)
     out = model.generate(ids, do_sample=False, max_new_tokens=8, tide_config=_tree(1, 2))
     assert torch.equal(out, ref) and model.last_stats.accepted == 0
 
@@ -91,7 +93,7 @@ def test_the_cache_holds_what_the_base_model_holds(topk):
     ids = _ids()
     kwargs = dict(do_sample=False, max_new_tokens=14, return_dict_in_generate=True)
     ref = base.generate(ids, **kwargs)
-    model.exit_logits = _RankedOracle(ref.sequences, ids.shape[1], base.config.vocab_size, rank=topk - 1)
+    model.draft_logits = _RankedOracle(ref.sequences, ids.shape[1], base.config.vocab_size, rank=topk - 1)
     out = model.generate(ids, tide_config=_tree(1, topk), **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
     for layer in range(model.parts.num_layers):
@@ -107,7 +109,7 @@ def test_max_new_tokens(new_tokens):
     model, base = _wrap()
     ids = _ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=new_tokens)
-    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
+    model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
     out = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, tide_config=_tree(1, 2))
     assert torch.equal(out, ref)
 
@@ -121,7 +123,7 @@ def test_eos_comes_from_the_token_before_it(at):
     for m in (base, model.base):
         m.generation_config.eos_token_id = eos
     ref = base.generate(ids, do_sample=False, max_new_tokens=12)
-    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
+    model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
     out = model.generate(ids, do_sample=False, max_new_tokens=12, tide_config=_tree(1, 2))
     assert torch.equal(out, ref) and int(out[0, -1]) == eos
 
@@ -133,7 +135,7 @@ def test_an_in_place_logits_processor_applies_once(token):
     ids = _ids()
     processors = LogitsProcessorList([BoostInPlace(token, 0.3)])
     ref = base.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=processors)
-    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
+    model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
     out = model.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=processors, tide_config=_tree(1, 2))
     assert torch.equal(out, ref)
 
@@ -144,7 +146,7 @@ def test_left_padding_mask():
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1)
     ref = base.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=10)
-    model.exit_logits = _RankedOracle(ref, padded.shape[1], base.config.vocab_size, rank=1)
+    model.draft_logits = _RankedOracle(ref, padded.shape[1], base.config.vocab_size, rank=1)
     out = model.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=10, tide_config=_tree(1, 2))
     assert torch.equal(out, ref) and model.last_stats.accepted > 0
 
@@ -153,7 +155,7 @@ def test_one_token_prompt():
     model, base = _wrap()
     ids = _ids(length=1)
     ref = base.generate(ids, do_sample=False, max_new_tokens=10)
-    model.exit_logits = _RankedOracle(ref, 1, base.config.vocab_size, rank=1)
+    model.draft_logits = _RankedOracle(ref, 1, base.config.vocab_size, rank=1)
     out = model.generate(ids, do_sample=False, max_new_tokens=10, tide_config=_tree(1, 2))
     assert torch.equal(out, ref) and model.last_stats.draft_topk == 2
 
@@ -217,7 +219,7 @@ def test_one_capture_serves_both_tree_passes(family, monkeypatch):
     model, base = _wrap(family)
     ids = _ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=9)
-    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
+    model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
     captures = []
     real = treedraft.capture_layer_calls
     monkeypatch.setattr(treedraft, "capture_layer_calls", lambda *a, **kw: captures.append(1) or real(*a, **kw))
@@ -269,7 +271,7 @@ def test_candidates_captured_when_their_calls_cannot_be_sliced(padded, monkeypat
         ids = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], 1)
         mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), mask], 1)
     ref = base.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=9)
-    model.exit_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2)
+    model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2)
     monkeypatch.setattr(treedraft, "without_first_position", lambda calls, q: None)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=9, tide_config=_tree(1, 3))
     assert torch.equal(out, ref) and model.last_stats.accepted == 4

@@ -2,8 +2,8 @@
 
     python examples/lossless_schemes/lossless_schemes.py --routers DIR [--model DIR] [--schemes 0:1:1,0:1:3]
 
-A scheme is `draft_layer:max_draft:draft_topk` (topk 1: a chain of up to max_draft drafts; k > 1: a tree of
-k candidates). Each repeat runs the base model and every scheme once, on one of the demo prompts in turn
+A scheme is `draft_layer:max_draft:draft_topk[:exit]` (topk 1: a chain of up to max_draft drafts; k > 1: a tree
+of k candidates; `:exit` drafts from the exit head even where the layer has a draft head). Each repeat runs the base model and every scheme once, on one of the demo prompts in turn
 (interleaved, so that the machine's drift hits them alike); the ratio is the median of the per-repeat ratios,
 with the interquartile range. `--pieces` also times the parts of one tree cycle after a 40-token context.
 Without `--model`, the shipped demo model; `--routers` is a router repo calibrated for that model
@@ -25,8 +25,30 @@ from tide.layercalls import capture_layer_calls
 from tide.treedraft import tree_mask_calls, without_first_position
 
 
-def parse_schemes(text: str) -> list[tuple[int, int, int]]:
-    return [tuple(int(v) for v in item.split(":")) for item in text.split(",")]
+def parse_schemes(text: str) -> list[tuple]:
+    """'0:1:3,0:1:3:exit' -> [(0, 1, 3, 'draft'), (0, 1, 3, 'exit')]."""
+    schemes = []
+    for item in text.split(","):
+        fields = item.split(":")
+        schemes.append((*(int(v) for v in fields[:3]), fields[3] if len(fields) > 3 else "draft"))
+    return schemes
+
+
+class exit_head_drafts:
+    """Within the block, the model drafts from its exit heads (its draft heads set aside)."""
+
+    def __init__(self, model, active: bool):
+        self.model, self.active, self.heads = model, active, {}
+
+    def __enter__(self):
+        if self.active:
+            self.heads = {k: self.model.routers[k].draft for k in self.model.checkpoints}
+            for k in self.heads:
+                self.model.routers[k].draft = None
+
+    def __exit__(self, *exc):
+        for k, head in self.heads.items():
+            self.model.routers[k].draft = head
 
 
 def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
@@ -38,9 +60,10 @@ def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
         if scheme is None:
             model.base.generate(ids, **kwargs)
         else:
-            layer, length, topk = scheme
-            model.generate(ids, tide_config={"mode": "lossless", "draft_layer": layer, "max_draft": length,
-                                             "draft_topk": topk}, **kwargs)
+            layer, length, topk, head = scheme
+            with exit_head_drafts(model, head == "exit"):
+                model.generate(ids, tide_config={"mode": "lossless", "draft_layer": layer, "max_draft": length,
+                                                 "draft_topk": topk}, **kwargs)
         return time.perf_counter() - start
 
     runs = [None, *schemes]
@@ -51,7 +74,7 @@ def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
         for scheme in runs:
             times[scheme].append(seconds(scheme, prompts[repeat % len(prompts)]))
     print(f"base: {statistics.median(times[None]) * 1000 / new_tokens:.2f} ms per token")
-    print("draft layer | max draft | topk | vs base [IQR] | accepted / drafted | layer passes per token")
+    print("draft layer | max draft | topk | drafts from | vs base [IQR] | accepted / drafted | layer passes per token")
     for scheme in schemes:
         ratios = sorted(b / t for b, t in zip(times[None], times[scheme]))
         accepted = drafted = passes = tokens = 0
@@ -61,7 +84,7 @@ def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
             accepted, drafted, passes, tokens = (accepted + s.accepted, drafted + s.drafted,
                                                  passes + s.layer_passes, tokens + s.decode_tokens)
         quart = len(ratios) // 4
-        print(f"{scheme[0]} | {scheme[1]} | {scheme[2]} | x{statistics.median(ratios):.3f} "
+        print(f"{scheme[0]} | {scheme[1]} | {scheme[2]} | {scheme[3]} head | x{statistics.median(ratios):.3f} "
               f"[{ratios[quart]:.2f}-{ratios[-1 - quart]:.2f}] | {accepted} / {drafted} | {passes / tokens:.2f}")
 
 
@@ -91,8 +114,8 @@ def pieces(model, layer: int, topk: int, repeats: int = 60) -> None:
         for i in range(layer + 1):
             state = calls[i].run(parts, i, state)
         mark(f"x: layers 0..{layer}")
-        candidates = model.exit_logits(layer, state[:, -1]).topk(topk, -1).indices
-        mark("exit head + top-k")
+        candidates = model.draft_logits(layer, state[:, -1], state[:, -1])[0].topk(topk, -1).indices
+        mark("draft head + top-k")
         deep = capture_layer_calls(parts, input_ids=torch.cat([ids[:, 40:], candidates], 1),
                                    past_key_values=LengthView(cache, 40), use_cache=True,
                                    position_ids=torch.tensor([[40] + [41] * topk]))

@@ -88,7 +88,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     num_layers = model.parts.num_layers
     results = {"machine": f"{device_name(base.device)}, torch {torch.__version__}",
                "model": base.config.name_or_path or type(base).__name__, "num_layers": num_layers,
-               "checkpoints": model.checkpoints, "exit_head": model.config.exit_head, "new_tokens": new_tokens,
+               "checkpoints": model.checkpoints, "exit_head": model.config.exit_head,
+               "draft_head": model.config.draft_head, "new_tokens": new_tokens,
                "repeats": repeats, "variants": {}}
     with torch.inference_mode():
         costs = measure_costs(model)

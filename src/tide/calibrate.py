@@ -38,7 +38,7 @@ class CalibrationOptions:
     heldout_fraction: float = 0.2
     buffer_size: int | None = None  # training tokens kept for minibatches (None: up to 32768 within ~1 GiB)
     minibatch: int = 256
-    head_steps: int = 200  # Adam steps of the exit heads (translators), spread over the training stream
+    head_steps: int = 200  # Adam steps of the exit and draft heads, spread over the training stream
     head_lr: float = 1e-3
     passes: int = 4  # router training sweeps over the buffered tokens, after the exit heads are trained
     lr: float = 1e-3  # router learning rate
@@ -172,6 +172,7 @@ def _apply_recipe(tide: TideForCausalLM, config: TideConfig) -> None:
         "router_hidden_size": (config.router_hidden_size, tide.config.router_hidden_size),
         "exit_head": (config.exit_head, tide.config.exit_head),
         "exit_head_rank": (config.exit_head_rank, tide.config.exit_head_rank),
+        "draft_head": (config.draft_head, tide.config.draft_head),
     }
     different = {k: v for k, v in layout.items() if v[0] != v[1]}
     if different:
@@ -206,6 +207,7 @@ class _Capture:
     states: dict[int, torch.Tensor]  # [N, H] raw output of each checkpoint layer (real tokens only)
     final: torch.Tensor  # [N, H] raw output of the last layer
     full_top1: torch.Tensor  # [N] the full model's top-1
+    context: torch.Tensor  # [N, H] the final normed state at the position before (zeros at a text's first token)
 
 
 @torch.no_grad()
@@ -214,18 +216,25 @@ def _capture(tide: TideForCausalLM, batch) -> _Capture:
     with capture_outputs(parts, tide.checkpoints + [last]) as states:
         logits = tide.base(**batch, use_cache=False).logits
     keep = batch["attention_mask"].bool()
-    return _Capture({k: states[k][keep] for k in tide.checkpoints}, states[last][keep], logits[keep].argmax(-1))
+    normed = parts.final_norm(states[last])
+    context = torch.cat([torch.zeros_like(normed[:, :1]), normed[:, :-1]], 1)
+    return _Capture({k: states[k][keep] for k in tide.checkpoints}, states[last][keep], logits[keep].argmax(-1),
+                    context[keep])
 
 
 def _labels(tide, k: int, states: torch.Tensor, final: torch.Tensor, full_top1: torch.Tensor, cfg: TideConfig):
-    """(agree, label, rank) [N]: the exit's top-1 equals the full model's, the training label, and where the full
-    model's top-1 ranks among the exit's logits (0: its top-1; capped at MAX_DRAFT_TOPK, for tree drafts)."""
-    logits = tide.exit_logits(k, states)
-    agree = logits.argmax(-1) == full_top1
-    rank = (logits > logits.gather(-1, full_top1[:, None])).sum(-1).clamp(max=MAX_DRAFT_TOPK).to(torch.uint8)
+    """(agree, label) [N]: the exit's top-1 equals the full model's, and the training label."""
+    agree = tide.exit_logits(k, states).argmax(-1) == full_top1
     if cfg.label == "top1":
-        return agree, agree, rank
-    return agree, F.cosine_similarity(states.float(), final.float(), dim=-1) > cfg.cosine_threshold, rank
+        return agree, agree
+    return agree, F.cosine_similarity(states.float(), final.float(), dim=-1) > cfg.cosine_threshold
+
+
+def _draft_ranks(tide, k: int, states: torch.Tensor, context: torch.Tensor, full_top1: torch.Tensor) -> torch.Tensor:
+    """[N] uint8: where the full model's top-1 ranks among a lossless draft's logits from checkpoint `k` (0: the
+    draft's top-1; capped at MAX_DRAFT_TOPK, for tree drafts)."""
+    logits = tide.draft_logits(k, states, context.to(states.dtype))[0]
+    return (logits > logits.gather(-1, full_top1[:, None])).sum(-1).clamp(max=MAX_DRAFT_TOPK).to(torch.uint8)
 
 
 @torch.no_grad()
@@ -234,9 +243,10 @@ def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig) -> dict:
     out = {"scores": {}, "agree": {}, "labels": {}, "ranks": {}}
     tests = tide.exit_tests({k: 1.0 for k in cap.states})  # the decode step's own checkpoint test
     for k, states in cap.states.items():
-        agree, label, rank = _labels(tide, k, states, cap.final, cap.full_top1, cfg)
+        agree, label = _labels(tide, k, states, cap.final, cap.full_top1, cfg)
         out["scores"][k] = tests[k](states)[0].cpu()
-        out["agree"][k], out["labels"][k], out["ranks"][k] = agree.cpu(), label.cpu(), rank.cpu()
+        out["agree"][k], out["labels"][k] = agree.cpu(), label.cpu()
+        out["ranks"][k] = _draft_ranks(tide, k, states, cap.context, cap.full_top1).cpu()
     return out
 
 
@@ -244,10 +254,10 @@ def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig) -> dict:
 class _Trainer:
     """Exit heads then routers, from a bounded ring buffer of training tokens.
 
-    While the training texts stream, each batch's states enter the buffer and the exit heads (translators)
-    take Adam steps minimising KL(full model || exit) on buffered tokens, `head_steps` in all. Then every
-    buffered token is labelled through the trained exits and the routers (on fp32 copies) sweep the buffer
-    `passes` times. Memory: the buffer, (checkpoints + 1) x buffer_size x H floats.
+    While the training texts stream, each batch's states enter the buffer and the exit heads (translators) and
+    draft heads take Adam steps minimising KL(full model || head) on buffered tokens, `head_steps` in all. Then
+    every buffered token is labelled through the trained exits and the routers (on fp32 copies) sweep the buffer
+    `passes` times. Memory: the buffer, (checkpoints + 2) x buffer_size x H floats.
     """
 
     def __init__(self, tide: TideForCausalLM, opts: CalibrationOptions, num_batches: int, procs: Processes | None = None):
@@ -255,7 +265,7 @@ class _Trainer:
         self.procs = procs or Processes()
         self.layers = list(tide.checkpoints)
         hidden = tide.config.base_hidden_size or self.parts.norm.weight.shape[-1]
-        size = opts.buffer_size or max(opts.minibatch, min(32768, (1 << 30) // (4 * hidden * (len(self.layers) + 1))))
+        size = opts.buffer_size or max(opts.minibatch, min(32768, (1 << 30) // (4 * hidden * (len(self.layers) + 2))))
         device = tide.base.device
         self.states = {k: torch.empty(size, hidden, device=device) for k in self.layers}
         self.final = torch.empty(size, hidden, device=device)
@@ -263,7 +273,10 @@ class _Trainer:
         self.size, self.filled, self.cursor, self.train_tokens = size, 0, 0, 0
         self.translators = {k: copy.deepcopy(tide.routers[k].translator).float() for k in self.layers
                             if tide.routers[k].translator is not None}
-        params = [p for t in self.translators.values() for p in t.parameters()]
+        self.drafts = {k: copy.deepcopy(tide.routers[k].draft).float() for k in self.layers
+                       if tide.routers[k].draft is not None}
+        self.context = torch.empty(size, hidden, device=device) if self.drafts else None
+        params = self._head_params()
         self.head_optim = torch.optim.Adam(params, lr=opts.head_lr) if params else None
         self.steps_per_batch = math.ceil(opts.head_steps / max(num_batches, 1))
         self.head_steps_left = opts.head_steps if params else 0
@@ -283,6 +296,8 @@ class _Trainer:
         for k in self.layers:
             self.states[k][idx] = cap.states[k][-n:].float()
         self.final[idx], self.top1[idx] = cap.final[-n:].float(), cap.full_top1[-n:]
+        if self.context is not None:
+            self.context[idx] = cap.context[-n:].float()
         self.cursor = (self.cursor + n) % self.size
         self.filled = min(self.filled + n, self.size)
         self.train_tokens += cap.final.shape[0]
@@ -302,12 +317,13 @@ class _Trainer:
         with torch.no_grad():
             teacher = F.log_softmax(self._logits(self.final[pick]), -1)  # [M, V]
         with torch.enable_grad():
+            states = [t(self.states[k][pick]) for k, t in self.translators.items()]
+            states += [d(self.states[k][pick], self.context[pick]) for k, d in self.drafts.items()]
             loss = sum(
-                F.kl_div(F.log_softmax(self._logits(t(self.states[k][pick])), -1), teacher, log_target=True,
-                         reduction="batchmean")
-                for k, t in self.translators.items()
-            ) / len(self.translators)
-            params = [p for t in self.translators.values() for p in t.parameters()]
+                F.kl_div(F.log_softmax(self._logits(state), -1), teacher, log_target=True, reduction="batchmean")
+                for state in states
+            ) / len(states)
+            params = self._head_params()
             grads = torch.autograd.grad(loss, params)  # the base model's own parameters get no .grad
         for p, g in zip(params, grads):
             p.grad = g
@@ -315,13 +331,17 @@ class _Trainer:
         self.head_optim.step()
         self.last_kl = float(loss.detach())
 
+    def _head_params(self) -> list:
+        return [p for head in [*self.translators.values(), *self.drafts.values()] for p in head.parameters()]
+
     def finish(self) -> None:
-        """Copy the trained exit heads into the model, then train the routers on labels through them."""
+        """Copy the trained exit and draft heads into the model, then train the routers on labels through the exits."""
         with torch.no_grad():
-            for k, trained in self.translators.items():
-                target = self.tide.routers[k].translator
-                for dst, src in zip(target.parameters(), trained.parameters()):
-                    dst.copy_(src.to(dst.dtype))
+            for heads, name in ((self.translators, "translator"), (self.drafts, "draft")):
+                for k, trained in heads.items():
+                    target = getattr(self.tide.routers[k], name)
+                    for dst, src in zip(target.parameters(), trained.parameters()):
+                        dst.copy_(src.to(dst.dtype))
         for k in self.layers:
             self._train_router(k)
 
@@ -337,7 +357,7 @@ class _Trainer:
                 labels.append(_labels(tide, k, states[chunk], final[chunk], top1[chunk], tide.config)[1].float())
             normed, labels = torch.cat(normed), torch.cat(labels)
         trained = copy.deepcopy(router).float()
-        trained.translator = None
+        trained.translator = trained.draft = None
         optim = torch.optim.Adam(trained.parameters(), lr=self.opts.lr)
         steps = self.procs.max_int(self.opts.passes * math.ceil(n / self.opts.minibatch))
         with torch.enable_grad():

@@ -18,10 +18,11 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-__all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "draft_scheme_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS"]
+__all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "draft_scheme_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
 
 LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
+DRAFT_HEADS = ("context", "exit")
 KV_STRATEGIES = ("propagate", "recompute")
 MODES = ("exit", "lossless")
 
@@ -192,7 +193,13 @@ class TideConfig(PreTrainedConfig):
             final norm and head; `"lens"`: the final norm and head applied to the raw state.
         exit_head_rank (`int`, *optional*):
             With `exit_head="tuned"`, a low-rank map `h + U(V h) + b` of this rank instead of a full `H x H`
-            matrix (for wide models: rank 64 on a 4096-wide model costs ~3% of the full map).
+            matrix (for wide models: rank 64 on a 4096-wide model costs ~3% of the full map). Draft heads take
+            the same rank.
+        draft_head (`str`, *optional*, defaults to `"context"`):
+            What lossless mode drafts from. `"context"`: at each checkpoint in the first half of the stack, a
+            learned draft head that reads the token's state there and the full model's final normed state at
+            the position before it (`router.DraftHead`, trained in calibration); `"exit"`: the checkpoint's
+            exit head alone.
         label (`str`, *optional*, defaults to `"top1"`):
             Calibration label: `"top1"` (the checkpoint's exit, through its exit head and the model's own final
             norm and head, has the full model's top-1) or `"cosine"` (cosine(h_checkpoint, h_final) >
@@ -229,6 +236,7 @@ class TideConfig(PreTrainedConfig):
     router_hidden_size: int = 128
     exit_head: str = "tuned"
     exit_head_rank: int | None = None
+    draft_head: str = "context"
     label: str = "top1"
     cosine_threshold: float = 0.98
     target_agreement: float = 0.99
@@ -279,6 +287,7 @@ class TideConfig(PreTrainedConfig):
         num_layers = num_layers or self.base_num_layers
         _check_choice("label", self.label, LABEL_RULES)
         _check_choice("exit_head", self.exit_head, EXIT_HEADS)
+        _check_choice("draft_head", self.draft_head, DRAFT_HEADS)
         if self.exit_head_rank is not None:
             _check_int("exit_head_rank", self.exit_head_rank, minimum=1)
         _check_int("checkpoint_interval", self.checkpoint_interval, minimum=1)
@@ -322,6 +331,14 @@ class TideConfig(PreTrainedConfig):
             )
 
     # ------------------------------------------------------------------ derived values
+    def draft_head_layers(self, num_layers: int | None = None) -> list[int]:
+        """The checkpoints that get a context draft head: those in the first half of the stack (drafting from
+        deeper layers cannot pay for its verification), none with `draft_head="exit"`."""
+        num_layers = num_layers or self.base_num_layers
+        if self.draft_head != "context":
+            return []
+        return [k for k in self.resolve_checkpoints(num_layers) if k < num_layers // 2]
+
     def resolve_checkpoints(self, num_layers: int | None = None) -> list[int]:
         """The checkpoint layer indices, explicit or from the interval."""
         if self.checkpoint_layers is not None:

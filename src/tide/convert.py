@@ -51,6 +51,7 @@ def convert_tide_routers(path, base_model, config: TideConfig | None = None):
     config.checkpoint_layers = checkpoints
     config.router_hidden_size = int(bottleneck)
     config.exit_head = "lens"  # TIDE reads exits through the final norm and head alone
+    config.draft_head = "exit"  # and has no draft heads
     # TIDE's default operating point: threshold 0.85, routers consulted at layer indices >= 8 (Tide consults k
     # when k + 1 >= min_layers).
     config.set_generation_defaults(exit_threshold=0.85, min_layers=min(8 + 1, checkpoints[-1] + 1))

@@ -188,6 +188,8 @@ def read_config(config_file) -> TideConfig:
     config = TideConfig.from_pretrained(config_file)
     if "exit_head" not in data:
         config.exit_head = "lens"  # written before exit heads existed: its routers read the raw states
+    if "draft_head" not in data:
+        config.draft_head = "exit"  # written before draft heads existed: lossless drafts come from the exit heads
     return config
 
 
@@ -256,6 +258,9 @@ def model_card(config: TideConfig) -> str:
         f"- Exit head: `{config.exit_head}`" + (f" (rank {config.exit_head_rank})" if config.exit_head_rank else "")
         + (" (a learned affine map per checkpoint before the model's own final norm and head)" if config.exit_head == "tuned" else
            " (the model's own final norm and head on the raw state)"),
+        f"- Draft head: `{config.draft_head}`" + (f" (layers {config.draft_head_layers()}: the token's state there and the "
+                                                  "full model's state at the position before it)" if config.draft_head == "context" else
+                                                  " (lossless drafts from the exit heads)"),
         f"- Quality target: top-1 agreement >= {config.target_agreement} with confidence {config.confidence}",
     ]
     if cal:

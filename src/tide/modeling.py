@@ -49,6 +49,7 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
             bottleneck=config.router_hidden_size,
             exit_head=config.exit_head,
             rank=config.exit_head_rank,
+            draft_layers=config.draft_head_layers(self.parts.num_layers),
         )
         self.generation_config = base_model.generation_config
         self.last_stats = None
@@ -143,6 +144,21 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         """Logits of a token leaving after checkpoint `layer`: head(final_norm(exit head(hidden))). [..., H] -> [..., V]."""
         state = self.routers[layer].exit_state(hidden)
         return self.parts.logits_from_normed(self.parts.final_norm(state))
+
+    def draft_logits(self, layer: int, hidden: torch.Tensor, context: torch.Tensor | None):
+        """Lossless drafts from checkpoint `layer`: (logits [..., V], the draft's normed state [..., H]).
+
+        hidden: the token's layer output [..., H]; context: the full model's final normed state at the position
+        before it ([..., H]; None where there is none, read as zeros). The checkpoint's draft head where it has
+        one, else its exit head (which ignores the context). The normed state stands in for the context of the
+        next draft in a chain, whose real one is not computed yet."""
+        router = self.routers[layer]
+        if router.draft is None:
+            state = router.exit_state(hidden)
+        else:
+            state = router.draft(hidden, torch.zeros_like(hidden) if context is None else context)
+        normed = self.parts.final_norm(state)
+        return self.parts.logits_from_normed(normed), normed
 
     # ------------------------------------------------------------------ the base model's API
     def __getattr__(self, name: str):

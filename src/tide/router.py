@@ -16,7 +16,7 @@ from torch import nn
 
 from .thresholds import exit_decision
 
-__all__ = ["CheckpointTest", "Router", "RouterBank", "Translator"]
+__all__ = ["CheckpointTest", "DraftHead", "Router", "RouterBank", "Translator"]
 
 
 class Translator(nn.Module):
@@ -39,15 +39,43 @@ class Translator(nn.Module):
         return hidden + nn.functional.linear(nn.functional.linear(hidden, self.down), self.up, self.bias)
 
 
-class Router(nn.Module):
-    """hidden -> r -> 1 with SiLU, returning a logit per token; optionally with the checkpoint's exit head."""
+class DraftHead(nn.Module):
+    """Lossless drafts with context: (h, c) -> A h + B c + b, a state for the model's final norm and head.
 
-    def __init__(self, hidden_size: int, bottleneck: int, translator: Translator | None = None):
+    h is the token's layer-E state; c is the full model's final normed state at the position before it (what
+    verification computed there), so the draft reads the whole stack's view of the context as well as the
+    shallow view of the token. A starts as the identity and B at zero; with `rank`, A = I + U_h V_h and
+    B = U_c V_c. Trained in calibration like the exit heads.
+    """
+
+    def __init__(self, hidden_size: int, rank: int | None = None):
+        super().__init__()
+        self.own = Translator(hidden_size, rank)  # A h + b
+        if rank is None:
+            self.context = nn.Parameter(torch.zeros(hidden_size, hidden_size))  # B
+        else:
+            self.context_down = nn.Parameter(torch.randn(rank, hidden_size) / hidden_size**0.5)  # V_c
+            self.context_up = nn.Parameter(torch.zeros(hidden_size, rank))  # U_c
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        # hidden, context: [..., H] -> [..., H]
+        if self.own.rank is None:
+            return self.own(hidden) + nn.functional.linear(context, self.context)
+        return self.own(hidden) + nn.functional.linear(nn.functional.linear(context, self.context_down), self.context_up)
+
+
+class Router(nn.Module):
+    """hidden -> r -> 1 with SiLU, returning a logit per token; optionally with the checkpoint's exit head and
+    its lossless draft head."""
+
+    def __init__(self, hidden_size: int, bottleneck: int, translator: Translator | None = None,
+                 draft: DraftHead | None = None):
         super().__init__()
         self.down = nn.Linear(hidden_size, bottleneck)
         self.act = nn.SiLU()
         self.up = nn.Linear(bottleneck, 1)
         self.translator = translator
+        self.draft = draft
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
         # normed: [..., H] -> logits [...]
@@ -62,12 +90,13 @@ class RouterBank(nn.Module):
     """The routers of one model, keyed by checkpoint layer index."""
 
     def __init__(self, hidden_size: int, checkpoints: list[int], bottleneck: int, exit_head: str = "lens",
-                 rank: int | None = None):
+                 rank: int | None = None, draft_layers: list[int] = ()):
         super().__init__()
         self.checkpoints = list(checkpoints)
 
-        def make(_k):
-            return Router(hidden_size, bottleneck, Translator(hidden_size, rank) if exit_head == "tuned" else None)
+        def make(k):
+            return Router(hidden_size, bottleneck, Translator(hidden_size, rank) if exit_head == "tuned" else None,
+                          DraftHead(hidden_size, rank) if k in draft_layers else None)
 
         self.routers = nn.ModuleDict({str(k): make(k) for k in checkpoints})
 

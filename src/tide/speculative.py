@@ -7,7 +7,9 @@ drafted positions at once (their layer-E states were kept), which makes the cach
 the full model's logits for every position. Acceptance (longest greedy prefix, or the speculative-sampling
 rule), cache cropping, logits processors, stopping on EOS/length and streaming of accepted tokens are
 transformers' own `_assisted_decoding`. Batch size 1. No router or threshold is involved: a wrong draft
-costs time, never output. With `draft_topk` > 1 (greedy), `treedraft.TreeDrafter` drafts a one-level tree of
+costs time, never output. Drafts read the full model's final normed state at the position before the drafted
+token (the "context") when the draft layer has a draft head (`TideForCausalLM.draft_logits`); verification
+computes that state for every position it checks, and the accepted count picks the next draft's. With `draft_topk` > 1 (greedy), `treedraft.TreeDrafter` drafts a one-level tree of
 candidates instead of a chain and hands this session's `forward` logits it has already verified.
 """
 
@@ -22,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ._hf_compat import LengthView, crop_layer, layer_length, unrecoverable_sliding_layers
 from .dispatch import base_forward
 from .fewrows import few_row_linears
-from .layercalls import capture_layer_calls
+from .layercalls import capture_layer_calls, capture_outputs
 from .stats import GenerationStats
 from .treedraft import TreeDrafter, grown_mask, new_positions
 
@@ -55,6 +57,8 @@ class LosslessSession:
         self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact")
         self.pending_ids = None  # [1, P] tokens through the shallow layers only
         self.pending_states = None  # [1, P, H] their layer-E outputs
+        self.context = None  # [1, H] the full model's final normed state before the next drafted token
+        self.verified_contexts = None  # [1, P + 1, H] the same for each position the last verification checked
         self.original_forward = base_forward(model.base)
 
     @property
@@ -83,6 +87,12 @@ class LosslessSession:
             self.pending_ids = torch.cat([self.pending_ids, token], 1)
             self.pending_states = torch.cat([self.pending_states, hidden], 1)
         return hidden
+
+    def accept(self, num_matches: int) -> None:
+        """After verification accepted `num_matches` drafts: the next draft's context is the state at that position."""
+        if self.verified_contexts is not None:
+            self.context = self.verified_contexts[:, int(num_matches)]
+            self.verified_contexts = None
 
     def drop_last(self, cache) -> None:
         """Forget the newest drafted position (its shallow K/V and state)."""
@@ -117,7 +127,9 @@ class LosslessSession:
         with few_row_linears():  # P + 1 positions: on CPU, a layout that reads each weight once for all of them
             for i in range(self.draft_layer + 1, self.parts.num_layers):
                 states = calls[i].run(self.parts, i, states)
-            logits = self.parts.logits_from_normed(self.parts.final_norm(states))
+            normed = self.parts.final_norm(states)
+            logits = self.parts.logits_from_normed(normed)
+        self.verified_contexts = normed
         self.stats.layer_passes += self.parts.num_layers - self.draft_layer - 1
         self.pending_ids = self.pending_states = None
         self.stats.verify_passes += 1
@@ -145,11 +157,11 @@ class _TideDrafter(CandidateGenerator):
         self._prefill(input_ids)
         budget = min(session.cap, self.max_length - input_ids.shape[1] - 1)
         tokens, draft_logits = input_ids, []
-        token = input_ids[:, -1:]
+        token, context = input_ids[:, -1:], session.context
         with torch.no_grad():
             while len(draft_logits) < budget:
                 state = session.shallow_step(token, self.cache, self._mask(tokens))
-                logits = session.model.exit_logits(session.draft_layer, state[:, -1])
+                logits, context = session.model.draft_logits(session.draft_layer, state[:, -1], context)
                 scores = self.logits_processor(tokens, logits.float())
                 token = self._choose(scores)
                 if self._stops(torch.cat([tokens, token], 1), scores):
@@ -168,6 +180,7 @@ class _TideDrafter(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids, scores, num_matches: int):
         stats, session = self.session.stats, self.session
+        session.accept(num_matches)
         stats.accepted += min(int(num_matches), self.drafted)
         stats.decode_tokens += int(num_matches) + 1
         if self.drafted and num_matches >= self.drafted:
@@ -182,9 +195,11 @@ class _TideDrafter(CandidateGenerator):
         if have == 0:
             check_rollback(self.cache)
         if have < input_ids.shape[1] - 1:
-            with torch.no_grad():
+            parts = self.session.parts
+            with torch.no_grad(), capture_outputs(parts, [parts.num_layers - 1]) as last:
                 self.session.original_forward(input_ids=input_ids[:, have:-1], past_key_values=self.cache,
                                               attention_mask=self._mask(input_ids[:, :-1]), use_cache=True)
+                self.session.context = parts.final_norm(last[parts.num_layers - 1][:, -1])
             check_rollback(self.cache)
             self.session.stats.prefill_tokens += input_ids.shape[1] - 1 - have
 

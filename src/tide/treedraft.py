@@ -133,7 +133,8 @@ class TreeDrafter(CandidateGenerator):
         x = input_ids[:, -1:]
         with torch.no_grad():
             state = session.shallow_step(x, cache, chain._mask(input_ids))
-            draft_scores = chain.logits_processor(input_ids, session.model.exit_logits(session.draft_layer, state[:, -1]).float())
+            logits, _ = session.model.draft_logits(session.draft_layer, state[:, -1], session.context)
+            draft_scores = chain.logits_processor(input_ids, logits.float())
             candidates = draft_scores.topk(self.k, dim=-1).indices  # [1, k]
             logits = self._verify(candidates, cache, chain._mask(input_ids))
         chain.drafted = 1
@@ -150,12 +151,10 @@ class TreeDrafter(CandidateGenerator):
         keep = int(hits[0]) if len(hits) and not stops else None  # a stopping token comes from x's logits
         for layer in range(session.parts.num_layers):
             keep_one_of_tail(cache, layer, self.k, keep)
-        if keep is None:
-            session.verified = (x, logits[:, :1])
-            out = input_ids
-        else:
-            session.verified = (torch.cat([x, target], 1), logits[:, [0, 1 + keep]])
-            out = torch.cat([input_ids, target], 1)
+        rows = [0] if keep is None else [0, 1 + keep]
+        session.verified_contexts = session.verified_contexts[:, rows]
+        session.verified = (torch.cat([x, target], 1)[:, : len(rows)], logits[:, rows])
+        out = input_ids if keep is None else torch.cat([input_ids, target], 1)
         stats.decode_time_s += time.perf_counter() - start
         return out, None
 
@@ -187,7 +186,8 @@ class TreeDrafter(CandidateGenerator):
             states = torch.cat([x_state, states], 1)
             for i in range(session.draft_layer + 1, parts.num_layers):
                 states = deep[i].run(parts, i, states)
-            logits = parts.logits_from_normed(parts.final_norm(states))
+            session.verified_contexts = parts.final_norm(states)
+            logits = parts.logits_from_normed(session.verified_contexts)
         session.pending_ids = session.pending_states = None
         session.stats.layer_passes += parts.num_layers  # the candidates' shallow layers and everything's deep ones
         session.stats.verify_passes += 1
