@@ -41,6 +41,18 @@ def test_heads_sit_on_the_first_half_of_the_stack():
 def test_bad_draft_head_is_refused():
     with pytest.raises(ValueError, match="draft_head"):
         tide.TideConfig(draft_head="medusa")
+    with pytest.raises(ValueError, match="draft_head_mlp"):
+        tide.TideConfig(draft_head_mlp=-1)
+
+
+@pytest.mark.parametrize("mlp", [0, 16])
+def test_the_two_layer_term_has_the_configured_width(mlp):
+    model = _model(draft_head_mlp=mlp)
+    head = model.routers[0].draft
+    assert (head.mlp_in is None) if mlp == 0 else (head.mlp_in.out_features == mlp and head.mlp_out.shape[1] == mlp)
+    hidden, context = torch.randn(2, model.config.base_hidden_size), torch.randn(2, model.config.base_hidden_size)
+    linear = head.own(hidden) + context @ head.context.t()
+    assert torch.allclose(head(hidden, context), linear) == (mlp == 0)  # the perturbed term adds to the affine part
 
 
 @pytest.mark.parametrize("rank", [None, 4])

@@ -52,7 +52,8 @@ def test_router_file_is_safetensors_with_metadata(tmp_path):
     with safe_open(tmp_path / "routers.safetensors", "pt") as f:
         assert f.metadata()["checkpoints"] == "1,3"
         params = ("down.weight", "down.bias", "up.weight", "up.bias", "translator.weight", "translator.bias")
-        drafts = ("draft.own.weight", "draft.own.bias", "draft.context")  # draft heads: the first half of the stack
+        drafts = ("draft.own.weight", "draft.own.bias", "draft.context", "draft.mlp_in.weight", "draft.mlp_in.bias",
+                  "draft.mlp_out")  # draft heads: the first half of the stack
         expected = [f"{k}.{p}" for k in (1, 3) for p in params] + [f"1.{p}" for p in drafts]
         assert sorted(f.keys()) == sorted(expected)
     card = (tmp_path / "README.md").read_text()

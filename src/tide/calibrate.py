@@ -173,6 +173,7 @@ def _apply_recipe(tide: TideForCausalLM, config: TideConfig) -> None:
         "exit_head": (config.exit_head, tide.config.exit_head),
         "exit_head_rank": (config.exit_head_rank, tide.config.exit_head_rank),
         "draft_head": (config.draft_head, tide.config.draft_head),
+        "draft_head_mlp": (config.draft_head_mlp, tide.config.draft_head_mlp),
     }
     different = {k: v for k, v in layout.items() if v[0] != v[1]}
     if different:

@@ -200,6 +200,8 @@ class TideConfig(PreTrainedConfig):
             learned draft head that reads the token's state there and the full model's final normed state at
             the position before it (`router.DraftHead`, trained in calibration); `"exit"`: the checkpoint's
             exit head alone.
+        draft_head_mlp (`int`, *optional*, defaults to 256):
+            Width of the draft heads' two-layer term on the token's state and the context (0: affine heads).
         label (`str`, *optional*, defaults to `"top1"`):
             Calibration label: `"top1"` (the checkpoint's exit, through its exit head and the model's own final
             norm and head, has the full model's top-1) or `"cosine"` (cosine(h_checkpoint, h_final) >
@@ -237,6 +239,7 @@ class TideConfig(PreTrainedConfig):
     exit_head: str = "tuned"
     exit_head_rank: int | None = None
     draft_head: str = "context"
+    draft_head_mlp: int = 256
     label: str = "top1"
     cosine_threshold: float = 0.98
     target_agreement: float = 0.99
@@ -288,6 +291,7 @@ class TideConfig(PreTrainedConfig):
         _check_choice("label", self.label, LABEL_RULES)
         _check_choice("exit_head", self.exit_head, EXIT_HEADS)
         _check_choice("draft_head", self.draft_head, DRAFT_HEADS)
+        _check_int("draft_head_mlp", self.draft_head_mlp, minimum=0)
         if self.exit_head_rank is not None:
             _check_int("exit_head_rank", self.exit_head_rank, minimum=1)
         _check_int("checkpoint_interval", self.checkpoint_interval, minimum=1)

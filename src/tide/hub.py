@@ -190,6 +190,8 @@ def read_config(config_file) -> TideConfig:
         config.exit_head = "lens"  # written before exit heads existed: its routers read the raw states
     if "draft_head" not in data:
         config.draft_head = "exit"  # written before draft heads existed: lossless drafts come from the exit heads
+    if "draft_head_mlp" not in data:
+        config.draft_head_mlp = 0  # written before draft heads had their two-layer term
     return config
 
 
@@ -258,9 +260,7 @@ def model_card(config: TideConfig) -> str:
         f"- Exit head: `{config.exit_head}`" + (f" (rank {config.exit_head_rank})" if config.exit_head_rank else "")
         + (" (a learned affine map per checkpoint before the model's own final norm and head)" if config.exit_head == "tuned" else
            " (the model's own final norm and head on the raw state)"),
-        f"- Draft head: `{config.draft_head}`" + (f" (layers {config.draft_head_layers()}: the token's state there and the "
-                                                  "full model's state at the position before it)" if config.draft_head == "context" else
-                                                  " (lossless drafts from the exit heads)"),
+        f"- Draft head: `{config.draft_head}`{_draft_head_text(config)}",
         f"- Quality target: top-1 agreement >= {config.target_agreement} with confidence {config.confidence}",
     ]
     if cal:
@@ -314,6 +314,14 @@ def model_card(config: TideConfig) -> str:
     data = ModelCardData(library_name="tide-transformers", base_model=config.base_model_name_or_path or None,
                          tags=["tide", "early-exit"])
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n" + "\n".join(lines)))
+
+
+def _draft_head_text(config: TideConfig) -> str:
+    if config.draft_head != "context":
+        return " (lossless drafts from the exit heads)"
+    term = f" plus a two-layer term of width {config.draft_head_mlp}" if config.draft_head_mlp else ""
+    return (f" (layers {config.draft_head_layers()}: affine in the token's state there and the full model's state at "
+            f"the position before it{term})")
 
 
 def _fmt(value) -> str:

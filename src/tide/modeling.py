@@ -50,6 +50,7 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
             exit_head=config.exit_head,
             rank=config.exit_head_rank,
             draft_layers=config.draft_head_layers(self.parts.num_layers),
+            draft_mlp=config.draft_head_mlp,
         )
         self.generation_config = base_model.generation_config
         self.last_stats = None

@@ -40,15 +40,16 @@ class Translator(nn.Module):
 
 
 class DraftHead(nn.Module):
-    """Lossless drafts with context: (h, c) -> A h + B c + b, a state for the model's final norm and head.
+    """Lossless drafts with context: (h, c) -> A h + B c + b + W_2 silu(W_1 [h; c]), a state for the model's
+    final norm and head.
 
     h is the token's layer-E state; c is the full model's final normed state at the position before it (what
     verification computed there), so the draft reads the whole stack's view of the context as well as the
-    shallow view of the token. A starts as the identity and B at zero; with `rank`, A = I + U_h V_h and
-    B = U_c V_c. Trained in calibration like the exit heads.
+    shallow view of the token. A starts as the identity, B and W_2 at zero; with `rank`, A = I + U_h V_h and
+    B = U_c V_c; `mlp` is the width of the two-layer term (0: none). Trained in calibration like the exit heads.
     """
 
-    def __init__(self, hidden_size: int, rank: int | None = None):
+    def __init__(self, hidden_size: int, rank: int | None = None, mlp: int = 0):
         super().__init__()
         self.own = Translator(hidden_size, rank)  # A h + b
         if rank is None:
@@ -56,12 +57,20 @@ class DraftHead(nn.Module):
         else:
             self.context_down = nn.Parameter(torch.randn(rank, hidden_size) / hidden_size**0.5)  # V_c
             self.context_up = nn.Parameter(torch.zeros(hidden_size, rank))  # U_c
+        self.mlp_in = nn.Linear(2 * hidden_size, mlp) if mlp else None  # W_1 (with a bias)
+        self.mlp_out = nn.Parameter(torch.zeros(hidden_size, mlp)) if mlp else None  # W_2
 
     def forward(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         # hidden, context: [..., H] -> [..., H]
         if self.own.rank is None:
-            return self.own(hidden) + nn.functional.linear(context, self.context)
-        return self.own(hidden) + nn.functional.linear(nn.functional.linear(context, self.context_down), self.context_up)
+            state = self.own(hidden) + nn.functional.linear(context, self.context)
+        else:
+            state = self.own(hidden) + nn.functional.linear(nn.functional.linear(context, self.context_down),
+                                                            self.context_up)
+        if self.mlp_in is not None:
+            inner = nn.functional.silu(self.mlp_in(torch.cat([hidden, context], -1)))
+            state = state + nn.functional.linear(inner, self.mlp_out)
+        return state
 
 
 class Router(nn.Module):
@@ -90,13 +99,13 @@ class RouterBank(nn.Module):
     """The routers of one model, keyed by checkpoint layer index."""
 
     def __init__(self, hidden_size: int, checkpoints: list[int], bottleneck: int, exit_head: str = "lens",
-                 rank: int | None = None, draft_layers: list[int] = ()):
+                 rank: int | None = None, draft_layers: list[int] = (), draft_mlp: int = 0):
         super().__init__()
         self.checkpoints = list(checkpoints)
 
         def make(k):
             return Router(hidden_size, bottleneck, Translator(hidden_size, rank) if exit_head == "tuned" else None,
-                          DraftHead(hidden_size, rank) if k in draft_layers else None)
+                          DraftHead(hidden_size, rank, draft_mlp) if k in draft_layers else None)
 
         self.routers = nn.ModuleDict({str(k): make(k) for k in checkpoints})
 
