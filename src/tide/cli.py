@@ -150,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--mode", choices=["exit", "lossless"], default="exit")
     p.add_argument("--threshold", type=float, help="exit mode: override the calibrated thresholds")
-    p.add_argument("--draft-layer", type=int, help="lossless mode: the checkpoint whose exit head drafts")
+    p.add_argument("--draft-layer", type=int, help="lossless mode: the checkpoint whose draft head (or exit head) drafts")
     p.add_argument("--max-draft", type=int, help="lossless mode: most drafts per verification (0: no drafting)")
-    p.add_argument("--draft-topk", type=int, help="lossless mode, greedy: verify the exit head's k best tokens together "
+    p.add_argument("--draft-topk", type=int, help="lossless mode, greedy: verify the draft head's k best tokens together "
                                                   "(a one-level draft tree; 1: chain drafts)")
     p.add_argument("--kv-strategy", choices=["propagate", "recompute"])
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -50,17 +50,17 @@ class TideGenerationConfig:
         kv_strategy (`str`, *optional*, defaults to `"propagate"`):
             How skipped layers get K/V for an exited token: `"propagate"` or `"recompute"`.
         mode (`str`, *optional*, defaults to `"exit"`):
-            `"exit"` (early exit) or `"lossless"` (self-speculative decoding: drafts from the exit head at
-            `draft_layer`, verified by the full model; output identical to the base model's).
+            `"exit"` (early exit) or `"lossless"` (self-speculative decoding: drafts from the draft or exit
+            head at `draft_layer`, verified by the full model; output identical to the base model's).
         prefill_exit (`bool`, *optional*, defaults to `False`):
             Let prompt tokens exit early too (with propagated K/V).
         max_draft (`int`, *optional*, defaults to 8):
             Lossless mode: most draft tokens per verification; 0 runs the base model's own `generate`.
         draft_layer (`int`, *optional*):
-            Lossless mode: the checkpoint whose exit head drafts tokens. If unset, the first checkpoint at or
+            Lossless mode: the checkpoint whose draft head (or exit head) drafts tokens. If unset, the first checkpoint at or
             after a quarter of the stack.
         draft_topk (`int`, *optional*, defaults to 1):
-            Lossless mode, greedy decoding: 1 drafts a chain of up to `max_draft` tokens. k > 1 drafts the exit
+            Lossless mode, greedy decoding: 1 drafts a chain of up to `max_draft` tokens. k > 1 drafts the draft
             head's k best tokens for the next position instead, verified together in one pass (a one-level
             draft tree): one of them is accepted when the full model agrees with it. Sampling always drafts a
             chain; models whose attention cannot take a tree mask (sliding windows, alibi) fall back to a
