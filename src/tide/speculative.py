@@ -9,8 +9,9 @@ rule), cache cropping, logits processors, stopping on EOS/length and streaming o
 transformers' own `_assisted_decoding`. Batch size 1. No router or threshold is involved: a wrong draft
 costs time, never output. Drafts read the full model's final normed state at the position before the drafted
 token (the "context") when the draft layer has a draft head (`TideForCausalLM.draft_logits`); verification
-computes that state for every position it checks, and the accepted count picks the next draft's. With `draft_topk` > 1 (greedy), `treedraft.TreeDrafter` drafts a one-level tree of
-candidates instead of a chain and hands this session's `forward` logits it has already verified.
+computes that state for every position it checks, and the accepted count picks the next draft's. With
+`draft_topk` > 1 (greedy), `treedraft.TreeDrafter` drafts a one-level tree of candidates instead of a chain
+and hands this session's `forward` logits it has already verified.
 """
 
 from __future__ import annotations
