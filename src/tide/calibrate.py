@@ -410,12 +410,15 @@ def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
     """Time the best-estimated drafting schemes against the base model here; choose the fastest, or none
     (lossless mode then decodes plainly) when none is faster than the base model."""
     device = tide.base.device
-    prompts = [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:2]]
+    # Four prompts, 32 tokens, five alternating repeats: with two prompts of 24 tokens and three repeats, one
+    # tree scheme on the shipped model timed x0.95-1.13 across runs (docs/benchmarks.md).
+    prompts = [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:4]]
     trials = []
     for scheme in candidates:
         try:
             ratio = measured_speedup(tide, prompts, {"mode": "lossless", "draft_layer": scheme.draft_layer,
-                                                     "max_draft": scheme.max_draft, "draft_topk": scheme.draft_topk})
+                                                     "max_draft": scheme.max_draft, "draft_topk": scheme.draft_topk},
+                                     new_tokens=32, repeats=5)
         except ValueError as err:  # lossless mode unavailable for this model (e.g. sliding-window caches)
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
         trials.append({**scheme._asdict(), "measured": ratio})
