@@ -32,3 +32,6 @@ if procs.is_main:
                    "heldout_tokens": cal["heldout_tokens"], "train_tokens": cal["train_tokens"],
                    "expected_agreement": cal["expected_agreement"], "same_weights_on_every_process": identical,
                    "decode_validation": cal["decode_validation"]}, f)
+if torch.distributed.is_initialized():  # leave together: a process that exits while another is still in a
+    torch.distributed.barrier()  # collective can abort ("terminate called without an active exception")
+    torch.distributed.destroy_process_group()
