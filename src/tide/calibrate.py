@@ -208,7 +208,8 @@ class _Capture:
     states: dict[int, torch.Tensor]  # [N, H] raw output of each checkpoint layer (real tokens only)
     final: torch.Tensor  # [N, H] raw output of the last layer
     full_top1: torch.Tensor  # [N] the full model's top-1
-    context: torch.Tensor  # [N, H] the final normed state at the position before (zeros at a text's first token)
+    context: torch.Tensor | None  # [N, H] the final normed state at the position before (zeros at a text's first
+    # token); None when the model has no draft heads
 
 
 @torch.no_grad()
@@ -217,24 +218,26 @@ def _capture(tide: TideForCausalLM, batch) -> _Capture:
     with capture_outputs(parts, tide.checkpoints + [last]) as states:
         logits = tide.base(**batch, use_cache=False).logits
     keep = batch["attention_mask"].bool()
-    normed = parts.final_norm(states[last])
-    context = torch.cat([torch.zeros_like(normed[:, :1]), normed[:, :-1]], 1)
+    context = None
+    if any(tide.routers[k].draft is not None for k in tide.checkpoints):
+        normed = parts.final_norm(states[last])
+        context = torch.cat([torch.zeros_like(normed[:, :1]), normed[:, :-1]], 1)[keep]
     return _Capture({k: states[k][keep] for k in tide.checkpoints}, states[last][keep], logits[keep].argmax(-1),
-                    context[keep])
+                    context)
 
 
-def _labels(tide, k: int, states: torch.Tensor, final: torch.Tensor, full_top1: torch.Tensor, cfg: TideConfig):
-    """(agree, label) [N]: the exit's top-1 equals the full model's, and the training label."""
-    agree = tide.exit_logits(k, states).argmax(-1) == full_top1
+def _labels(exit_logits: torch.Tensor, states: torch.Tensor, final: torch.Tensor, full_top1: torch.Tensor,
+            cfg: TideConfig):
+    """(agree, label) [N]: the exit's top-1 (from its logits [N, V]) equals the full model's, and the training label."""
+    agree = exit_logits.argmax(-1) == full_top1
     if cfg.label == "top1":
         return agree, agree
     return agree, F.cosine_similarity(states.float(), final.float(), dim=-1) > cfg.cosine_threshold
 
 
-def _draft_ranks(tide, k: int, states: torch.Tensor, context: torch.Tensor, full_top1: torch.Tensor) -> torch.Tensor:
-    """[N] uint8: where the full model's top-1 ranks among a lossless draft's logits from checkpoint `k` (0: the
-    draft's top-1; capped at MAX_DRAFT_TOPK, for tree drafts)."""
-    logits = tide.draft_logits(k, states, context.to(states.dtype))[0]
+def _draft_ranks(logits: torch.Tensor, full_top1: torch.Tensor) -> torch.Tensor:
+    """[N] uint8: where the full model's top-1 ranks among a lossless draft's logits [N, V] (0: the draft's top-1;
+    capped at MAX_DRAFT_TOPK, for tree drafts)."""
     return (logits > logits.gather(-1, full_top1[:, None])).sum(-1).clamp(max=MAX_DRAFT_TOPK).to(torch.uint8)
 
 
@@ -244,10 +247,14 @@ def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig) -> dict:
     out = {"scores": {}, "agree": {}, "labels": {}, "ranks": {}}
     tests = tide.exit_tests({k: 1.0 for k in cap.states})  # the decode step's own checkpoint test
     for k, states in cap.states.items():
-        agree, label = _labels(tide, k, states, cap.final, cap.full_top1, cfg)
+        exit_logits = tide.exit_logits(k, states)
+        agree, label = _labels(exit_logits, states, cap.final, cap.full_top1, cfg)
         out["scores"][k] = tests[k](states)[0].cpu()
         out["agree"][k], out["labels"][k] = agree.cpu(), label.cpu()
-        out["ranks"][k] = _draft_ranks(tide, k, states, cap.context, cap.full_top1).cpu()
+        # a checkpoint without a draft head drafts from its exit head: the logits above
+        draft = exit_logits if cap.context is None or tide.routers[k].draft is None else \
+            tide.draft_logits(k, states, cap.context.to(states.dtype))[0]
+        out["ranks"][k] = _draft_ranks(draft, cap.full_top1).cpu()
     return out
 
 
@@ -355,7 +362,8 @@ class _Trainer:
             for part in range(0, n, 4096):
                 chunk = slice(part, part + 4096)
                 normed.append(self.parts.final_norm(router.exit_state(states[chunk])).float())
-                labels.append(_labels(tide, k, states[chunk], final[chunk], top1[chunk], tide.config)[1].float())
+                exit_logits = tide.exit_logits(k, states[chunk])
+                labels.append(_labels(exit_logits, states[chunk], final[chunk], top1[chunk], tide.config)[1].float())
             normed, labels = torch.cat(normed), torch.cat(labels)
         trained = copy.deepcopy(router).float()
         trained.translator = trained.draft = None
