@@ -165,3 +165,30 @@ def test_calibration_trains_draft_heads_that_read_the_context():
         assert model.routers[k].draft.context.abs().sum() > 0  # trained away from its zero start
     held = model.config.calibration["draft_selection"]
     assert held  # the schemes calibration timed were ranked on the draft heads' held-out ranks
+
+
+def test_held_out_chain_ranks_read_the_previous_drafts_state():
+    """A chain's later drafts read the previous draft's normed state: held-out scoring ranks them that way,
+    per text (a text's first token reads zeros), whatever the padding."""
+    import importlib
+
+    calibration = importlib.import_module("tide.calibrate")
+    model = _model()
+    ids = torch.randint(4, 100, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding on the second text
+    cap = calibration._capture(model, {"input_ids": ids, "attention_mask": mask})
+    scored = calibration._score(model, cap, model.config)
+    k = model.config.draft_head_layers()[0]
+    for row in range(2):
+        keep = mask[row].bool()
+        with torch.no_grad():
+            full = model.base(input_ids=ids[row:row + 1, keep]).logits[0].argmax(-1)
+        states = cap.states[k][cap.first.cumsum(0) == row + 1]
+        _, normed = model.draft_logits(k, states, cap.context[cap.first.cumsum(0) == row + 1])
+        chained = torch.cat([torch.zeros_like(normed[:1]), normed[:-1]])
+        logits = model.draft_logits(k, states, chained)[0]
+        expected = (logits > logits.gather(-1, full[:, None])).sum(-1).clamp(max=tide.config.MAX_DRAFT_TOPK)
+        got = scored["chain_ranks"][k][cap.first.cumsum(0) == row + 1]
+        assert torch.equal(got.long(), expected)
+    assert not torch.equal(scored["chain_ranks"][k], scored["ranks"][k])  # the context matters for these heads

@@ -211,6 +211,21 @@ def test_draft_candidates_weigh_chains_against_trees():
     assert not [s for s in draft_candidates(ranks, 12, costs, max_draft=0) if s.draft_topk > 1]
 
 
+def test_chain_estimates_use_the_later_drafts_ranks():
+    from tide.costs import StepCosts, draft_candidates
+
+    costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=1.0, capture_s=0.5, device="cpu",
+                      verify_extra_s=0.5)
+    ranks = {1: torch.zeros(400, dtype=torch.uint8)}  # a chain's first draft is always right
+    later = {1: torch.ones(400, dtype=torch.uint8)}  # the drafts after it never are
+    alone = {(s.max_draft, s.draft_topk): s.estimate for s in draft_candidates(ranks, 12, costs, max_draft=3)}
+    chained = {(s.max_draft, s.draft_topk): s.estimate
+               for s in draft_candidates(ranks, 12, costs, max_draft=3, chain_ranks=later)}
+    assert alone[(3, 1)] > alone[(1, 1)]  # every draft right: longer chains pay
+    assert chained[(3, 1)] < chained[(2, 1)] < chained[(1, 1)]  # one right draft a cycle: the shortest chain
+    assert chained[(1, 1)] == pytest.approx(alone[(1, 1)]) and chained[(1, 2)] == pytest.approx(alone[(1, 2)])
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "phi", "gpt_neox"])
 def test_one_capture_serves_both_tree_passes(family, monkeypatch):
     """The candidates' shallow calls are sliced from the deep chunk's calls (same keys, same positions)."""

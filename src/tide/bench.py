@@ -30,12 +30,12 @@ DEFAULT_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.97)  # calibration targets (re-selected
 def _variants(model, sweep) -> dict[str, dict | None]:
     variants: dict[str, dict | None] = {"base": None}
     if model.config.thresholds:
-        variants["exit calibrated (propagate)"] = {"kv_strategy": "propagate"}
-        variants["exit calibrated (recompute)"] = {"kv_strategy": "recompute"}
+        variants["exit calibrated (propagate)"] = {"mode": "exit", "kv_strategy": "propagate"}
+        variants["exit calibrated (recompute)"] = {"mode": "exit", "kv_strategy": "recompute"}
     for target in sweep:
         thresholds = thresholds_for_target(model, target)
         if thresholds is not None:
-            variants[f"exit target {target}"] = {"thresholds": thresholds}
+            variants[f"exit target {target}"] = {"mode": "exit", "thresholds": thresholds}
     variants["lossless"] = {"mode": "lossless"}
     return variants
 
@@ -156,13 +156,22 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                        eval_mean_layers=q.mean_layers, eval_tokens=q.tokens)
         results["variants"][name] = row
         progress(_line(name, row))
-    if model.config.thresholds and batch_size > 1:
+    exits_on = model.config.resolve_generation({"mode": "exit"}).has_operating_point
+    timing = (model.config.calibration or {}).get("exit_timing")
+    if model.config.thresholds and not exits_on:
+        progress("exit mode: calibration turned its exits off"
+                 + (f" (measured x{timing['measured']:.3f} against the base model)" if timing else "")
+                 + ", so it runs the base model; the target rows above use the held-out thresholds")
+    progress(f"default generate(): mode={model.config.generation_config.mode!r}"
+             + (" (lossless at batch size 1, exit mode for batches)" if model.config.generation_config.mode == "auto" else ""))
+    results["default_mode"] = model.config.generation_config.mode
+    if exits_on and batch_size > 1:
         results["batch"] = batch_throughput(model, tokenizer, heldout, batch_size, new_tokens, repeats)
         b = results["batch"]
         progress(f"batch {batch_size} (calibrated thresholds): base {b['base_tokens_per_s']:.1f} tok/s, Tide "
                  f"{b['tide_tokens_per_s']:.1f} tok/s, x{b['ratio_to_base']:.3f} [{b['ratio_range'][0]:.2f}-"
                  f"{b['ratio_range'][1]:.2f}], mean layers {b['mean_layers']:.2f}")
-    if model.config.thresholds:
+    if exits_on:
         results["prefill_exit"] = _prefill_effect(model, token_lists)
         progress("prefill_exit (first half of each text as the prompt): agreement "
                  f"{results['prefill_exit']['agreement_full_prefill']:.3f} with a full prefill, "
@@ -183,7 +192,8 @@ def batch_throughput(model, tokenizer, texts: list[str], batch_size: int, new_to
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=pad)
     runs = {
         "base": lambda i, n: base.generate(i, max_new_tokens=n, min_new_tokens=n, **kwargs),
-        "tide": lambda i, n: model.generate(i, max_new_tokens=n, min_new_tokens=n, tide_config={}, **kwargs),
+        "tide": lambda i, n: model.generate(i, max_new_tokens=n, min_new_tokens=n, tide_config={"mode": "exit"},
+                                            **kwargs),
     }
     times = {name: [] for name in runs}
     with torch.inference_mode():

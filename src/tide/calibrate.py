@@ -140,15 +140,24 @@ def calibrate(
     if opts.validation_tokens:
         tokens = _validation_tokens(held_texts, tokenizer, opts, share=procs.world)
         selection, dropped, validation = _validate(tide, tokens, selection, dropped, cfg, procs)
+    cfg.thresholds = tide.heldout_selection.thresholds(selection, tide.checkpoints)
+    exit_timing = None
+    if costs is not None:
+        exit_timing = procs.broadcast(_time_exit(tide, tokenizer, held_texts) if procs.is_main else None)
+        if exit_timing and not exit_timing["active"]:
+            cfg.thresholds = dict.fromkeys(cfg.thresholds, 1.0)  # exit mode then runs the base model
     draft_selection = None
     if costs is not None and opts.draft_trials:
-        candidates = draft_candidates(held.ranks(), num_layers, costs, cfg.generation_config.max_draft or 8)[: opts.draft_trials]
+        candidates = draft_candidates(held.ranks(), num_layers, costs, cfg.generation_config.max_draft or 8,
+                                      chain_ranks=held.chain_ranks())[: opts.draft_trials]
         draft_selection = procs.broadcast(_choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main else None)
         chosen = draft_selection.get("chosen")
+        exit_speed = exit_timing["measured"] if exit_timing and exit_timing["active"] else 1.0
+        lossless_wins = chosen is not None and chosen["measured"] > exit_speed
         tide.config.set_generation_defaults(draft_layer=chosen["draft_layer"] if chosen else None,
                                             max_draft=chosen["max_draft"] if chosen else 0,
-                                            draft_topk=chosen["draft_topk"] if chosen else 1)
-    cfg.thresholds = tide.heldout_selection.thresholds(selection, tide.checkpoints)
+                                            draft_topk=chosen["draft_topk"] if chosen else 1,
+                                            mode="auto" if lossless_wins else "exit")
     train_tokens = int(procs.sum([trainer.train_tokens])[0])
     cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), train_tokens)
     cfg.calibration.update(
@@ -156,6 +165,7 @@ def calibrate(
         dropped_checkpoints={str(k): why for k, why in dropped.items()},
         expected_layer_cost=layer_cost_of_cascade(selection.checkpoints, held.num_tokens, num_layers, costs) if costs else None,
         draft_selection=draft_selection,
+        exit_timing=exit_timing,
         decode_validation=validation,
     )
     return tide
@@ -210,6 +220,7 @@ class _Capture:
     full_top1: torch.Tensor  # [N] the full model's top-1
     context: torch.Tensor | None  # [N, H] the final normed state at the position before (zeros at a text's first
     # token); None when the model has no draft heads
+    first: torch.Tensor | None = None  # [N] bool: a text's first token (with `context`)
 
 
 @torch.no_grad()
@@ -218,12 +229,13 @@ def _capture(tide: TideForCausalLM, batch) -> _Capture:
     with capture_outputs(parts, tide.checkpoints + [last]) as states:
         logits = tide.base(**batch, use_cache=False).logits
     keep = batch["attention_mask"].bool()
-    context = None
+    context = first = None
     if any(tide.routers[k].draft is not None for k in tide.checkpoints):
         normed = parts.final_norm(states[last])
         context = torch.cat([torch.zeros_like(normed[:, :1]), normed[:, :-1]], 1)[keep]
+        first = (keep.cumsum(1) == 1)[keep]
     return _Capture({k: states[k][keep] for k in tide.checkpoints}, states[last][keep], logits[keep].argmax(-1),
-                    context)
+                    context, first)
 
 
 def _labels(exit_logits: torch.Tensor, states: torch.Tensor, final: torch.Tensor, full_top1: torch.Tensor,
@@ -244,17 +256,21 @@ def _draft_ranks(logits: torch.Tensor, full_top1: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig) -> dict:
     """Held-out scalars per checkpoint: router scores (as generation computes them), agreement, label."""
-    out = {"scores": {}, "agree": {}, "labels": {}, "ranks": {}}
+    out = {"scores": {}, "agree": {}, "labels": {}, "ranks": {}, "chain_ranks": {}}
     tests = tide.exit_tests({k: 1.0 for k in cap.states})  # the decode step's own checkpoint test
     for k, states in cap.states.items():
         exit_logits = tide.exit_logits(k, states)
         agree, label = _labels(exit_logits, states, cap.final, cap.full_top1, cfg)
         out["scores"][k] = tests[k](states)[0].cpu()
         out["agree"][k], out["labels"][k] = agree.cpu(), label.cpu()
-        # a checkpoint without a draft head drafts from its exit head: the logits above
-        draft = exit_logits if cap.context is None or tide.routers[k].draft is None else \
-            tide.draft_logits(k, states, cap.context.to(states.dtype))[0]
+        if cap.context is None or tide.routers[k].draft is None:  # drafts from the exit head: the logits above
+            out["ranks"][k] = out["chain_ranks"][k] = _draft_ranks(exit_logits, cap.full_top1).cpu()
+            continue
+        draft, normed = tide.draft_logits(k, states, cap.context.to(states.dtype))
         out["ranks"][k] = _draft_ranks(draft, cap.full_top1).cpu()
+        # A chain's second and later drafts read the previous draft's own normed state, not a verified one.
+        chained = torch.cat([torch.zeros_like(normed[:1]), normed[:-1]]).masked_fill(cap.first[:, None], 0.0)
+        out["chain_ranks"][k] = _draft_ranks(tide.draft_logits(k, states, chained)[0], cap.full_top1).cpu()
     return out
 
 
@@ -414,19 +430,34 @@ class _HeldoutSelection:
         return out
 
 
+def _timing_prompts(tokenizer, texts, device) -> list[torch.Tensor]:
+    # Four prompts, 32 tokens, five alternating repeats (see `_timed`): with two prompts of 24 tokens and three
+    # repeats, one tree scheme on the shipped model timed x0.95-1.13 across runs (docs/benchmarks.md).
+    return [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:4]]
+
+
+def _timed(tide, prompts, tide_config: dict) -> float:
+    return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5)
+
+
+def _time_exit(tide, tokenizer, texts) -> dict | None:
+    """Time exit mode at the selected thresholds against the base model here. It stays active only when it is
+    faster; otherwise its exits are turned off, so that exit mode runs the base model (never slower)."""
+    if not tide.config.resolve_generation({"mode": "exit"}).has_operating_point:
+        return None  # no checkpoint pays by the cost model: nothing to time
+    ratio = _timed(tide, _timing_prompts(tokenizer, texts, tide.base.device), {"mode": "exit"})
+    return {"measured": ratio, "active": ratio > 1.0}
+
+
 def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
     """Time the best-estimated drafting schemes against the base model here; choose the fastest, or none
     (lossless mode then decodes plainly) when none is faster than the base model."""
-    device = tide.base.device
-    # Four prompts, 32 tokens, five alternating repeats: with two prompts of 24 tokens and three repeats, one
-    # tree scheme on the shipped model timed x0.95-1.13 across runs (docs/benchmarks.md).
-    prompts = [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:4]]
+    prompts = _timing_prompts(tokenizer, texts, tide.base.device)
     trials = []
     for scheme in candidates:
         try:
-            ratio = measured_speedup(tide, prompts, {"mode": "lossless", "draft_layer": scheme.draft_layer,
-                                                     "max_draft": scheme.max_draft, "draft_topk": scheme.draft_topk},
-                                     new_tokens=32, repeats=5)
+            ratio = _timed(tide, prompts, {"mode": "lossless", "draft_layer": scheme.draft_layer,
+                                           "max_draft": scheme.max_draft, "draft_topk": scheme.draft_topk})
         except ValueError as err:  # lossless mode unavailable for this model (e.g. sliding-window caches)
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
         trials.append({**scheme._asdict(), "measured": ratio})
@@ -488,10 +519,11 @@ def thresholds_for_target(model, target_agreement: float) -> dict[str, float] | 
 # ---------------------------------------------------------------------- held-out statistics
 class _Heldout:
     def __init__(self):
-        self._scores, self._agree, self._labels, self._ranks = {}, {}, {}, {}
+        self._scores, self._agree, self._labels, self._ranks, self._chain_ranks = {}, {}, {}, {}, {}
 
     def _stores(self):
-        return {"scores": self._scores, "agree": self._agree, "labels": self._labels, "ranks": self._ranks}
+        return {"scores": self._scores, "agree": self._agree, "labels": self._labels, "ranks": self._ranks,
+                "chain_ranks": self._chain_ranks}
 
     def add(self, scored: dict) -> None:
         for name, store in self._stores().items():
@@ -523,6 +555,9 @@ class _Heldout:
 
     def ranks(self):
         return self._cat(self._ranks)
+
+    def chain_ranks(self):
+        return self._cat(self._chain_ranks)
 
     @property
     def num_tokens(self) -> int:
@@ -584,6 +619,10 @@ def calibration_table(config) -> str:
                         if "verify_extra" in costs else ""))
         lines.append(f"expected cost per token {cal['expected_layer_cost']:.2f} layers -> x{config.base_num_layers / cal['expected_layer_cost']:.3f} "
                      "in layer work")
+    timing = cal.get("exit_timing")
+    if timing:
+        lines.append(f"exit mode at these thresholds: measured x{timing['measured']:.3f} against the base model"
+                     + ("" if timing["active"] else "; not faster, so its exits are off (exit mode runs the base model)"))
     draft = cal.get("draft_selection") or {}
     for trial in draft.get("trials", []):
         lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, measured x{trial['measured']:.3f}")
@@ -591,4 +630,6 @@ def calibration_table(config) -> str:
         generation = config.generation_config
         lines.append(f"lossless mode: {draft_scheme_text(generation.to_dict())}" if generation.max_draft
                      else "lossless mode: no draft pays on this model and machine (it decodes plainly)")
+        lines.append("default mode: " + ("auto (lossless, measured faster than exit mode; exit mode for batches)"
+                                         if generation.mode == "auto" else "exit"))
     return "\n".join(lines)

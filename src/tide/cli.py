@@ -58,7 +58,7 @@ def cmd_calibrate(args) -> None:
 
 
 def _tide_overrides(args) -> dict:
-    overrides = {"mode": args.mode}
+    overrides = {"mode": args.mode} if args.mode else {}
     if args.threshold is not None:
         overrides["exit_threshold"] = args.threshold
     if args.kv_strategy:
@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text with early exit (or losslessly)")
     p.add_argument("model", help="router repo (or a plain model, run without exits)")
     p.add_argument("prompt")
-    p.add_argument("--mode", choices=["exit", "lossless"], default="exit")
+    p.add_argument("--mode", choices=["exit", "lossless", "auto"],
+                   help="default: the router repo's (calibration picks the faster of exit and lossless)")
     p.add_argument("--threshold", type=float, help="exit mode: override the calibrated thresholds")
     p.add_argument("--draft-layer", type=int, help="lossless mode: the checkpoint whose draft head (or exit head) drafts")
     p.add_argument("--max-draft", type=int, help="lossless mode: most drafts per verification (0: no drafting)")

@@ -24,7 +24,7 @@ LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
 DRAFT_HEADS = ("context", "exit")
 KV_STRATEGIES = ("propagate", "recompute")
-MODES = ("exit", "lossless")
+MODES = ("exit", "lossless", "auto")
 
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "max_draft",
@@ -50,8 +50,11 @@ class TideGenerationConfig:
         kv_strategy (`str`, *optional*, defaults to `"propagate"`):
             How skipped layers get K/V for an exited token: `"propagate"` or `"recompute"`.
         mode (`str`, *optional*, defaults to `"exit"`):
-            `"exit"` (early exit) or `"lossless"` (self-speculative decoding: drafts from the draft or exit
-            head at `draft_layer`, verified by the full model; output identical to the base model's).
+            `"exit"` (early exit), `"lossless"` (self-speculative decoding: drafts from the draft or exit
+            head at `draft_layer`, verified by the full model; output identical to the base model's) or
+            `"auto"`: lossless mode where the call allows it (one sequence, no beams, token ids) and no
+            `exit_threshold` is given, exit mode otherwise. Calibration makes `"auto"` the repo's default when
+            it timed lossless mode faster than exit mode.
         prefill_exit (`bool`, *optional*, defaults to `False`):
             Let prompt tokens exit early too (with propagated K/V).
         max_draft (`int`, *optional*, defaults to 8):
@@ -153,8 +156,9 @@ class TideGenerationConfig:
 
     @property
     def has_operating_point(self) -> bool:
-        """True when there are thresholds to use (an override or calibrated ones)."""
-        return self.exit_threshold is not None or bool(self.thresholds)
+        """True when a token can exit: an `exit_threshold` override, or a calibrated threshold below 1.0 (all at
+        1.0: calibration found that no checkpoint pays, and exit mode runs the base model)."""
+        return self.exit_threshold is not None or any(t < 1.0 for t in (self.thresholds or {}).values())
 
     def resolve_draft_layer(self, checkpoints: list[int], num_layers: int) -> int:
         """The checkpoint lossless mode drafts from: set, else the first at or after a quarter of the stack."""

@@ -218,11 +218,13 @@ class DraftScheme(NamedTuple):
 
 
 def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: StepCosts, max_draft: int = 8,
-                     max_topk: int = MAX_DRAFT_TOPK) -> list[DraftScheme]:
+                     max_topk: int = MAX_DRAFT_TOPK, chain_ranks: dict[int, torch.Tensor] | None = None) -> list[DraftScheme]:
     """Lossless mode's drafting schemes with their estimated speed-up, best first, from held-out exit heads.
 
-    ranks: {layer: [N]} in text order, where the full model's next token ranks among the exit head's logits
-    (0: its top-1). A draft step from layer E costs E + 1 layers, the head and a capture; a verification
+    ranks: {layer: [N]} in text order, where the full model's next token ranks among the draft's logits
+    (0: its top-1), for a draft that reads a verified context (a chain's first draft, a tree's).
+    chain_ranks: the same for a chain's later drafts, whose draft head reads the previous draft's own state
+    (default: `ranks`; equal where there is no draft head). A draft step from layer E costs E + 1 layers, the head and a capture; a verification
     costs the whole stack, the head and a capture, plus what a pass over p positions costs more than a pass
     over one (`costs.verify_extra_at(p)`, measured here for 4 and 8 positions; speculative decoding assumes it
     small, and on a CPU it can be a third of a step). A chain cycle emits the run of drafts that agree with
@@ -238,10 +240,11 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
 
     out = []
     for layer, rank in ranks.items():
-        flags, runs, current = (rank == 0).tolist(), [], 0
-        for flag in reversed(flags):  # runs[t]: consecutive agreeing positions from t on
-            current = current + 1 if flag else 0
-            runs.append(current)
+        later = (chain_ranks or ranks)[layer]
+        first_flags, later_flags, runs, current = (rank == 0).tolist(), (later == 0).tolist(), [], 0
+        for first, flag in zip(reversed(first_flags), reversed(later_flags)):
+            runs.append(current + 1 if first else 0)  # runs[t]: a chain drafted from t, agreeing drafts in a row
+            current = current + 1 if flag else 0  # the same for drafts that follow a draft
         run = torch.tensor(runs[::-1], dtype=torch.float64)
         draft = layer + 1 + costs.head + costs.capture
         for length in range(1, max_draft + 1):

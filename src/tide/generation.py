@@ -15,14 +15,16 @@ import warnings
 import torch
 
 from . import _hf_compat
-from .config import TideGenerationConfig
+from .config import TideConfig, TideGenerationConfig
 from .dispatch import activated, install
 from .engine import ExitSession
 from .speculative import LosslessSession
 from .stats import GenerationStats
 
-__all__ = ["generate_with_tide", "resolve_run_config", "attach_stats"]
+__all__ = ["generate_with_tide", "resolve_run_config", "attach_stats", "lossless_problem"]
 
+# Options only exit mode uses: a call that sets one runs in exit mode when the repo's default is "auto".
+_EXIT_OPTIONS = {"exit_threshold", "thresholds", "min_layers", "kv_strategy", "prefill_exit"}
 _NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", _hf_compat.ASSISTED_SWITCH, "output_hidden_states",
                       "output_attentions")
 
@@ -38,9 +40,11 @@ def resolve_run_config(model, tide_config) -> TideGenerationConfig | None:
         )
     run = model.config.resolve_generation(tide_config)
     run.validate(checkpoints=model.checkpoints)
-    if run.has_operating_point or run.mode == "lossless":  # lossless drafts need no thresholds
+    if run.mode == "auto" and _EXIT_OPTIONS & _given_fields(tide_config):
+        run.mode = "exit"  # the call set exit-mode options: it asks for exit mode
+    if run.has_operating_point or run.mode != "exit":  # lossless drafts need no thresholds
         return run
-    if tide_config is not None:
+    if tide_config is not None and not model.config.thresholds:
         warnings.warn(
             "tide_config was given, but these routers have no thresholds (not calibrated) and no exit_threshold "
             "was set, so the base model runs unchanged. Calibrate with tide.calibrate or pass exit_threshold.",
@@ -49,15 +53,34 @@ def resolve_run_config(model, tide_config) -> TideGenerationConfig | None:
     return None
 
 
+def _given_fields(tide_config) -> set:
+    """The generation fields a call's `tide_config` sets."""
+    if isinstance(tide_config, dict):
+        return set(tide_config)
+    if isinstance(tide_config, TideGenerationConfig):
+        blank = TideGenerationConfig().to_dict()
+        return {k for k, v in tide_config.to_dict().items() if v != blank[k]}
+    if isinstance(tide_config, TideConfig):
+        return {"thresholds"} if tide_config.thresholds else set()
+    return set()
+
+
 def generate_with_tide(model, tide_config, *args, **kwargs):
     model.last_stats = None
     run = resolve_run_config(model, tide_config)
-    if run is None:
+    if run is not None and run.mode == "auto":
+        fits = lossless_problem(model, args, kwargs) is None
+        run.mode = "lossless" if fits else "exit"
+        if not (fits or run.has_operating_point):
+            run = None
+    if run is None:  # no thresholds, or calibration found that no checkpoint pays: the base model runs unchanged
         return model.base.generate(*args, **kwargs)
     if "use_cache" not in kwargs and getattr(kwargs.get("generation_config"), "use_cache", None) is not False:
         kwargs["use_cache"] = True  # Tide decodes on the KV cache, also for models whose config turns it off (MPT)
     if run.mode == "lossless":
-        _check_lossless_call(model, args, kwargs)
+        problem = lossless_problem(model, args, kwargs)
+        if problem:
+            raise ValueError(problem)
         if run.max_draft == 0:  # calibration found that no drafting scheme pays on this model and machine
             return model.base.generate(*args, **kwargs)
         session = LosslessSession(model, run, kwargs.get("stopping_criteria"))
@@ -83,22 +106,26 @@ def attach_stats(output, stats: GenerationStats):
     return output
 
 
-def _check_lossless_call(model, args, kwargs) -> None:
+def lossless_problem(model, args, kwargs) -> str | None:
+    """Why lossless mode cannot run this call (a message saying what to do), or None."""
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if inputs is not None and inputs.shape[0] != 1:
-        raise ValueError(
-            f"mode='lossless' decodes one sequence at a time (batch size 1), got a batch of {inputs.shape[0]}; "
-            "loop over the rows or use mode='exit' for batches."
-        )
-    if kwargs.get("num_return_sequences", 1) != 1 or kwargs.get("num_beams", 1) != 1:
-        raise ValueError("mode='lossless' supports greedy and sampling with one sequence (no beams, num_return_sequences=1).")
+        return (f"mode='lossless' decodes one sequence at a time (batch size 1), got a batch of {inputs.shape[0]}; "
+                "loop over the rows or use mode='exit' for batches.")
+    if _option(model, kwargs, "num_return_sequences") not in (None, 1) or _option(model, kwargs, "num_beams") not in (None, 1):
+        return "mode='lossless' supports greedy and sampling with one sequence (no beams, num_return_sequences=1)."
     if kwargs.get("inputs_embeds") is not None:
-        raise ValueError("mode='lossless' drafts from token ids; pass input_ids instead of inputs_embeds.")
+        return "mode='lossless' drafts from token ids; pass input_ids instead of inputs_embeds."
     given = [name for name in _NOT_WITH_LOSSLESS if kwargs.get(name)]
     if given:
-        raise ValueError(f"mode='lossless' is Tide's own assisted decoding and does not combine with {given}; drop them.")
+        return f"mode='lossless' is Tide's own assisted decoding and does not combine with {given}; drop them."
     if kwargs.get("use_cache") is False:
-        raise ValueError("mode='lossless' verifies drafts against the KV cache; drop use_cache=False.")
-    unavailable = ((model.config.calibration or {}).get("draft_selection") or {}).get("unavailable")
-    if unavailable:
-        raise ValueError(unavailable)
+        return "mode='lossless' verifies drafts against the KV cache; drop use_cache=False."
+    return ((model.config.calibration or {}).get("draft_selection") or {}).get("unavailable")
+
+
+def _option(model, kwargs, name):
+    """A generation option as generate will see it: the call's keyword, its generation_config, the model's."""
+    if name in kwargs:
+        return kwargs[name]
+    return getattr(kwargs.get("generation_config") or model.base.generation_config, name, None)

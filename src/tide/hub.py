@@ -284,9 +284,15 @@ def model_card(config: TideConfig) -> str:
         if costs:
             lines.append(f"Costs measured on {costs['device']} at calibration: a consulted checkpoint "
                          f"{costs['checkpoint']:.2f} decoder layer, a skipped layer's K/V {costs['skipped_layer']:.2f} layer.")
+        timing = cal.get("exit_timing")
+        if timing:
+            lines.append(f"Exit mode at these thresholds measured x{timing['measured']:.3f} against the base model at "
+                         "calibration" + ("." if timing["active"] else "; its exits are off, so exit mode runs the base model."))
         generation = config.generation_config
         if generation.draft_layer is not None:
             lines.append(f"Lossless mode: {draft_scheme_text(generation.to_dict())}.")
+        if generation.mode == "auto":
+            lines.append("Default mode: `auto` (lossless, timed faster than exit mode at calibration; exit mode for batches).")
     lines += [
         "",
         "## Use",
