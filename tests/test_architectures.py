@@ -63,3 +63,18 @@ def test_register_a_family():
         assert resolve(model).norm is model.model.norm
     finally:
         del ARCHITECTURES["tide_test_mystery"]
+
+
+def test_a_transformers_that_renamed_the_cache_argument_gets_an_install_hint():
+    # transformers 5.24 passes the KV cache as `cache`; Tide follows 5.23's `past_key_values`.
+    from tide.architectures import refusal_reason
+
+    class Renamed(torch.nn.Module):
+        config = LlamaConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, intermediate_size=8,
+                             vocab_size=8)
+
+        def forward(self, input_ids=None, cache=None):
+            return input_ids
+
+    reason = refusal_reason(Renamed())
+    assert "`cache`" in reason and "transformers>=5.23,<5.24" in reason

@@ -17,6 +17,7 @@ import inspect
 import math
 
 import torch
+import transformers
 from torch import nn
 
 from ._hf_compat import cache_layer_kinds
@@ -216,6 +217,9 @@ def refusal_reason(model: nn.Module) -> str | None:
         return "it carries recurrent state that every token must update through every layer"
     forward = inspect.signature(model.forward).parameters
     supports_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+    if "past_key_values" not in forward and "cache" in forward:
+        return (f"transformers {transformers.__version__} passes the KV cache as `cache`, and Tide is built on "
+                "transformers 5.23's `past_key_values`; install transformers>=5.23,<5.24")
     if "past_key_values" not in forward or not supports_cache:
         return "it does not decode on transformers' KV cache (DynamicCache), which Tide's skipped layers write"
     kinds = cache_layer_kinds(config.get_text_config()) or []
