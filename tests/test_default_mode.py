@@ -116,3 +116,23 @@ def test_calibration_times_exit_mode_and_picks_the_default(monkeypatch, exit_spe
     assert model.config.generation_config.mode == mode
     assert ("default mode: auto" in calibration.calibration_table(model.config)) == (mode == "auto")
     assert (model.config.generation_config.max_draft > 0) == (lossless_speed > 1.0)
+
+
+@pytest.mark.parametrize("exit_speed", [1.3, 0.9])
+def test_other_targets_are_chosen_as_calibration_chooses_its_own(monkeypatch, exit_speed):
+    # `tide bench`'s target rows: each is what calibrating at that target would keep, timing included.
+    model = _calibrate(monkeypatch, exit_speed, 0.95)
+    own = calibration.operating_point(model, 0.05)
+    assert own.thresholds == model.config.thresholds and own.exit_timing == model.config.calibration["exit_timing"]
+    strict = calibration.operating_point(model, 0.99999)  # no exit can keep this: nothing to time
+    assert not strict.exits and strict.exit_timing is None
+    assert calibration.thresholds_for_target(model, 0.05) == own.thresholds
+    variants, chosen = importlib.import_module("tide.bench")._variants(model, (0.05, 0.99999))
+    assert variants["exit target 0.05"]["thresholds"] == own.thresholds
+    assert chosen["exit target 0.05"]["exits"] == (exit_speed > 1.0)
+    assert chosen["exit target 0.05"]["exit_timing"] == {"measured": exit_speed, "active": exit_speed > 1.0}
+
+
+def test_operating_point_needs_a_calibration_in_this_process():
+    with pytest.raises(ValueError, match="calibrated in this process"):
+        calibration.operating_point(_model(), 0.9)

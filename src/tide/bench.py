@@ -17,27 +17,44 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import thresholds_for_target
+from .calibrate import operating_point
 from .config import draft_scheme_text
 from .costs import VERIFY_POSITIONS, WIDE_VERIFY_POSITIONS, measure_costs
 from .evaluate import oracle_depths, teacher_forced
 
 __all__ = ["run_bench", "plot_bench"]
 
-DEFAULT_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.97)  # calibration targets (re-selected from the held-out scores)
+DEFAULT_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.97)  # calibration targets (chosen from the held-out scores as calibrate does)
 
 
-def _variants(model, sweep) -> dict[str, dict | None]:
+def _variants(model, sweep) -> tuple[dict[str, dict | None], dict[str, dict]]:
+    """(variants {name: tide_config or None}, {name: how calibration chose a target row's thresholds})."""
     variants: dict[str, dict | None] = {"base": None}
     if model.config.thresholds:
         variants["exit calibrated (propagate)"] = {"mode": "exit", "kv_strategy": "propagate"}
         variants["exit calibrated (recompute)"] = {"mode": "exit", "kv_strategy": "recompute"}
-    for target in sweep:
-        thresholds = thresholds_for_target(model, target)
-        if thresholds is not None:
-            variants[f"exit target {target}"] = {"mode": "exit", "thresholds": thresholds}
+    chosen = {}
+    if getattr(model, "heldout_selection", None) is not None:
+        for target in sweep:
+            point = operating_point(model, target)  # what tide.calibrate(target_agreement=target) would keep
+            name = f"exit target {target}"
+            variants[name] = {"mode": "exit", "thresholds": point.thresholds}
+            chosen[name] = {"exits": point.exits, "exit_timing": point.exit_timing, "validation": point.validation}
     variants["lossless"] = {"mode": "lossless"}
-    return variants
+    return variants, chosen
+
+
+def _choice_text(choice: dict) -> str:
+    """How calibration chose a target row's thresholds, in words."""
+    check, timing = choice["validation"], choice["exit_timing"]
+    words = []
+    if check:
+        words.append(f"decode check: agreement {check['agreement']:.3f} (lower bound {check['lower_bound']:.3f})")
+    if timing:
+        words.append(f"timed x{timing['measured']:.3f}" + ("" if timing["active"] else ": not faster, so its exits are off"))
+    elif not choice["exits"]:
+        words.append("no checkpoint pays at this target: no exits")
+    return "; ".join(words)
 
 
 def device_name(device) -> str:
@@ -69,7 +86,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
               repeats: int = 3, max_eval_tokens: int = 128, batch_size: int = 16, progress=print) -> dict:
     """Measure every variant; returns the results as a JSON-ready dict."""
     base = model.base
-    variants = _variants(model, sweep)
+    variants, chosen = _variants(model, sweep)
     token_lists = [tokenizer(t)["input_ids"][:max_eval_tokens] for t in heldout]
     prompt_ids = [tokenizer(p, return_tensors="pt")["input_ids"].to(base.device) for p in prompts]
     gen_kwargs = dict(do_sample=False, pad_token_id=base.generation_config.pad_token_id or 0)
@@ -154,14 +171,16 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                 q = teacher_forced(model, token_lists, run_config(cfg) if cfg is not None else {"exit_threshold": 1.0})
             row.update(agreement=q.agreement, ppl=q.ppl_tide, ppl_base=q.ppl_base, ppl_delta=q.ppl_delta,
                        eval_mean_layers=q.mean_layers, eval_tokens=q.tokens)
+        if name in chosen:
+            row["calibration_choice"] = chosen[name]
         results["variants"][name] = row
-        progress(_line(name, row))
+        progress(_line(name, row) + (f"\n{'':32s}{_choice_text(chosen[name])}" if name in chosen else ""))
     exits_on = model.config.resolve_generation({"mode": "exit"}).has_operating_point
     timing = (model.config.calibration or {}).get("exit_timing")
     if model.config.thresholds and not exits_on:
         progress("exit mode: calibration turned its exits off"
                  + (f" (measured x{timing['measured']:.3f} against the base model)" if timing else "")
-                 + ", so it runs the base model; the target rows above use the held-out thresholds")
+                 + ", so it runs the base model")
     progress(f"default generate(): mode={model.config.generation_config.mode!r}"
              + (" (lossless at batch size 1, exit mode for batches)" if model.config.generation_config.mode == "auto" else ""))
     results["default_mode"] = model.config.generation_config.mode

@@ -27,7 +27,7 @@ from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
 from .thresholds import EXIT_ERROR_BUDGETS, CheckpointCalibration, auc, binomial_upper_bound, calibrate_cascade, oracle_depth
 
-__all__ = ["calibrate", "calibration_table", "thresholds_for_target", "CalibrationOptions"]
+__all__ = ["calibrate", "calibration_table", "thresholds_for_target", "operating_point", "OperatingPoint", "CalibrationOptions"]
 
 
 @dataclass
@@ -133,19 +133,13 @@ def calibrate(
 
     num_layers = tide.parts.num_layers
     costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
+    tokens = _validation_tokens(held_texts, tokenizer, opts, share=procs.world) if opts.validation_tokens else None
+    prompts = _timing_prompts(tokenizer, held_texts, tide.base.device) if costs is not None else None
     tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(), held.num_tokens,
-                                               num_layers, cfg.confidence, costs)
-    selection, dropped = tide.heldout_selection.select(cfg.target_agreement)
-    validation = None
-    if opts.validation_tokens:
-        tokens = _validation_tokens(held_texts, tokenizer, opts, share=procs.world)
-        selection, dropped, validation = _validate(tide, tokens, selection, dropped, cfg, procs)
-    cfg.thresholds = tide.heldout_selection.thresholds(selection, tide.checkpoints)
-    exit_timing = None
-    if costs is not None:
-        exit_timing = procs.broadcast(_time_exit(tide, tokenizer, held_texts) if procs.is_main else None)
-        if exit_timing and not exit_timing["active"]:
-            cfg.thresholds = dict.fromkeys(cfg.thresholds, 1.0)  # exit mode then runs the base model
+                                               num_layers, cfg.confidence, costs, tokens, prompts)
+    point = operating_point(tide, cfg.target_agreement, procs)
+    selection, dropped, validation, exit_timing = point.selection, point.dropped, point.validation, point.exit_timing
+    cfg.thresholds = point.thresholds
     draft_selection = None
     if costs is not None and opts.draft_trials:
         candidates = draft_candidates(held.ranks(), num_layers, costs, cfg.generation_config.max_draft or 8,
@@ -413,6 +407,9 @@ class _HeldoutSelection:
     confidence: float
     costs: object  # StepCosts or None
 
+    validation_tokens: list | None = None  # held-out token lists for the check through the decode step
+    timing_prompts: list | None = None  # prompts that time exit mode against the base model
+
     def select(self, target: float, max_budget: float = 1.0):
         """(CascadeSelection, dropped checkpoints {layer: reason}) for `target` agreement."""
 
@@ -440,12 +437,9 @@ def _timed(tide, prompts, tide_config: dict) -> float:
     return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5)
 
 
-def _time_exit(tide, tokenizer, texts) -> dict | None:
-    """Time exit mode at the selected thresholds against the base model here. It stays active only when it is
-    faster; otherwise its exits are turned off, so that exit mode runs the base model (never slower)."""
-    if not tide.config.resolve_generation({"mode": "exit"}).has_operating_point:
-        return None  # no checkpoint pays by the cost model: nothing to time
-    ratio = _timed(tide, _timing_prompts(tokenizer, texts, tide.base.device), {"mode": "exit"})
+def _time_exit(tide, prompts, thresholds) -> dict:
+    """Time exit mode at `thresholds` against the base model here; it stays active only when it is faster."""
+    ratio = _timed(tide, prompts, {"mode": "exit", "thresholds": thresholds})
     return {"measured": ratio, "active": ratio > 1.0}
 
 
@@ -478,42 +472,81 @@ def _validation_tokens(texts, tokenizer, opts: CalibrationOptions, share: int = 
     return out
 
 
-def _validate(tide, token_lists, selection, dropped, cfg, procs: Processes | None = None):
+def _validate(tide, token_lists, selection, dropped, target: float, procs: Processes):
     """Check the target through the decode step itself (teacher-forced, with the configured KV strategy,
     whose approximate K/V for skipped layers also changes later tokens); lower the per-exit budget until
     the one-sided lower confidence bound on the decoded agreement reaches the target.
     Returns (selection, dropped, {agreement, tokens, lower_bound, exit_error_budget, mean_layers})."""
     held = tide.heldout_selection
     while True:
-        run = cfg.resolve_generation({"thresholds": held.thresholds(selection, tide.checkpoints), "exit_threshold": None,
+        run = tide.config.resolve_generation({"thresholds": held.thresholds(selection, tide.checkpoints), "exit_threshold": None,
                                       "mode": "exit"})
         active = any(t < 1.0 for t in run.thresholds.values())
         report = teacher_forced(tide, token_lists, run) if active else None
         if report is None:
             return selection, dropped, None
-        agreeing, tokens, layers = (procs or Processes()).sum(
+        agreeing, tokens, layers = procs.sum(
             [report.agreement * report.tokens, report.tokens, report.mean_layers * report.tokens])
         tokens = int(tokens)
         errors = tokens - round(agreeing)
-        bound = 1.0 - binomial_upper_bound(errors, tokens, cfg.confidence)
+        bound = 1.0 - binomial_upper_bound(errors, tokens, held.confidence)
         result = {"agreement": agreeing / max(tokens, 1), "tokens": tokens, "lower_bound": bound,
                   "exit_error_budget": selection.exit_error_budget, "mean_layers": layers / max(tokens, 1)}
-        if bound >= cfg.target_agreement:
+        if bound >= target:
             return selection, dropped, result
         smaller = [b for b in EXIT_ERROR_BUDGETS if b < selection.exit_error_budget]
         if not smaller:
-            selection, dropped = held.select(cfg.target_agreement, max_budget=0.0)
+            selection, dropped = held.select(target, max_budget=0.0)
             return selection, dropped, result
-        selection, dropped = held.select(cfg.target_agreement, max_budget=smaller[-1])
+        selection, dropped = held.select(target, max_budget=smaller[-1])
 
 
 def thresholds_for_target(model, target_agreement: float) -> dict[str, float] | None:
-    """Thresholds for another agreement target, from the held-out scores of a calibration run in this process
-    (None if the model was not calibrated here)."""
+    """Thresholds for another agreement target, chosen as calibration chooses them (`operating_point`), from
+    the held-out scores of a calibration run in this process (None if the model was not calibrated here)."""
+    if getattr(model, "heldout_selection", None) is None:
+        return None
+    return operating_point(model, target_agreement).thresholds
+
+
+@dataclass
+class OperatingPoint:
+    """Exit-mode thresholds for one agreement target, and how calibration arrived at them."""
+
+    target: float
+    thresholds: dict  # {checkpoint: threshold}; all 1.0 when exit mode runs the base model
+    selection: object  # the held-out CascadeSelection (before timing)
+    dropped: dict  # {layer: why} checkpoints that cost more than they save
+    validation: dict | None  # the check through the decode step (None: skipped or nothing exits)
+    exit_timing: dict | None  # {"measured": ratio to the base model, "active": kept} (None: not timed)
+
+    @property
+    def exits(self) -> bool:
+        return any(t < 1.0 for t in self.thresholds.values())
+
+
+def operating_point(model, target_agreement: float, procs: Processes | None = None) -> OperatingPoint:
+    """Thresholds for `target_agreement` from the held-out scores of a calibration run in this process:
+    selection with checkpoints pruned by measured cost, the check through the decode step, then exit mode
+    timed against the base model here; exits that are not faster are turned off, so that exit mode runs the
+    base model (never slower). Calibration's own target goes through this, and so do `tide bench`'s rows."""
     held = getattr(model, "heldout_selection", None)
     if held is None:
-        return None
-    return held.thresholds(held.select(target_agreement)[0], model.checkpoints)
+        raise ValueError("operating_point needs a model calibrated in this process (tide.calibrate keeps its "
+                         "held-out scores in memory; a loaded router repo does not have them).")
+    procs = procs or Processes()
+    selection, dropped = held.select(target_agreement)
+    validation = None
+    if held.validation_tokens:
+        selection, dropped, validation = _validate(model, held.validation_tokens, selection, dropped, target_agreement,
+                                                   procs)
+    thresholds = held.thresholds(selection, model.checkpoints)
+    exit_timing = None
+    if held.timing_prompts is not None and any(t < 1.0 for t in thresholds.values()):
+        exit_timing = procs.broadcast(_time_exit(model, held.timing_prompts, thresholds) if procs.is_main else None)
+        if not exit_timing["active"]:
+            thresholds = dict.fromkeys(thresholds, 1.0)  # exit mode then runs the base model
+    return OperatingPoint(target_agreement, thresholds, selection, dropped, validation, exit_timing)
 
 
 # ---------------------------------------------------------------------- held-out statistics
