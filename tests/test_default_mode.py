@@ -131,6 +131,8 @@ def test_other_targets_are_chosen_as_calibration_chooses_its_own(monkeypatch, ex
     assert variants["exit target 0.05"]["thresholds"] == own.thresholds
     assert chosen["exit target 0.05"]["exits"] == (exit_speed > 1.0)
     assert chosen["exit target 0.05"]["exit_timing"] == {"measured": exit_speed, "active": exit_speed > 1.0}
+    # calibration's layer speed-up at the target, which the timing is compared with
+    assert chosen["exit target 0.05"]["expected_speedup"] == own.expected_speedup > 1.0
 
 
 def test_operating_point_needs_a_calibration_in_this_process():

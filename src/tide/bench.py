@@ -39,19 +39,21 @@ def _variants(model, sweep) -> tuple[dict[str, dict | None], dict[str, dict]]:
             point = operating_point(model, target)  # what tide.calibrate(target_agreement=target) would keep
             name = f"exit target {target}"
             variants[name] = {"mode": "exit", "thresholds": point.thresholds}
-            chosen[name] = {"exits": point.exits, "exit_timing": point.exit_timing, "validation": point.validation}
+            chosen[name] = {"exits": point.exits, "exit_timing": point.exit_timing, "validation": point.validation,
+                            "expected_speedup": point.expected_speedup}
     variants["lossless"] = {"mode": "lossless"}
     return variants, chosen
 
 
 def _choice_text(choice: dict) -> str:
     """How calibration chose a target row's thresholds, in words."""
-    check, timing = choice["validation"], choice["exit_timing"]
-    words = []
+    check, timing, expected = choice["validation"], choice["exit_timing"], choice["expected_speedup"]
+    words = [] if expected is None else [f"expected x{expected:.3f} in layer work"]
     if check:
         words.append(f"decode check: agreement {check['agreement']:.3f} (lower bound {check['lower_bound']:.3f})")
     if timing:
-        words.append(f"timed x{timing['measured']:.3f}" + ("" if timing["active"] else ": not faster, so its exits are off"))
+        realised = "" if expected is None else f" ({timing['measured'] / expected:.0%} of the expected speed-up)"
+        words.append(f"timed x{timing['measured']:.3f}{realised}" + ("" if timing["active"] else ": not faster, so its exits are off"))
     elif not choice["exits"]:
         words.append("no checkpoint pays at this target: no exits")
     return "; ".join(words)

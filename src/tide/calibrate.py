@@ -519,6 +519,7 @@ class OperatingPoint:
     dropped: dict  # {layer: why} checkpoints that cost more than they save
     validation: dict | None  # the check through the decode step (None: skipped or nothing exits)
     exit_timing: dict | None  # {"measured": ratio to the base model, "active": kept} (None: not timed)
+    expected_speedup: float | None  # the selection's layer speed-up by the measured costs (None: no costs)
 
     @property
     def exits(self) -> bool:
@@ -546,7 +547,11 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
         exit_timing = procs.broadcast(_time_exit(model, held.timing_prompts, thresholds) if procs.is_main else None)
         if not exit_timing["active"]:
             thresholds = dict.fromkeys(thresholds, 1.0)  # exit mode then runs the base model
-    return OperatingPoint(target_agreement, thresholds, selection, dropped, validation, exit_timing)
+    expected = None
+    if held.costs is not None:
+        expected = held.num_layers / layer_cost_of_cascade(selection.checkpoints, held.num_tokens, held.num_layers,
+                                                           held.costs)
+    return OperatingPoint(target_agreement, thresholds, selection, dropped, validation, exit_timing, expected)
 
 
 # ---------------------------------------------------------------------- held-out statistics
