@@ -3,6 +3,8 @@
 import copy
 import functools
 import pickle
+import time
+import types
 
 import pytest
 import torch
@@ -87,7 +89,8 @@ def test_install_is_idempotent_and_a_deep_copy_dispatches_for_the_copy(transpose
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lossless_stays_token_identical_with_the_transposed_layout(family, transposed_calls):
+def test_lossless_stays_token_identical_with_the_transposed_layout(family, transposed_calls, monkeypatch):
+    monkeypatch.setenv("TIDE_FEW_ROW_LAYOUT", "on")
     base = tiny_model(family)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
     torch.manual_seed(0)
@@ -98,3 +101,44 @@ def test_lossless_stays_token_identical_with_the_transposed_layout(family, trans
     assert torch.equal(out, ref)
     if family != "gpt2":  # GPT-2's projections are Conv1D, not nn.Linear
         assert transposed_calls  # verification passes took the transposed layout
+
+
+def _slow(function):
+    def slowed(*args, **kwargs):
+        time.sleep(0.002)
+        return function(*args, **kwargs)
+    return slowed
+
+
+@pytest.mark.parametrize("slow", ["plain", "transposed"])
+def test_the_measurement_picks_the_faster_layout(slow, monkeypatch):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    if slow == "transposed":
+        monkeypatch.setattr(fewrows, "_transposed", _slow(fewrows._transposed))
+    else:
+        monkeypatch.setattr(fewrows, "F", types.SimpleNamespace(linear=_slow(F.linear)))
+    assert fewrows._measure([model]) is (slow == "plain")
+
+
+def test_no_transposed_layout_for_weights_off_cpu():
+    assert fewrows._measure([nn.Linear(8, 8, device="meta")]) is False
+
+
+def test_the_choice_is_measured_once_per_model_and_can_be_forced(monkeypatch, transposed_calls):
+    measured = []
+    monkeypatch.setattr(fewrows, "_measure", lambda modules: measured.append(len(modules)) or False)
+    monkeypatch.delenv("TIDE_FEW_ROW_LAYOUT", raising=False)
+    base = tiny_model("llama")
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    ids = torch.randint(4, 100, (1, 9))
+    lossless = {"mode": "lossless", "draft_layer": 1, "max_draft": 3}
+    ref = base.generate(ids, do_sample=False, max_new_tokens=8)
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=8, tide_config=lossless), ref)
+    assert measured == [base.config.num_hidden_layers + 1] and transposed_calls == []  # once; measured slower
+    monkeypatch.setenv("TIDE_FEW_ROW_LAYOUT", "on")
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=8, tide_config=lossless), ref)
+    assert transposed_calls and len(measured) == 1
+    monkeypatch.setenv("TIDE_FEW_ROW_LAYOUT", "sometimes")
+    with pytest.raises(ValueError, match="TIDE_FEW_ROW_LAYOUT"):
+        fewrows.transposed_pays(model.parts)

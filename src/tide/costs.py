@@ -137,7 +137,7 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
         lossless verification runs it)."""
         def run():
             h = step_calls[0].hidden
-            with few_row_linears():  # what Tide's multi-position passes use; one position is unchanged
+            with few_row_linears(parts):  # the layout Tide's multi-position passes use; one position is unchanged
                 for i in range(num_layers):
                     h = step_calls[i].run(parts, i, h)
                     if consult and i in checkpoints:

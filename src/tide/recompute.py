@@ -148,7 +148,7 @@ class RecomputeSteps:
         self.chunk_states = torch.where(entering, self._with_token(self.token_state), self.chunk_states)
         stale = self.exact_through[:, :-1] < i
         self.recomputed = self.recomputed + stale.sum()
-        with few_row_linears():
+        with few_row_linears(self.parts):
             self.chunk_states = self.chunk_calls[i].run(self.parts, i, self.chunk_states,
                                                         cache=_MergeTail(self.cache, stale))
         self.token_state = self.chunk_states[:, -1:]

@@ -125,7 +125,7 @@ class LosslessSession:
         inputs = new_positions(attention_mask, deep_length, ids.shape[1])
         calls = capture_layer_calls(self.parts, input_ids=ids, past_key_values=LengthView(cache, deep_length),
                                     use_cache=True, **inputs)
-        with few_row_linears():  # P + 1 positions: on CPU, a layout that reads each weight once for all of them
+        with few_row_linears(self.parts):  # P + 1 positions: on CPU, the layout measured faster here
             for i in range(self.draft_layer + 1, self.parts.num_layers):
                 states = calls[i].run(self.parts, i, states)
             normed = self.parts.final_norm(states)
