@@ -106,6 +106,7 @@ def _calibrate(monkeypatch, exit_speed, lossless_speed):
     (1.1, 1.2, True, "auto"),  # both pay, lossless is faster: "auto"
     (0.9, 1.2, False, "auto"),  # exit mode is slower than the base model: its exits go off
     (0.9, 0.95, False, "exit"),  # neither pays: exit mode (with its exits off) runs the base model
+    (1.01, 1.01, False, "exit"),  # within the timing's noise of the base model: neither is kept
 ])
 def test_calibration_times_exit_mode_and_picks_the_default(monkeypatch, exit_speed, lossless_speed, exits_on, mode):
     model = _calibrate(monkeypatch, exit_speed, lossless_speed)
@@ -115,7 +116,7 @@ def test_calibration_times_exit_mode_and_picks_the_default(monkeypatch, exit_spe
     assert any(t < 1.0 for t in model.config.thresholds.values()) == exits_on
     assert model.config.generation_config.mode == mode
     assert ("default mode: auto" in calibration.calibration_table(model.config)) == (mode == "auto")
-    assert (model.config.generation_config.max_draft > 0) == (lossless_speed > 1.0)
+    assert (model.config.generation_config.max_draft > 0) == (lossless_speed >= calibration.KEEP_SPEEDUP)
 
 
 @pytest.mark.parametrize("exit_speed", [1.3, 0.9])
@@ -129,8 +130,8 @@ def test_other_targets_are_chosen_as_calibration_chooses_its_own(monkeypatch, ex
     assert calibration.thresholds_for_target(model, 0.05) == own.thresholds
     variants, chosen = importlib.import_module("tide.bench")._variants(model, (0.05, 0.99999))
     assert variants["exit target 0.05"]["thresholds"] == own.thresholds
-    assert chosen["exit target 0.05"]["exits"] == (exit_speed > 1.0)
-    assert chosen["exit target 0.05"]["exit_timing"] == {"measured": exit_speed, "active": exit_speed > 1.0}
+    assert chosen["exit target 0.05"]["exits"] == (exit_speed >= calibration.KEEP_SPEEDUP)
+    assert chosen["exit target 0.05"]["exit_timing"] == {"measured": exit_speed, "active": exit_speed >= calibration.KEEP_SPEEDUP}
     # calibration's layer speed-up at the target, which the timing is compared with
     assert chosen["exit target 0.05"]["expected_speedup"] == own.expected_speedup > 1.0
 

@@ -433,19 +433,27 @@ def _timing_prompts(tokenizer, texts, device) -> list[torch.Tensor]:
     return [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:4]]
 
 
+# A timed mode is kept only when at least this much faster than the base model: the median of 5 interleaved
+# repeats still moves by about 1% between runs (rows of `tide bench` that run the base model: x0.992-1.007;
+# a tree that calibration timed at x1.002 ran x0.992 in the bench), and a kept scheme that is really no
+# faster costs the user time on every call.
+KEEP_SPEEDUP = 1.02
+
+
 def _timed(tide, prompts, tide_config: dict) -> float:
     return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5)
 
 
 def _time_exit(tide, prompts, thresholds) -> dict:
-    """Time exit mode at `thresholds` against the base model here; it stays active only when it is faster."""
+    """Time exit mode at `thresholds` against the base model here; it stays active only when it is faster (by
+    `KEEP_SPEEDUP`)."""
     ratio = _timed(tide, prompts, {"mode": "exit", "thresholds": thresholds})
-    return {"measured": ratio, "active": ratio > 1.0}
+    return {"measured": ratio, "active": ratio >= KEEP_SPEEDUP}
 
 
 def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
     """Time the best-estimated drafting schemes against the base model here; choose the fastest, or none
-    (lossless mode then decodes plainly) when none is faster than the base model."""
+    (lossless mode then decodes plainly) when none is faster than the base model (by `KEEP_SPEEDUP`)."""
     prompts = _timing_prompts(tokenizer, texts, tide.base.device)
     trials = []
     for scheme in candidates:
@@ -456,7 +464,7 @@ def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
         trials.append({**scheme._asdict(), "measured": ratio})
     best = max(trials, key=lambda t: t["measured"], default=None)
-    return {"trials": trials, "chosen": best if best is not None and best["measured"] > 1.0 else None}
+    return {"trials": trials, "chosen": best if best is not None and best["measured"] >= KEEP_SPEEDUP else None}
 
 
 def _validation_tokens(texts, tokenizer, opts: CalibrationOptions, share: int = 1) -> list[list[int]]:
@@ -529,7 +537,7 @@ class OperatingPoint:
 def operating_point(model, target_agreement: float, procs: Processes | None = None) -> OperatingPoint:
     """Thresholds for `target_agreement` from the held-out scores of a calibration run in this process:
     selection with checkpoints pruned by measured cost, the check through the decode step, then exit mode
-    timed against the base model here; exits that are not faster are turned off, so that exit mode runs the
+    timed against the base model here; exits that are not 2% faster are turned off, so that exit mode runs the
     base model (never slower). Calibration's own target goes through this, and so do `tide bench`'s rows."""
     held = getattr(model, "heldout_selection", None)
     if held is None:
@@ -660,7 +668,7 @@ def calibration_table(config) -> str:
     timing = cal.get("exit_timing")
     if timing:
         lines.append(f"exit mode at these thresholds: measured x{timing['measured']:.3f} against the base model"
-                     + ("" if timing["active"] else "; not faster, so its exits are off (exit mode runs the base model)"))
+                     + ("" if timing["active"] else "; not 2% faster, so its exits are off (exit mode runs the base model)"))
     draft = cal.get("draft_selection") or {}
     for trial in draft.get("trials", []):
         lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, measured x{trial['measured']:.3f}")
