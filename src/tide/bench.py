@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import operating_point
+from .calibrate import KEEP_SPEEDUP, operating_point
 from .config import draft_scheme_text
 from .costs import VERIFY_POSITIONS, WIDE_VERIFY_POSITIONS, measure_costs
 from .evaluate import oracle_depths, teacher_forced
@@ -53,7 +53,7 @@ def _choice_text(choice: dict) -> str:
         words.append(f"decode check: agreement {check['agreement']:.3f} (lower bound {check['lower_bound']:.3f})")
     if timing:
         realised = "" if expected is None else f" ({timing['measured'] / expected:.0%} of the expected speed-up)"
-        words.append(f"timed x{timing['measured']:.3f}{realised}" + ("" if timing["active"] else ": not 2% faster, so its exits are off"))
+        words.append(f"timed x{timing['measured']:.3f}{realised}" + ("" if timing["active"] else f": not {KEEP_SPEEDUP - 1:.0%} faster, so its exits are off"))
     elif not choice["exits"]:
         words.append("no checkpoint pays at this target: no exits")
     return "; ".join(words)

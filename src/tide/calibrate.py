@@ -668,7 +668,8 @@ def calibration_table(config) -> str:
     timing = cal.get("exit_timing")
     if timing:
         lines.append(f"exit mode at these thresholds: measured x{timing['measured']:.3f} against the base model"
-                     + ("" if timing["active"] else "; not 2% faster, so its exits are off (exit mode runs the base model)"))
+                     + ("" if timing["active"] else f"; not {KEEP_SPEEDUP - 1:.0%} faster, so its exits are off (exit mode runs the "
+                                                 "base model)"))
     draft = cal.get("draft_selection") or {}
     for trial in draft.get("trials", []):
         lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, measured x{trial['measured']:.3f}")
