@@ -123,7 +123,7 @@ def pieces(model, layer: int, topk: int, repeats: int = 60) -> None:
         deep = tree_mask_calls(deep, blocked)
         shallow = without_first_position(deep[: layer + 1], topk + 1)
         mark("tree mask + slicing the candidates' calls")
-        with few_row_linears():
+        with few_row_linears(parts):
             states = shallow[0].hidden
             for i in range(layer + 1):
                 states = shallow[i].run(parts, i, states)

@@ -1,9 +1,11 @@
-"""What a forward pass over a few positions costs next to a decode step, with and without Tide's few-row layout.
+"""What a forward pass over a few positions costs next to a decode step, in each of Tide's few-row layouts.
 
 Speculative verification (Tide's lossless mode) runs the model over the drafted positions at once. It pays
 only if that pass costs little more than a one-position decode step. This script measures, on random-init
 12-layer Llamas of a few widths, the time of one forward over 1, 2, 4, 8 and 16 new positions after a 40-token
-cache, with the plain `F.linear` and inside `tide.fewrows.few_row_linears()` (W @ x.T).
+cache, with the plain `F.linear` and inside `tide.fewrows.few_row_linears(layout=...)` for the transposed
+product (`W @ x.T`) and MKL's packed weights, and which layouts Tide's own measurement (`tide.fewrows.layouts`)
+picks for the model.
 
     python examples/verify_cost/verify_cost.py --threads 2 --widths 192,384,768
 """
@@ -17,9 +19,11 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from tide import fewrows
+from tide.architectures import resolve
 
 
 POSITIONS = (1, 2, 4, 8, 16)
+LAYOUTS = ("F.linear", "transposed", "packed")
 
 
 def timings_ms(model, ids, cache_length: int, repeats: int) -> dict:
@@ -29,8 +33,8 @@ def timings_ms(model, ids, cache_length: int, repeats: int) -> dict:
     times: dict = {}
     for repeat in range(repeats + 2):
         for positions in POSITIONS:
-            for layout in ("F.linear", "few-row"):
-                with fewrows.few_row_linears() if layout == "few-row" else contextlib.nullcontext():
+            for layout in LAYOUTS:
+                with fewrows.few_row_linears(layout=layout) if layout in fewrows.LAYOUTS else contextlib.nullcontext():
                     start = time.perf_counter()
                     model(ids[:, cache_length:cache_length + positions], past_key_values=cache, use_cache=True)
                     seconds = time.perf_counter() - start
@@ -50,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} threads, vocabulary {args.vocab}; ms per forward after a "
-          f"40-token cache (ratio to 1 position), median of {args.repeats}")
+          f"40-token cache (ratio to F.linear at 1 position: the decode step), median of {args.repeats}")
     print("| hidden | layout | " + " | ".join(str(n) for n in POSITIONS) + " |\n|---|---|" + "---|" * len(POSITIONS))
     for width in (int(w) for w in args.widths.split(",")):
         heads = max(width // 64, 1)
@@ -61,10 +65,13 @@ def main() -> None:
         ids = torch.randint(0, args.vocab, (1, 64))
         with torch.no_grad():
             ms = timings_ms(model, ids, 40, args.repeats)
-        for layout in ("F.linear", "few-row"):
-            one = ms[(layout, 1)]
+        one = ms[("F.linear", 1)]  # the decode step
+        for layout in LAYOUTS:
             print(f"| {width} | {layout} | " + " | ".join(f"{ms[(layout, n)]:.1f} (x{ms[(layout, n)] / one:.2f})"
                                                      for n in POSITIONS) + " |")
+        choice = fewrows.layouts(resolve(model))
+        print(f"| {width} | Tide's choice | " + ", ".join(f"{rows}+ rows: {layout}" for rows, layout in choice.items())
+              + " |" + " |" * (len(POSITIONS) - 1))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import fewrows
 from .calibrate import KEEP_SPEEDUP, operating_point
 from .config import draft_scheme_text
 from .costs import VERIFY_POSITIONS, WIDE_VERIFY_POSITIONS, measure_costs
@@ -120,10 +121,12 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
         oracle["lens_every_layer"] = num_layers / float(every.mean())
     results["costs"] = costs.as_dict()
     results["oracle"] = oracle
+    results["few_row_layouts"] = fewrows.layouts(model.parts)
     progress(f"costs on {results['machine']}: consulted checkpoint {costs.checkpoint:.2f} layer, skipped layer's K/V "
              f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer, "
              f"verifying {VERIFY_POSITIONS} / {WIDE_VERIFY_POSITIONS} positions instead of 1 +{costs.verify_extra:.2f} / "
-             f"+{costs.verify_extra_at(WIDE_VERIFY_POSITIONS):.2f} layer")
+             f"+{costs.verify_extra_at(WIDE_VERIFY_POSITIONS):.2f} layer (linears over "
+             + ", ".join(f"{rows}+ rows: {layout}" for rows, layout in results["few_row_layouts"].items()) + ")")
     draft = (model.config.calibration or {}).get("draft_selection")
     if draft:
         results["draft_selection"] = draft

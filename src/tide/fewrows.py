@@ -1,22 +1,28 @@
 """Linears over a few rows on CPU, for the multi-position passes Tide adds (lossless verification, recompute).
 
-Speculative verification pays only if a pass over a few positions costs little more than a decode step. On
-some CPUs that fails for the plain layout: with PyTorch 2.13's MKL on 2 cores of an AMD EPYC, `F.linear(x, W)`
-with 2-16 rows leaves the single-row kernel (GEMV) for a GEMM path that costs 2-3x the single row even for
-weights far larger than the cache (768 x 32000: 7.8 ms for 1 row, 17 ms for 2, 24 ms for 4). Computing the
-transposed product `W @ x.T` reads the weight once for all the rows (5.8 ms for 2 rows, 7.1 ms for 4). On
-2 cores of an Intel Xeon (Sapphire Rapids) it is the other way round: the plain layout costs x1.04 / x1.26 of
-one position for 2 / 4 rows on a 12-layer hidden-192 Llama, the transposed one x1.78 / x1.83
-(docs/benchmarks.md, `examples/verify_cost`). So the layout is measured, not assumed.
+Speculative verification pays only if a pass over a few positions costs little more than a decode step. With
+PyTorch's plain `F.linear` that depends on the CPU and on the row count, because MKL picks a different kernel:
 
-Inside `few_row_linears(parts)`, the plain `nn.Linear` modules given to `install` take the transposed layout
-on CPU for 2 to `MAX_ROWS` rows, where it was measured faster for this model on this machine (once per model
-and process: `transposed_pays`; `TIDE_FEW_ROW_LAYOUT=on|off` forces the choice). `few_row_linears()` with
-no model always takes it. Both layouts compute the same product; only the order of floating-point sums may
-differ. Outside the context, on other devices, for one row or more than `MAX_ROWS`, and for subclasses of
-`nn.Linear` (quantized layers), nothing changes. (Timing the two layouts on one weight in isolation picked
-the wrong one: in a real pass the weights are not in cache. The measurement runs the model's own linears in
-order, as a pass does.)
+- 2 cores of an AMD EPYC: 2-16 rows leave the single-row kernel (GEMV) for a GEMM path that costs 2-3x the
+  single row even for weights far larger than the cache (768 x 32000: 7.8 ms for 1 row, 17 ms for 2, 24 ms
+  for 4). The transposed product `W @ x.T` reads the weight once for all the rows (5.8 ms for 2, 7.1 ms for 4).
+- 2 cores of an Intel Xeon (Sapphire Rapids): the plain layout costs about one row up to 3 rows, then reads
+  the weights again: a hidden-1024 Llama's forward over 4 positions costs x1.75 of one position. The transposed
+  layout is worse there (x1.8-2.2). MKL's packed weights (`torch.ops.mkl._mkl_linear` on a copy packed once by
+  `_mkl_reorder_linear_weight`) read the weights once: x1.36 for 4 positions, x1.64 for 8 against x2.30.
+
+So the layout is measured, not assumed (docs/benchmarks.md, `examples/verify_cost`). Inside
+`few_row_linears(parts)`, the plain `nn.Linear` modules given to `install` compute 2 to `MAX_ROWS` rows on
+CPU in the layout measured fastest for that row count, for this model on this machine (once per model and
+process: `layouts`; `TIDE_FEW_ROW_LAYOUT=plain|transposed|packed` forces one). All layouts compute
+F.linear's product; only the order of floating-point sums may differ. Outside the context, on other devices,
+for one row or more than `MAX_ROWS`, and for subclasses of `nn.Linear` (quantized layers), nothing changes.
+
+The packed layout needs float32 weights and PyTorch built with MKL, and it keeps a packed copy of each weight
+it has computed with (about the weight's size again): it is a candidate only where a copy of all the model's
+linears fits into half the memory available, and a copy is made again when its weight changes in place.
+(Timing the layouts on one weight in isolation picked the wrong one: in a real pass the weights are not in
+cache. The measurement runs the model's own linears in order, as a pass does.)
 """
 
 from __future__ import annotations
@@ -33,20 +39,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["install", "few_row_linears", "transposed_pays", "MAX_ROWS"]
+__all__ = ["install", "few_row_linears", "layouts", "LAYOUTS", "MAX_ROWS", "MEASURED_ROWS"]
 
+LAYOUTS = ("plain", "transposed", "packed")
 MAX_ROWS = 16
-MEASURED_ROWS = 4  # a tree of 3 candidates and the token before them; chains verify 2-9 positions
+# Measured row counts; a pass of r rows takes the choice measured at the largest of these <= r. Trees verify
+# 1 + k positions, chains 2-9, recompute's chunks up to MAX_ROWS.
+MEASURED_ROWS = (2, 4, 8, 16)
 MEASURED_BYTES = 256 * 2**20  # the model's first linears up to this many weight bytes (all of a small model)
-_ACTIVE: ContextVar = ContextVar("tide_few_row_linears", default=False)
-_CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parts.layers -> bool, once per process
+MARGIN = 0.95  # a layout other than plain must be this much faster than plain to be chosen
+_ACTIVE: ContextVar = ContextVar("tide_few_row_linears", default=None)  # {measured rows: layout} or None
+_CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parts.layers -> choice, once per process
+_PACKED: dict = {}  # id(weight) -> (weakref to it, its version, packed copy); dropped with the weight
 
 
 @contextmanager
-def few_row_linears(parts=None):
-    """Let installed linears take the few-row layout, in this context only: always without `parts`, else where
-    `transposed_pays(parts)`."""
-    token = _ACTIVE.set(parts is None or transposed_pays(parts))
+def few_row_linears(parts=None, layout: str | None = None):
+    """Let installed linears take the few-row layout in this context: the ones measured fastest for the model
+    `parts` (its `ModelParts`), or `layout` for every row count."""
+    if layout is None and parts is None:
+        raise ValueError("few_row_linears needs the model's parts (measured layouts) or a layout.")
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+    token = _ACTIVE.set(dict.fromkeys(MEASURED_ROWS, layout) if layout is not None else layouts(parts))
     try:
         yield
     finally:
@@ -67,10 +82,15 @@ def install(modules) -> None:
 
 def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward, with the few-row layout inside `few_row_linears()`."""
-    if _ACTIVE.get() and x.device.type == "cpu" and x.dim() >= 2:
+    choice = _ACTIVE.get()
+    if choice is not None and x.device.type == "cpu" and x.dim() >= 2:
         rows = x.numel() // x.shape[-1]
         if 2 <= rows <= MAX_ROWS:
-            return _transposed(x, self.weight, self.bias)
+            layout = choice[max(m for m in MEASURED_ROWS if m <= rows)]
+            if layout == "transposed":
+                return _transposed(x, self.weight, self.bias)
+            if layout == "packed" and _packable(self.weight):
+                return _packed(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 
 
@@ -83,47 +103,95 @@ def _transposed(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-def transposed_pays(parts) -> bool:
-    """Whether the transposed layout is faster than `F.linear` for `MEASURED_ROWS` rows through this model's
-    linears (`parts`: its `ModelParts`) on this machine. Measured on the first call and kept for the model's
-    lifetime; False where the weights are not on CPU. `TIDE_FEW_ROW_LAYOUT=on|off` overrides."""
+def _packable(weight: torch.Tensor) -> bool:
+    """MKL's packed product applies: float32 on CPU, PyTorch built with MKL, and no gradient to carry (the
+    packed op has none)."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and _HAS_MKL_PACK
+            and not (torch.is_grad_enabled() and weight.requires_grad))
+
+
+_HAS_MKL_PACK = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's MKL-packed copy, made once and again when the weight changes in place."""
+    try:
+        version = (weight._version, weight.data_ptr())
+    except RuntimeError:  # an inference tensor (made in inference mode) has no version counter
+        version = (None, weight.data_ptr())
+    held = _PACKED.get(id(weight))
+    if held is None or held[0]() is not weight or held[1] != version:
+        if held is None or held[0]() is not weight:
+            weakref.finalize(weight, _PACKED.pop, id(weight), None)
+        held = (weakref.ref(weight), version,
+                torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), MEASURED_ROWS[1]))
+        _PACKED[id(weight)] = held
+    return held[2]
+
+
+def _packed(x: torch.Tensor, weight: torch.Tensor, bias, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) through MKL's packed weight. x [..., K], weight [N, K] -> [..., N]."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    packed = _pack(weight) if packed is None else packed
+    # The last argument is the row count the op computes with the packed copy (any other falls back to F.linear).
+    out = torch.ops.mkl._mkl_linear(flat, packed, weight, bias, flat.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def layouts(parts) -> dict:
+    """{row count in `MEASURED_ROWS`: the layout measured fastest for this model's linears (`parts`: its
+    `ModelParts`) on this machine}. Measured on the first call and kept for the model's lifetime; plain where
+    the weights are not on CPU. `TIDE_FEW_ROW_LAYOUT=plain|transposed|packed` forces one layout."""
     forced = os.environ.get("TIDE_FEW_ROW_LAYOUT", "auto").lower()
-    if forced in ("on", "off"):
-        return forced == "on"
+    if forced in LAYOUTS:
+        return dict.fromkeys(MEASURED_ROWS, forced)
     if forced != "auto":
-        raise ValueError(f"TIDE_FEW_ROW_LAYOUT must be 'on', 'off' or 'auto', got {forced!r}.")
+        raise ValueError(f"TIDE_FEW_ROW_LAYOUT must be one of {(*LAYOUTS, 'auto')}, got {forced!r}.")
     if parts.layers not in _CHOICES:
         _CHOICES[parts.layers] = _measure([*parts.layers, parts.lm_head])
     return _CHOICES[parts.layers]
 
 
+def _available_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on this platform
+        return None
+
+
 @torch.no_grad()
-def _measure(modules, repeats: int = 7) -> bool:
-    """Time a pass of `MEASURED_ROWS` rows through the modules' plain linears in order (the first
-    `MEASURED_BYTES` of weights), in both layouts, interleaved; the transposed one must win by 5%."""
+def _measure(modules, repeats: int = 7) -> dict:
+    """Time passes of each `MEASURED_ROWS` row count through the modules' plain linears in order (the first
+    `MEASURED_BYTES` of weights) in each candidate layout, interleaved; a layout other than plain must win by
+    `MARGIN`."""
+    plain_linears = [linear for module in modules for linear in module.modules() if type(linear) is nn.Linear]
     linears, size = [], 0
-    for module in modules:
-        for linear in module.modules():
-            if type(linear) is nn.Linear and size < MEASURED_BYTES:
-                linears.append(linear)
-                size += linear.weight.numel() * linear.weight.element_size()
+    for linear in plain_linears:
+        if size < MEASURED_BYTES:
+            linears.append(linear)
+            size += linear.weight.numel() * linear.weight.element_size()
+    choice = dict.fromkeys(MEASURED_ROWS, "plain")
     if not linears or any(linear.weight.device.type != "cpu" for linear in linears):
-        return False
-    inputs = [torch.randn(1, MEASURED_ROWS, linear.in_features, dtype=linear.weight.dtype) for linear in linears]
-
-    def plain():
-        for linear, x in zip(linears, inputs):
-            F.linear(x, linear.weight, linear.bias)
-
-    def transposed():
-        for linear, x in zip(linears, inputs):
-            _transposed(x, linear.weight, linear.bias)
-
-    times = {plain: [], transposed: []}
-    for i in range(repeats + 2):
-        for run in (plain, transposed):
-            start = time.perf_counter()
-            run()
-            if i >= 2:  # two warm-ups
-                times[run].append(time.perf_counter() - start)
-    return statistics.median(times[transposed]) < 0.95 * statistics.median(times[plain])
+        return choice
+    runs = {"plain": lambda x, linear, packed: F.linear(x, linear.weight, linear.bias),
+            "transposed": lambda x, linear, packed: _transposed(x, linear.weight, linear.bias)}
+    packs = [None] * len(linears)
+    total = sum(linear.weight.numel() * linear.weight.element_size() for linear in plain_linears)
+    available = _available_bytes()
+    if all(_packable(linear.weight) for linear in linears) and (available is None or total <= available / 2):
+        runs["packed"] = lambda x, linear, packed: _packed(x, linear.weight, linear.bias, packed)
+        packs = [torch.ops.mkl._mkl_reorder_linear_weight(linear.weight, MEASURED_ROWS[1]) for linear in linears]
+    for rows in MEASURED_ROWS:
+        inputs = [torch.randn(rows, linear.in_features, dtype=linear.weight.dtype) for linear in linears]
+        times = {name: [] for name in runs}
+        for i in range(repeats + 2):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                for linear, x, packed in zip(linears, inputs, packs):
+                    run(x, linear, packed)
+                if i >= 2:  # two warm-ups
+                    times[name].append(time.perf_counter() - start)
+        median = {name: statistics.median(values) for name, values in times.items()}
+        best = min(median, key=median.get)
+        choice[rows] = best if median[best] < MARGIN * median["plain"] else "plain"
+    return choice
