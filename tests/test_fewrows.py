@@ -4,7 +4,6 @@ import copy
 import functools
 import gc
 import pickle
-import time
 import types
 
 import pytest
@@ -172,19 +171,22 @@ def test_lossless_stays_token_identical_in_each_layout(family, layout, layout_ca
         assert {name for name, _ in layout_calls} == {layout}  # verification passes took the layout
 
 
-def _slow(function):
-    def slowed(*args, **kwargs):
-        time.sleep(0.002)
-        return function(*args, **kwargs)
-    return slowed
-
-
 def _slow_layouts(monkeypatch, slow):
+    """Make the measurement see the `slow` layouts take a second per linear and the others no time at all."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(fewrows, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+
+    def slowed(function):
+        def run(*args, **kwargs):
+            clock.now += 1.0
+            return function(*args, **kwargs)
+        return run
+
     for name in slow:
         if name == "plain":
-            monkeypatch.setattr(fewrows, "F", types.SimpleNamespace(linear=_slow(F.linear)))
+            monkeypatch.setattr(fewrows, "F", types.SimpleNamespace(linear=slowed(F.linear)))
         else:
-            monkeypatch.setattr(fewrows, f"_{name}", _slow(getattr(fewrows, f"_{name}")))
+            monkeypatch.setattr(fewrows, f"_{name}", slowed(getattr(fewrows, f"_{name}")))
 
 
 @pytest.mark.parametrize("slow, chosen", [
