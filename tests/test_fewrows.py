@@ -3,6 +3,7 @@
 import copy
 import functools
 import gc
+import os
 import pickle
 import types
 
@@ -234,3 +235,9 @@ def test_the_choice_is_measured_once_per_model_and_can_be_forced(monkeypatch, la
     monkeypatch.setenv("TIDE_FEW_ROW_LAYOUT", "sometimes")
     with pytest.raises(ValueError, match="TIDE_FEW_ROW_LAYOUT"):
         fewrows.layouts(model.parts)
+
+
+def test_available_memory_is_read_where_the_platform_tells_it():
+    available = fewrows._available_bytes()
+    if os.path.exists("/proc/meminfo"):
+        assert available > 2**20

@@ -153,6 +153,14 @@ def layouts(parts) -> dict:
 
 
 def _available_bytes() -> int | None:
+    """Memory available to new allocations (Linux's MemAvailable counts reclaimable page cache); None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not on this platform
