@@ -48,7 +48,9 @@ MAX_ROWS = 16
 MEASURED_ROWS = (2, 4, 8, 16)
 MEASURED_BYTES = 256 * 2**20  # the model's first linears up to this many weight bytes (all of a small model)
 MARGIN = 0.95  # a layout other than plain must be this much faster than plain to be chosen
-_ACTIVE: ContextVar = ContextVar("tide_few_row_linears", default=None)  # {measured rows: layout} or None
+PACK_ROWS = 4  # the row count MKL packs a weight for (the packed copy serves any row count)
+# Inside `few_row_linears`: the layout for each row count 0..MAX_ROWS (None below 2 rows); outside: None.
+_ACTIVE: ContextVar = ContextVar("tide_few_row_linears", default=None)
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parts.layers -> choice, once per process
 _PACKED: dict = {}  # id(weight) -> (weakref to it, its version, packed copy); dropped with the weight
 
@@ -61,11 +63,19 @@ def few_row_linears(parts=None, layout: str | None = None):
         raise ValueError("few_row_linears needs the model's parts (measured layouts) or a layout.")
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
-    token = _ACTIVE.set(dict.fromkeys(MEASURED_ROWS, layout) if layout is not None else layouts(parts))
+    choice = dict.fromkeys(MEASURED_ROWS, layout) if layout is not None else layouts(parts)
+    token = _ACTIVE.set(_by_rows(choice))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def _by_rows(choice: dict) -> tuple:
+    """{measured row count: layout} -> the layout of each row count 0..MAX_ROWS: that of the largest measured
+    count not above it (None below the smallest)."""
+    return tuple(choice[max(m for m in MEASURED_ROWS if m <= rows)] if rows >= MEASURED_ROWS[0] else None
+                 for rows in range(MAX_ROWS + 1))
 
 
 def install(modules) -> None:
@@ -82,11 +92,11 @@ def install(modules) -> None:
 
 def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward, with the few-row layout inside `few_row_linears()`."""
-    choice = _ACTIVE.get()
-    if choice is not None and x.device.type == "cpu" and x.dim() >= 2:
+    by_rows = _ACTIVE.get()
+    if by_rows is not None and x.device.type == "cpu" and x.dim() >= 2:
         rows = x.numel() // x.shape[-1]
-        if 2 <= rows <= MAX_ROWS:
-            layout = choice[max(m for m in MEASURED_ROWS if m <= rows)]
+        if rows <= MAX_ROWS:
+            layout = by_rows[rows]
             if layout == "transposed":
                 return _transposed(x, self.weight, self.bias)
             if layout == "packed" and _packable(self.weight):
@@ -120,13 +130,17 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # an inference tensor (made in inference mode) has no version counter
         version = (None, weight.data_ptr())
     held = _PACKED.get(id(weight))
-    if held is None or held[0]() is not weight or held[1] != version:
-        if held is None or held[0]() is not weight:
-            weakref.finalize(weight, _PACKED.pop, id(weight), None)
-        held = (weakref.ref(weight), version,
-                torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), MEASURED_ROWS[1]))
+    if held is None or held[0]() is not weight:  # first use of this weight
+        weakref.finalize(weight, _PACKED.pop, id(weight), None)
+        held = None
+    if held is None or held[1] != version:
+        held = (weakref.ref(weight), version, _new_pack(weight))
         _PACKED[id(weight)] = held
     return held[2]
+
+
+def _new_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 
 def _packed(x: torch.Tensor, weight: torch.Tensor, bias, packed: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,7 +202,7 @@ def _measure(modules, repeats: int = 7) -> dict:
     available = _available_bytes()
     if all(_packable(linear.weight) for linear in linears) and (available is None or total <= available / 2):
         runs["packed"] = lambda x, linear, packed: _packed(x, linear.weight, linear.bias, packed)
-        packs = [torch.ops.mkl._mkl_reorder_linear_weight(linear.weight, MEASURED_ROWS[1]) for linear in linears]
+        packs = [_new_pack(linear.weight) for linear in linears]  # the measurement's own, dropped after it
     for rows in MEASURED_ROWS:
         inputs = [torch.randn(rows, linear.in_features, dtype=linear.weight.dtype) for linear in linears]
         times = {name: [] for name in runs}
