@@ -56,7 +56,7 @@ class _RankedOracle:
     def __init__(self, reference: torch.Tensor, start: int, vocab: int, rank: int, step: int = 2):
         self.reference, self.position, self.vocab, self.rank, self.step = reference[0], start, vocab, rank, step
 
-    def __call__(self, layer, hidden, context):
+    def __call__(self, layer, hidden, context, vocab_size=0):
         true = int(self.reference[min(self.position, self.reference.shape[0] - 1)])
         logits = torch.zeros(hidden.shape[0], self.vocab)
         for r in range(self.rank):

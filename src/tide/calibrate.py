@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from .config import MAX_DRAFT_TOPK, TideConfig, draft_scheme_text
 from .costs import VERIFY_POSITIONS, WIDE_VERIFY_POSITIONS, draft_candidates, layer_cost_of_cascade, measure_costs, measured_speedup, prune_checkpoints
 from .data import load_texts
+from .draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
 from .distributed import Processes
 from .evaluate import teacher_forced
 from .layercalls import capture_outputs
@@ -122,9 +123,10 @@ def calibrate(
         for _ in range(num_batches - local_batches):
             trainer.add(None)
         trainer.finish()
+        ranked = _ranked_vocabulary(tide, trainer, procs) if opts.draft_trials else None
         held = _Heldout()
         for batch in _batches(held_texts, tokenizer, opts, tide.base.device):
-            held.add(_score(tide, _capture(tide, batch), cfg))
+            held.add(_score(tide, _capture(tide, batch), cfg, ranked))
             bar.update(batch["input_ids"].shape[0])
         held = held.gathered(procs)
     finally:
@@ -143,15 +145,18 @@ def calibrate(
     draft_selection = None
     if costs is not None and opts.draft_trials:
         candidates = draft_candidates(held.ranks(), num_layers, costs, cfg.generation_config.max_draft or 8,
-                                      chain_ranks=held.chain_ranks())[: opts.draft_trials]
+                                      chain_ranks=held.chain_ranks(), restricted=held.restricted(),
+                                      head_rows=tide.num_head_rows)[: opts.draft_trials]
         draft_selection = procs.broadcast(_choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main else None)
         chosen = draft_selection.get("chosen")
         exit_speed = exit_timing["measured"] if exit_timing and exit_timing["active"] else 1.0
         lossless_wins = chosen is not None and chosen["measured"] > exit_speed
+        vocab = chosen["draft_vocab_size"] if chosen else 0
+        tide.draft_vocabulary = ranked[:vocab].clone() if vocab else None  # kept: what the chosen drafts read
         tide.config.set_generation_defaults(draft_layer=chosen["draft_layer"] if chosen else None,
                                             max_draft=chosen["max_draft"] if chosen else 0,
                                             draft_topk=chosen["draft_topk"] if chosen else 1,
-                                            mode="auto" if lossless_wins else "exit")
+                                            draft_vocab_size=vocab, mode="auto" if lossless_wins else "exit")
     train_tokens = int(procs.sum([trainer.train_tokens])[0])
     cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), train_tokens)
     cfg.calibration.update(
@@ -248,24 +253,43 @@ def _draft_ranks(logits: torch.Tensor, full_top1: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig) -> dict:
-    """Held-out scalars per checkpoint: router scores (as generation computes them), agreement, label."""
-    out = {"scores": {}, "agree": {}, "labels": {}, "ranks": {}, "chain_ranks": {}}
+def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig, vocab: torch.Tensor | None = None) -> dict:
+    """Held-out scalars per checkpoint: router scores (as generation computes them), agreement, label, and where
+    the full model's token ranks among drafts (also restricted to the first ids of `vocab`, the ranked
+    vocabulary, at each candidate size)."""
+    out = {"scores": {}, "agree": {}, "labels": {}, "ranks": {}, "chain_ranks": {}, "vocab_ranks": {},
+           "vocab_chain_ranks": {}}
     tests = tide.exit_tests({k: 1.0 for k in cap.states})  # the decode step's own checkpoint test
+    sizes = [n for n in candidate_sizes(tide.num_head_rows) if vocab is not None and n <= vocab.numel()]
     for k, states in cap.states.items():
         exit_logits = tide.exit_logits(k, states)
         agree, label = _labels(exit_logits, states, cap.final, cap.full_top1, cfg)
         out["scores"][k] = tests[k](states)[0].cpu()
         out["agree"][k], out["labels"][k] = agree.cpu(), label.cpu()
         if cap.context is None or tide.routers[k].draft is None:  # drafts from the exit head: the logits above
-            out["ranks"][k] = out["chain_ranks"][k] = _draft_ranks(exit_logits, cap.full_top1).cpu()
-            continue
-        draft, normed = tide.draft_logits(k, states, cap.context.to(states.dtype))
-        out["ranks"][k] = _draft_ranks(draft, cap.full_top1).cpu()
-        # A chain's second and later drafts read the previous draft's own normed state, not a verified one.
-        chained = torch.cat([torch.zeros_like(normed[:1]), normed[:-1]]).masked_fill(cap.first[:, None], 0.0)
-        out["chain_ranks"][k] = _draft_ranks(tide.draft_logits(k, states, chained)[0], cap.full_top1).cpu()
+            first = chained = exit_logits
+        else:
+            first, normed = tide.draft_logits(k, states, cap.context.to(states.dtype))
+            # A chain's second and later drafts read the previous draft's own normed state, not a verified one.
+            context = torch.cat([torch.zeros_like(normed[:1]), normed[:-1]]).masked_fill(cap.first[:, None], 0.0)
+            chained = tide.draft_logits(k, states, context)[0]
+        out["ranks"][k] = _draft_ranks(first, cap.full_top1).cpu()
+        out["chain_ranks"][k] = out["ranks"][k] if chained is first else _draft_ranks(chained, cap.full_top1).cpu()
+        for n in sizes:  # the same drafts ranking only the n most-predicted tokens
+            ranks = [restricted_ranks(logits, cap.full_top1, vocab[:n], MAX_DRAFT_TOPK).cpu() for logits in (first, chained)]
+            out["vocab_ranks"][(k, n)] = ranks[0]
+            out["vocab_chain_ranks"][(k, n)] = ranks[0] if chained is first else ranks[1]
     return out
+
+
+def _ranked_vocabulary(tide: TideForCausalLM, trainer: "_Trainer", procs: Processes) -> torch.Tensor | None:
+    """The tokens the full model predicted most on the training texts (all processes), as many as the largest
+    draft vocabulary calibration scores; None where the head is too small for one."""
+    sizes = candidate_sizes(tide.num_head_rows)
+    if not sizes:
+        return None
+    counts = torch.tensor(procs.sum(trainer.predicted.tolist())) if procs.world > 1 else trainer.predicted
+    return ranked_vocabulary(counts, max(sizes))
 
 
 # ---------------------------------------------------------------------- training
@@ -294,6 +318,7 @@ class _Trainer:
         self.drafts = {k: copy.deepcopy(tide.routers[k].draft).float() for k in self.layers
                        if tide.routers[k].draft is not None}
         self.context = torch.empty(size, hidden, device=device) if self.drafts else None
+        self.predicted = torch.zeros(tide.num_head_rows, dtype=torch.long, device=device)  # full-model top-1 counts
         params = self._head_params()
         self.head_optim = torch.optim.Adam(params, lr=opts.head_lr) if params else None
         self.steps_per_batch = math.ceil(opts.head_steps / max(num_batches, 1))
@@ -314,6 +339,7 @@ class _Trainer:
         for k in self.layers:
             self.states[k][idx] = cap.states[k][-n:].float()
         self.final[idx], self.top1[idx] = cap.final[-n:].float(), cap.full_top1[-n:]
+        self.predicted += torch.bincount(cap.full_top1, minlength=self.predicted.numel())
         if self.context is not None:
             self.context[idx] = cap.context[-n:].float()
         self.cursor = (self.cursor + n) % self.size
@@ -459,7 +485,8 @@ def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
     for scheme in candidates:
         try:
             ratio = _timed(tide, prompts, {"mode": "lossless", "draft_layer": scheme.draft_layer,
-                                           "max_draft": scheme.max_draft, "draft_topk": scheme.draft_topk})
+                                           "max_draft": scheme.max_draft, "draft_topk": scheme.draft_topk,
+                                           "draft_vocab_size": scheme.draft_vocab_size})
         except ValueError as err:  # lossless mode unavailable for this model (e.g. sliding-window caches)
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
         trials.append({**scheme._asdict(), "measured": ratio})
@@ -566,10 +593,12 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
 class _Heldout:
     def __init__(self):
         self._scores, self._agree, self._labels, self._ranks, self._chain_ranks = {}, {}, {}, {}, {}
+        self._vocab_ranks, self._vocab_chain_ranks = {}, {}  # keyed (layer, draft vocabulary size)
 
     def _stores(self):
         return {"scores": self._scores, "agree": self._agree, "labels": self._labels, "ranks": self._ranks,
-                "chain_ranks": self._chain_ranks}
+                "chain_ranks": self._chain_ranks, "vocab_ranks": self._vocab_ranks,
+                "vocab_chain_ranks": self._vocab_chain_ranks}
 
     def add(self, scored: dict) -> None:
         for name, store in self._stores().items():
@@ -604,6 +633,15 @@ class _Heldout:
 
     def chain_ranks(self):
         return self._cat(self._chain_ranks)
+
+    def restricted(self) -> dict[int, tuple[dict, dict]]:
+        """{draft vocabulary size n: ({layer: ranks}, {layer: chain ranks})} of drafts restricted to n tokens."""
+        out: dict[int, tuple[dict, dict]] = {}
+        chain = self._cat(self._vocab_chain_ranks)
+        for (k, n), ranks in self._cat(self._vocab_ranks).items():
+            first, later = out.setdefault(n, ({}, {}))
+            first[k], later[k] = ranks, chain[(k, n)]
+        return out
 
     @property
     def num_tokens(self) -> int:

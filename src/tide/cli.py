@@ -69,6 +69,8 @@ def _tide_overrides(args) -> dict:
         overrides["max_draft"] = args.max_draft
     if args.draft_topk is not None:
         overrides["draft_topk"] = args.draft_topk
+    if args.draft_vocab_size is not None:
+        overrides["draft_vocab_size"] = args.draft_vocab_size
     return overrides
 
 
@@ -155,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft", type=int, help="lossless mode: most drafts per verification (0: no drafting)")
     p.add_argument("--draft-topk", type=int, help="lossless mode, greedy: verify the draft head's k best tokens together "
                                                   "(a one-level draft tree; 1: chain drafts)")
+    p.add_argument("--draft-vocab-size", type=int, help="lossless mode: drafts rank only this many most-predicted "
+                                                        "tokens (0: the whole vocabulary)")
     p.add_argument("--kv-strategy", choices=["propagate", "recompute"])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

@@ -215,10 +215,12 @@ class DraftScheme(NamedTuple):
     max_draft: int  # chain drafts: most per verification
     draft_topk: int  # > 1: one-level tree drafts of this many candidates (max_draft is then 1)
     estimate: float  # estimated speed-up over the base model
+    draft_vocab_size: int = 0  # > 0: drafts rank only that many most-predicted tokens (draftvocab.py)
 
 
 def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: StepCosts, max_draft: int = 8,
-                     max_topk: int = MAX_DRAFT_TOPK, chain_ranks: dict[int, torch.Tensor] | None = None) -> list[DraftScheme]:
+                     max_topk: int = MAX_DRAFT_TOPK, chain_ranks: dict[int, torch.Tensor] | None = None,
+                     restricted: dict[int, tuple[dict, dict]] | None = None, head_rows: int = 0) -> list[DraftScheme]:
     """Lossless mode's drafting schemes with their estimated speed-up, best first, from held-out exit heads.
 
     ranks: {layer: [N]} in text order, where the full model's next token ranks among the draft's logits
@@ -232,29 +234,44 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
     together and verified with the token before them in one pass: about a chain cycle of one draft) emits
     two tokens when the full model's token is among the k, else one. An estimate: calibration then measures
     the best.
+
+    restricted: {n: (ranks, chain_ranks)} for drafts that rank only the n most-predicted tokens (a token outside
+    them ranks last), whose head costs n / `head_rows` of the whole head.
     """
     base = num_layers + costs.head + costs.capture
 
     def verify(positions: int) -> float:
         return base + costs.verify_extra_at(positions)
 
+    variants = [(0, ranks, chain_ranks or ranks)]
+    variants += [(n, r, c) for n, (r, c) in sorted((restricted or {}).items()) if head_rows and n < head_rows]
+    out = []
+    for vocab, layer_ranks, layer_chain_ranks in variants:
+        head = costs.head * (vocab / head_rows if vocab else 1.0)
+        out += _schemes(layer_ranks, layer_chain_ranks, head + costs.capture, verify, max_draft, max_topk, vocab)
+    return sorted(out, key=lambda c: -c.estimate)
+
+
+def _schemes(ranks, chain_ranks, draft_overhead: float, verify, max_draft: int, max_topk: int, vocab: int) -> list:
+    """`draft_candidates`' schemes for one draft vocabulary (a draft step costs E + 1 layers + `draft_overhead`)."""
+    base = verify(1)
     out = []
     for layer, rank in ranks.items():
-        later = (chain_ranks or ranks)[layer]
+        later = chain_ranks[layer]
         first_flags, later_flags, runs, current = (rank == 0).tolist(), (later == 0).tolist(), [], 0
         for first, flag in zip(reversed(first_flags), reversed(later_flags)):
             runs.append(current + 1 if first else 0)  # runs[t]: a chain drafted from t, agreeing drafts in a row
             current = current + 1 if flag else 0  # the same for drafts that follow a draft
         run = torch.tensor(runs[::-1], dtype=torch.float64)
-        draft = layer + 1 + costs.head + costs.capture
+        draft = layer + 1 + draft_overhead
         for length in range(1, max_draft + 1):
             tokens = float(run.clamp(max=length).mean() + 1)
-            out.append(DraftScheme(layer, length, 1, tokens / (length * draft + verify(length + 1)) * base))
+            out.append(DraftScheme(layer, length, 1, tokens / (length * draft + verify(length + 1)) * base, vocab))
         if max_draft:
             for k in range(2, max_topk + 1):
                 hit = float((rank.long() < k).double().mean())
-                out.append(DraftScheme(layer, 1, k, (1 + hit) / (draft + verify(k + 1)) * base))
-    return sorted(out, key=lambda c: -c.estimate)
+                out.append(DraftScheme(layer, 1, k, (1 + hit) / (draft + verify(k + 1)) * base, vocab))
+    return out
 
 
 def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_tokens: int = 24, repeats: int = 3) -> float:

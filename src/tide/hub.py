@@ -35,6 +35,7 @@ __all__ = [
 CONFIG_NAME = "config.json"
 ROUTERS_NAME = "routers.safetensors"
 CARD_NAME = "README.md"
+DRAFT_VOCABULARY_KEY = "draft_vocabulary"  # optional in routers.safetensors: int64 token ids, most predicted first
 REPO_FILES = (CONFIG_NAME, ROUTERS_NAME, CARD_NAME)
 
 # from_pretrained kwargs that address the router repo itself; everything else goes to the base model.
@@ -83,7 +84,10 @@ def save_router_repo(model, save_directory) -> Path:
     config = model.config
     config.save_pretrained(out)  # writes config.json only
     metadata = {"format": "pt", "checkpoints": ",".join(map(str, model.checkpoints)), "tide_version": config.tide_version}
-    save_file(router_state_dict(model), out / ROUTERS_NAME, metadata=metadata)
+    tensors = router_state_dict(model)
+    if model.draft_vocabulary is not None:
+        tensors[DRAFT_VOCABULARY_KEY] = model.draft_vocabulary.detach().to("cpu", torch.int64).contiguous()
+    save_file(tensors, out / ROUTERS_NAME, metadata=metadata)
     (out / CARD_NAME).write_text(model_card(config))
     return out
 
@@ -204,6 +208,10 @@ def read_router_weights(path) -> dict[str, torch.Tensor]:
 
 
 def load_router_weights(model, weights: dict[str, torch.Tensor]) -> None:
+    weights = dict(weights)
+    vocabulary = weights.pop(DRAFT_VOCABULARY_KEY, None)
+    if vocabulary is not None:
+        model.draft_vocabulary = checked_draft_vocabulary(vocabulary, model.num_head_rows)
     expected = router_state_dict(model)
     if set(weights) != set(expected):
         raise ValueError(
@@ -221,6 +229,21 @@ def load_router_weights(model, weights: dict[str, torch.Tensor]) -> None:
         param = next(router.parameters())
         state = {name: weights[f"{layer}.{name}"].to(param.device, param.dtype) for name in router.state_dict()}
         router.load_state_dict(state)
+
+
+def checked_draft_vocabulary(ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """`ids` as a draft vocabulary of a head of `rows` rows: distinct int64 token ids below `rows`."""
+    problem = None
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+        problem = f"must be a 1-D integer tensor, got {ids.dtype} of shape {list(ids.shape)}"
+    elif ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        problem = f"holds token ids outside this base model's {rows} head rows"
+    elif ids.unique().numel() != ids.numel():
+        problem = "repeats token ids"
+    if problem:
+        raise ValueError(f"{ROUTERS_NAME}: {DRAFT_VOCABULARY_KEY} {problem}; the router repo was saved for another "
+                         "base model or is damaged: recalibrate it.")
+    return ids.to(torch.int64)
 
 
 class BaseModelTokenizerLoader:

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from . import fewrows
 from .architectures import ModelParts, resolve
 from .config import TideConfig
+from .draftvocab import restricted_logits
 from .generation import generate_with_tide
 from .hub import BaseModelTokenizerLoader, load_router_repo, push_router_repo, save_router_repo
 from .kernels import norm_params, router_exit
@@ -54,6 +55,8 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         )
         self.generation_config = base_model.generation_config
         self.last_stats = None
+        # token ids [n] the full model predicted most in calibration, most frequent first (draftvocab.py); None: none
+        self.draft_vocabulary: torch.Tensor | None = None
         self.align_routers()
 
     # ------------------------------------------------------------------ construction
@@ -146,20 +149,40 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         state = self.routers[layer].exit_state(hidden)
         return self.parts.logits_from_normed(self.parts.final_norm(state))
 
-    def draft_logits(self, layer: int, hidden: torch.Tensor, context: torch.Tensor | None):
+    def draft_logits(self, layer: int, hidden: torch.Tensor, context: torch.Tensor | None, vocab_size: int = 0):
         """Lossless drafts from checkpoint `layer`: (logits [..., V], the draft's normed state [..., H]).
 
         hidden: the token's layer output [..., H]; context: the full model's final normed state at the position
         before it ([..., H]; None where there is none, read as zeros). The checkpoint's draft head where it has
         one, else its exit head (which ignores the context). The normed state stands in for the context of the
-        next draft in a chain, whose real one is not computed yet."""
+        next draft in a chain, whose real one is not computed yet. `vocab_size` > 0: only the first that many
+        ids of `draft_vocabulary` get logits (-inf elsewhere)."""
         router = self.routers[layer]
         if router.draft is None:
             state = router.exit_state(hidden)
         else:
             state = router.draft(hidden, torch.zeros_like(hidden) if context is None else context)
         normed = self.parts.final_norm(state)
-        return self.parts.logits_from_normed(normed), normed
+        if not vocab_size:
+            return self.parts.logits_from_normed(normed), normed
+        return restricted_logits(self.parts, normed, self.draft_vocab_ids(vocab_size), self.num_head_rows), normed
+
+    @property
+    def num_head_rows(self) -> int:
+        """The head's rows: the logits' last dimension."""
+        weight = getattr(self.parts.lm_head, "weight", None)
+        return weight.shape[0] if weight is not None else self.base.config.get_text_config().vocab_size
+
+    def draft_vocab_ids(self, size: int) -> torch.Tensor:
+        """The first `size` ids of `draft_vocabulary`, on the head's device (a clear error where it holds fewer)."""
+        held = 0 if self.draft_vocabulary is None else self.draft_vocabulary.numel()
+        if size > held:
+            raise ValueError(f"draft_vocab_size={size}, but these routers' draft vocabulary holds {held} tokens"
+                             + (" (none: calibrate to make one)" if not held else "") + "; use at most that, or 0.")
+        device = getattr(self.parts.lm_head, "weight", self.draft_vocabulary).device
+        if self.draft_vocabulary.device != device:
+            self.draft_vocabulary = self.draft_vocabulary.to(device)
+        return self.draft_vocabulary[:size]
 
     # ------------------------------------------------------------------ the base model's API
     def __getattr__(self, name: str):

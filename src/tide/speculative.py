@@ -53,9 +53,11 @@ class LosslessSession:
         self.max_draft = config.max_draft
         self.cap = config.max_draft
         self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1
+        self.draft_vocab_size = config.draft_vocab_size
         self.verified = None  # (ids, logits) a tree draft already verified, for the next forward
         self.user_stopping_criteria = stopping_criteria
-        self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact")
+        self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact",
+                                     draft_vocab_size=config.draft_vocab_size)
         self.pending_ids = None  # [1, P] tokens through the shallow layers only
         self.pending_states = None  # [1, P, H] their layer-E outputs
         self.context = None  # [1, H] the full model's final normed state before the next drafted token
@@ -162,7 +164,8 @@ class _TideDrafter(CandidateGenerator):
         with torch.no_grad():
             while len(draft_logits) < budget:
                 state = session.shallow_step(token, self.cache, self._mask(tokens))
-                logits, context = session.model.draft_logits(session.draft_layer, state[:, -1], context)
+                logits, context = session.model.draft_logits(session.draft_layer, state[:, -1], context,
+                                                             session.draft_vocab_size)
                 scores = self.logits_processor(tokens, logits.float())
                 token = self._choose(scores)
                 if self._stops(torch.cat([tokens, token], 1), scores):

@@ -29,6 +29,7 @@ class GenerationStats:
     accepted: int = 0
     verify_passes: int = 0
     draft_topk: int = 1  # 1: chain drafts; k > 1: one-level tree drafts of k candidates
+    draft_vocab_size: int = 0  # > 0: drafts ranked only that many most-predicted tokens (0: the whole vocabulary)
 
     def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0) -> None:
         """Count one exit-mode decode step: where its tokens left and the layer work it ran."""
@@ -85,7 +86,8 @@ class GenerationStats:
         ]
         if self.mode == "lossless":
             rows += [
-                ("draft scheme", f"tree of {self.draft_topk} candidates" if self.draft_topk > 1 else "chain"),
+                ("draft scheme", (f"tree of {self.draft_topk} candidates" if self.draft_topk > 1 else "chain")
+                 + (f", over the {self.draft_vocab_size} most predicted tokens" if self.draft_vocab_size else "")),
                 ("drafted / accepted", f"{self.drafted} / {self.accepted} ({self.acceptance_rate:.1%})"),
                 ("verification passes", str(self.verify_passes)),
                 ("layer passes per token", f"{self.layer_passes_per_token:.2f} (the base model: {self.num_layers})"),

@@ -133,7 +133,8 @@ class TreeDrafter(CandidateGenerator):
         x = input_ids[:, -1:]
         with torch.no_grad():
             state = session.shallow_step(x, cache, chain._mask(input_ids))
-            logits, _ = session.model.draft_logits(session.draft_layer, state[:, -1], session.context)
+            logits, _ = session.model.draft_logits(session.draft_layer, state[:, -1], session.context,
+                                                   session.draft_vocab_size)
             draft_scores = chain.logits_processor(input_ids, logits.float())
             candidates = draft_scores.topk(self.k, dim=-1).indices  # [1, k]
             logits = self._verify(candidates, cache, chain._mask(input_ids))

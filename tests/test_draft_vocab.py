@@ -1,0 +1,192 @@
+"""Draft vocabularies: lossless drafts that rank only the tokens the full model predicts most (draftvocab.py).
+
+The output stays the base model's on every family, for chains, trees and sampling; the restricted logits are
+the head's own for those tokens; the vocabulary is chosen, saved and loaded with the routers; bad sizes and
+damaged repos get a clear error."""
+
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tide
+from tide.costs import StepCosts, draft_candidates
+from tide.draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
+from tiny_models import FAMILIES, VOCAB, sample_texts, tiny_model, tiny_tokenizer
+
+
+def _model(family="llama", size=16, seed=1):
+    model = tide.TideForCausalLM.from_base(tiny_model(family), tide.TideConfig(checkpoint_interval=2))
+    torch.manual_seed(seed)
+    with torch.no_grad():  # exit heads that are right only sometimes
+        for k in model.checkpoints:
+            if model.routers[k].translator is not None:
+                for p in model.routers[k].translator.parameters():
+                    p.add_(torch.randn_like(p) * 0.3)
+    # a vocabulary that misses many of the base model's tokens: drafts outside it must cost time, never output
+    model.draft_vocabulary = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:size]
+    return model
+
+
+def _ids(length=9, seed=0):
+    torch.manual_seed(seed)
+    return torch.randint(4, 100, (1, length))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "gemma2"])
+def test_restricted_logits_are_the_heads_own_for_those_tokens(family):
+    model = _model(family, size=24)
+    k, hidden = model.checkpoints[0], torch.randn(3, model.config.base_hidden_size)
+    full, normed = model.draft_logits(k, hidden, None)
+    restricted, same = model.draft_logits(k, hidden, None, vocab_size=20)
+    ids = model.draft_vocabulary[:20]
+    torch.testing.assert_close(restricted[:, ids], full[:, ids])
+    outside = torch.ones(full.shape[-1], dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(restricted[:, outside]).all() and torch.equal(normed, same)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scheme", [dict(max_draft=4), dict(max_draft=1, draft_topk=3)])
+def test_lossless_with_a_draft_vocabulary_is_token_identical(family, scheme):
+    model = _model(family)
+    ids = _ids()
+    ref = model.base.generate(ids, do_sample=False, max_new_tokens=14)
+    config = {"mode": "lossless", "draft_layer": 1, "draft_vocab_size": 16, **scheme}
+    out = model.generate(ids, do_sample=False, max_new_tokens=14, tide_config=config)
+    assert torch.equal(out, ref)
+    assert model.last_stats.draft_vocab_size == 16 and "16 most predicted tokens" in model.last_stats.summary()
+
+
+def test_drafts_outside_the_vocabulary_are_never_offered():
+    model = _model(size=16)
+    offered = []
+    original = model.draft_logits
+
+    def spy(*args):
+        logits, normed = original(*args)
+        offered.append(logits.topk(3, -1).indices)
+        return logits, normed
+
+    model.draft_logits = spy
+    model.generate(_ids(), do_sample=False, max_new_tokens=10,
+                   tide_config={"mode": "lossless", "draft_layer": 1, "max_draft": 1, "draft_topk": 3,
+                                "draft_vocab_size": 8})
+    allowed = set(model.draft_vocabulary[:8].tolist())
+    assert offered and all(set(t.flatten().tolist()) <= allowed for t in offered)
+
+
+def test_sampling_with_a_draft_vocabulary_keeps_the_base_distribution():
+    """Speculative sampling from a restricted draft (probability 0 outside it) still samples the base model:
+    the frequency of each first sampled token against the base model's own top-k distribution."""
+    model = _model(size=8)
+    ids = _ids(length=5)
+    top_k, temperature, runs = 4, 2.0, 400
+    with torch.no_grad():
+        logits = model.base(ids).logits[0, -1] / temperature
+    best = logits.topk(top_k)
+    exact = dict(zip(best.indices.tolist(), best.values.softmax(-1).tolist()))
+    counts = Counter()
+    for seed in range(runs):
+        torch.manual_seed(seed)
+        out = model.generate(ids, do_sample=True, top_k=top_k, temperature=temperature, max_new_tokens=2,
+                             tide_config={"mode": "lossless", "draft_layer": 1, "draft_vocab_size": 8})
+        counts[int(out[0, ids.shape[1]])] += 1
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts[t] - p * runs) ** 2 / (p * runs) for t, p in exact.items())
+    assert chi2 < 3 + 3.09 * 6**0.5 + 6, (chi2, counts, exact)  # far above the 99.9% quantile for 3 df
+
+
+def test_bad_sizes_are_refused_with_what_to_do():
+    model = _model(size=16)
+    ids = _ids()
+    with pytest.raises(ValueError, match="holds 16 tokens"):
+        model.generate(ids, max_new_tokens=2, tide_config={"mode": "lossless", "draft_vocab_size": 32})
+    with pytest.raises(ValueError, match="at least 8"):
+        model.generate(ids, max_new_tokens=2, tide_config={"mode": "lossless", "draft_vocab_size": 3})
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        tide.TideGenerationConfig(draft_vocab_size=-1)
+    model.draft_vocabulary = None
+    with pytest.raises(ValueError, match="none: calibrate"):
+        model.generate(ids, max_new_tokens=2, tide_config={"mode": "lossless", "draft_vocab_size": 8})
+
+
+def test_the_vocabulary_round_trips_and_repos_without_one_load(tmp_path):
+    model = _model(size=16)
+    model.config.set_generation_defaults(mode="lossless", draft_layer=1, draft_vocab_size=16)
+    model.save_pretrained(tmp_path / "with")
+    loaded = tide.TideForCausalLM.from_pretrained(tmp_path / "with", base_model=model.base)
+    assert torch.equal(loaded.draft_vocabulary, model.draft_vocabulary)
+    ids = _ids()
+    assert torch.equal(loaded.generate(ids, do_sample=False, max_new_tokens=8),
+                       model.base.generate(ids, do_sample=False, max_new_tokens=8))
+    plain = _model()
+    plain.draft_vocabulary = None
+    plain.save_pretrained(tmp_path / "without")
+    assert "draft_vocabulary" not in load_file(tmp_path / "without" / "routers.safetensors")
+    assert tide.TideForCausalLM.from_pretrained(tmp_path / "without", base_model=plain.base).draft_vocabulary is None
+
+
+@pytest.mark.parametrize("damage, message", [(lambda v: v.float(), "integer"), (lambda v: v + VOCAB, "outside"),
+                                             (lambda v: torch.cat([v, v[:1]]), "repeats")])
+def test_a_damaged_vocabulary_is_refused(tmp_path, damage, message):
+    model = _model(size=16)
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "routers.safetensors")
+    weights["draft_vocabulary"] = damage(weights["draft_vocabulary"])
+    save_file(weights, tmp_path / "routers.safetensors")
+    with pytest.raises(ValueError, match=message):
+        tide.TideForCausalLM.from_pretrained(tmp_path, base_model=model.base)
+
+
+def test_ranking_and_restricted_ranks():
+    counts = torch.tensor([5, 0, 9, 5, 1])
+    assert ranked_vocabulary(counts, 3).tolist() == [2, 0, 3]  # most frequent first, ties by id
+    logits = torch.tensor([[0.0, 4.0, 3.0, 2.0, 1.0]] * 3)
+    full_top1 = torch.tensor([2, 4, 1])
+    ids = torch.tensor([3, 2, 4])
+    # token 2 ranks first among {2, 3, 4}; token 4 third; token 1 is outside: the cap
+    assert restricted_ranks(logits, full_top1, ids, cap=8).tolist() == [0, 2, 8]
+    assert candidate_sizes(4096) == [128, 256, 512, 1024] and candidate_sizes(128) == []
+
+
+def test_estimates_price_a_restricted_draft_by_its_share_of_the_head():
+    costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=2.0, capture_s=0.5, device="cpu",
+                      verify_extra_s=0.5)
+    ranks = {1: torch.zeros(400, dtype=torch.uint8)}  # every draft right
+    same = {256: (ranks, ranks)}
+    missing = {256: ({1: torch.full((400,), 8, dtype=torch.uint8)},) * 2}  # the vocabulary never holds the token
+    best = draft_candidates(ranks, 12, costs, max_draft=1, restricted=same, head_rows=1024)[0]
+    full = draft_candidates(ranks, 12, costs, max_draft=1)[0]
+    assert best.draft_vocab_size == 256 and best.estimate > full.estimate
+    base = 12 + 2.0 + 0.5
+    assert best.estimate == pytest.approx(2 / (2 + 2.0 * 256 / 1024 + 0.5 + base + 0.5 * 1 / 3) * base)
+    assert draft_candidates(ranks, 12, costs, max_draft=1, restricted=missing, head_rows=1024)[0].draft_vocab_size == 0
+
+
+def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tmp_path):
+    """Calibration ranks the full model's predictions, scores restricted drafts on held-out text, and keeps
+    the vocabulary (cut to the chosen size) only when the chosen scheme uses one."""
+    calibration = __import__("tide.calibrate", fromlist=["_choose_draft"])
+    monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
+    seen = {}
+
+    def choose(tide_model, tokenizer, texts, candidates):
+        seen["candidates"] = candidates
+        pick = next(c for c in candidates if c.draft_vocab_size == 16)
+        return {"trials": [{**pick._asdict(), "measured": 1.5}], "chosen": {**pick._asdict(), "measured": 1.5}}
+
+    monkeypatch.setattr(calibration, "_choose_draft", choose)
+    model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
+                           config=tide.TideConfig(checkpoint_interval=2), num_samples=16, batch_size=8,
+                           max_length=32, progress=False, head_steps=10, draft_trials=400, validation_tokens=64)
+    assert {c.draft_vocab_size for c in seen["candidates"]} == {0, 16, 32}
+    assert model.draft_vocabulary.numel() == 16 and model.config.generation["draft_vocab_size"] == 16
+    ids = _ids()
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=10),
+                       model.base.generate(ids, do_sample=False, max_new_tokens=10))
+    assert model.last_stats.draft_vocab_size == 16
+    model.save_pretrained(tmp_path)
+    assert load_file(tmp_path / "routers.safetensors")["draft_vocabulary"].numel() == 16
+    assert "over the 16 most predicted tokens" in (tmp_path / "README.md").read_text()
