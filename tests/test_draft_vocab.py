@@ -174,14 +174,20 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
 
     def choose(tide_model, tokenizer, texts, candidates):
         seen["candidates"] = candidates
-        pick = next(c for c in candidates if c.draft_vocab_size == 16)
+        pick = candidates[0]._replace(draft_vocab_size=16)  # as if calibration had timed this one fastest
         return {"trials": [{**pick._asdict(), "measured": 1.5}], "chosen": {**pick._asdict(), "measured": 1.5}}
 
     monkeypatch.setattr(calibration, "_choose_draft", choose)
+    scored = []
+    original_candidates = calibration.draft_candidates
+    monkeypatch.setattr(calibration, "draft_candidates",
+                        lambda *a, **kw: scored.append(kw["restricted"]) or original_candidates(*a, **kw))
     model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
                            config=tide.TideConfig(checkpoint_interval=2), num_samples=16, batch_size=8,
                            max_length=32, progress=False, head_steps=10, draft_trials=400, validation_tokens=64)
-    assert {c.draft_vocab_size for c in seen["candidates"]} == {0, 16, 32}
+    assert sorted(scored[0]) == [16, 32]  # both sizes were scored on held-out text
+    shapes = [(c.draft_layer, c.max_draft, c.draft_topk) for c in seen["candidates"]]
+    assert len(shapes) == len(set(shapes)) > 1  # trials differ in more than the vocabulary
     assert model.draft_vocabulary.numel() == 16 and model.config.generation["draft_vocab_size"] == 16
     ids = _ids()
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=10),

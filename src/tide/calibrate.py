@@ -144,9 +144,10 @@ def calibrate(
     cfg.thresholds = point.thresholds
     draft_selection = None
     if costs is not None and opts.draft_trials:
-        candidates = draft_candidates(held.ranks(), num_layers, costs, cfg.generation_config.max_draft or 8,
-                                      chain_ranks=held.chain_ranks(), restricted=held.restricted(),
-                                      head_rows=tide.num_head_rows)[: opts.draft_trials]
+        candidates = _distinct_shapes(draft_candidates(held.ranks(), num_layers, costs,
+                                                       cfg.generation_config.max_draft or 8,
+                                                       chain_ranks=held.chain_ranks(), restricted=held.restricted(),
+                                                       head_rows=tide.num_head_rows), opts.draft_trials)
         draft_selection = procs.broadcast(_choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main else None)
         chosen = draft_selection.get("chosen")
         exit_speed = exit_timing["measured"] if exit_timing and exit_timing["active"] else 1.0
@@ -284,9 +285,10 @@ def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig, vocab: torch.T
 
 def _ranked_vocabulary(tide: TideForCausalLM, trainer: "_Trainer", procs: Processes) -> torch.Tensor | None:
     """The tokens the full model predicted most on the training texts (all processes), as many as the largest
-    draft vocabulary calibration scores; None where the head is too small for one."""
+    draft vocabulary calibration scores; None where the head is too small for one, or is not a plain linear
+    (whose rows a restricted draft reads alone)."""
     sizes = candidate_sizes(tide.num_head_rows)
-    if not sizes:
+    if not sizes or not isinstance(tide.parts.lm_head, torch.nn.Linear):
         return None
     counts = torch.tensor(procs.sum(trainer.predicted.tolist())) if procs.world > 1 else trainer.predicted
     return ranked_vocabulary(counts, max(sizes))
@@ -475,6 +477,19 @@ def _time_exit(tide, prompts, thresholds) -> dict:
     `KEEP_SPEEDUP`)."""
     ratio = _timed(tide, prompts, {"mode": "exit", "thresholds": thresholds})
     return {"measured": ratio, "active": ratio >= KEEP_SPEEDUP}
+
+
+def _distinct_shapes(candidates: list, count: int) -> list:
+    """The best-estimated `count` drafting schemes of different shapes (draft layer, chain length, tree width),
+    each with its best-estimated draft vocabulary: timing spends its trials on schemes that differ in more than
+    the vocabulary, whose share of the head the estimate already prices."""
+    seen, out = set(), []
+    for scheme in candidates:
+        shape = (scheme.draft_layer, scheme.max_draft, scheme.draft_topk)
+        if shape not in seen and len(out) < count:
+            seen.add(shape)
+            out.append(scheme)
+    return out
 
 
 def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
