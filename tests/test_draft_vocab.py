@@ -47,6 +47,28 @@ def test_restricted_logits_are_the_heads_own_for_those_tokens(family):
     assert torch.isneginf(restricted[:, outside]).all() and torch.equal(normed, same)
 
 
+def test_restricted_logits_follow_a_new_or_changed_vocabulary_and_head():
+    model = _model(size=24)
+    k, hidden = model.checkpoints[0], torch.randn(2, model.config.base_hidden_size)
+
+    def check():
+        full = model.draft_logits(k, hidden, None)[0]
+        restricted = model.draft_logits(k, hidden, None, vocab_size=16)[0]
+        ids = model.draft_vocabulary[:16]
+        torch.testing.assert_close(restricted[:, ids], full[:, ids])
+        assert torch.isfinite(restricted).sum() == 2 * 16
+
+    check()
+    model.draft_vocabulary = model.draft_vocabulary.flip(0)  # a new tensor
+    check()
+    model.draft_vocabulary[:8] = model.draft_vocabulary[8:16].clone()  # changed in place
+    model.draft_vocabulary[8:16] = torch.arange(VOCAB)[~torch.isin(torch.arange(VOCAB), model.draft_vocabulary)][:8]
+    check()
+    with torch.no_grad():
+        model.parts.lm_head.weight.mul_(2.0)  # the head changed in place
+    check()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("scheme", [dict(max_draft=4), dict(max_draft=1, draft_topk=3)])
 def test_lossless_with_a_draft_vocabulary_is_token_identical(family, scheme):

@@ -11,7 +11,7 @@ the error lists the supported types and shows how to `register` one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import inspect
 import math
@@ -125,7 +125,6 @@ class ModelParts:
     softcap: float | None
     layer_types: list[str] | None
     registered: bool = True  # False for a probed model: nothing is assumed about its layers' arguments
-    _head_rows: dict = field(default_factory=dict, repr=False)  # rows of the head for a draft vocabulary
 
     @property
     def uniform_layers(self) -> bool:
@@ -140,40 +139,27 @@ class ModelParts:
         """The model's own final norm: what the head (and every router) sees. [..., H] -> [..., H]."""
         return self.norm(hidden)
 
-    def logits_from_normed(self, normed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Head (+ OPT's project_out, + soft-cap) on a normed state. [..., H] -> [..., V], or with `rows` (token
-        ids [n]) only those ids' logits [..., n], from a copy of the head's rows kept after the first call."""
+    def logits_from_normed(self, normed: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
+        """Head (+ OPT's project_out, + soft-cap) on a normed state. [..., H] -> [..., V], or with `head` (some
+        rows of the head, from `head_rows`) only those rows' logits [..., n]."""
         if self.post_norm is not None:
             normed = self.post_norm(normed)
-        if rows is None:
-            logits = self.lm_head(normed)
-        elif isinstance(self.lm_head, nn.Linear):
-            weight, bias = self._rows_of_head(rows)
-            logits = nn.functional.linear(normed, weight, bias)
-        else:  # a head that is not a plain linear: all of it, then the rows
-            logits = self.lm_head(normed).index_select(-1, rows.to(normed.device))
+        logits = self.lm_head(normed) if head is None else nn.functional.linear(normed, *head)
         if self.spec.logit_scale is not None:
             logits = logits * self.spec.logit_scale
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def _rows_of_head(self, rows: torch.Tensor):
-        """(weight [n, H], bias [n] or None): the head's rows for `rows`, copied again when the head's weight
-        changes (in place, or moved) or other rows are asked for."""
+    def head_rows(self, ids: torch.Tensor) -> tuple | None:
+        """(weight [n, H], bias [n] or None): copies of the head's rows for token ids `ids`; None where the head
+        is not a plain linear layer."""
+        if not isinstance(self.lm_head, nn.Linear):
+            return None
         weight, bias = self.lm_head.weight, self.lm_head.bias
-        try:
-            version = weight._version
-        except RuntimeError:  # an inference tensor has no version counter
-            version = None
-        key = (weight.data_ptr(), weight.dtype, weight.device, version, rows.data_ptr(), rows.numel())
-        held = self._head_rows.get("rows")
-        if held is None or held[0] != key:
-            with torch.no_grad():
-                index = rows.to(weight.device)
-                held = (key, weight.index_select(0, index), None if bias is None else bias.index_select(0, index))
-            self._head_rows["rows"] = held
-        return held[1], held[2]
+        with torch.no_grad():
+            index = ids.to(weight.device)
+            return weight.index_select(0, index), None if bias is None else bias.index_select(0, index)
 
     def layer_output(self, output) -> torch.Tensor:
         """The hidden state from whatever a decoder layer returns."""

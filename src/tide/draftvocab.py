@@ -44,8 +44,12 @@ def restricted_ranks(logits: torch.Tensor, full_top1: torch.Tensor, ids: torch.T
     return ranks.masked_fill(~inside[full_top1], cap).to(torch.uint8)
 
 
-def restricted_logits(parts, normed: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Logits [..., vocab_size] of a draft restricted to `ids`: the head's rows for them, -inf elsewhere."""
-    sub = parts.logits_from_normed(normed, rows=ids)
+def restricted_logits(parts, normed: torch.Tensor, ids: torch.Tensor, head: tuple | None, vocab_size: int) -> torch.Tensor:
+    """Logits [..., vocab_size] of a draft restricted to `ids`: from `head` (the head's rows for them, see
+    `ModelParts.head_rows`; None: the whole head, then those ids), -inf elsewhere."""
+    if head is None:
+        sub = parts.logits_from_normed(normed).index_select(-1, ids.to(normed.device))
+    else:
+        sub = parts.logits_from_normed(normed, head)
     out = sub.new_full((*sub.shape[:-1], vocab_size), float("-inf"))
     return out.index_copy_(out.dim() - 1, ids.to(out.device), sub)

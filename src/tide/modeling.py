@@ -28,6 +28,14 @@ from .thresholds import exit_decision
 __all__ = ["TideForCausalLM"]
 
 
+def _version(tensor: torch.Tensor):
+    """The tensor's in-place version counter (None for inference tensors, which have none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 class TideForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = TideConfig
     base_model_prefix = "base"
@@ -165,7 +173,8 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         normed = self.parts.final_norm(state)
         if not vocab_size:
             return self.parts.logits_from_normed(normed), normed
-        return restricted_logits(self.parts, normed, self.draft_vocab_ids(vocab_size), self.num_head_rows), normed
+        ids, head = self._draft_head(vocab_size)
+        return restricted_logits(self.parts, normed, ids, head, self.num_head_rows), normed
 
     @property
     def num_head_rows(self) -> int:
@@ -173,16 +182,25 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         weight = getattr(self.parts.lm_head, "weight", None)
         return weight.shape[0] if weight is not None else self.base.config.get_text_config().vocab_size
 
-    def draft_vocab_ids(self, size: int) -> torch.Tensor:
-        """The first `size` ids of `draft_vocabulary`, on the head's device (a clear error where it holds fewer)."""
+    def check_draft_vocab_size(self, size: int) -> None:
+        """Raise unless `draft_vocabulary` holds at least `size` ids."""
         held = 0 if self.draft_vocabulary is None else self.draft_vocabulary.numel()
         if size > held:
             raise ValueError(f"draft_vocab_size={size}, but these routers' draft vocabulary holds {held} tokens"
                              + (" (none: calibrate to make one)" if not held else "") + "; use at most that, or 0.")
-        device = getattr(self.parts.lm_head, "weight", self.draft_vocabulary).device
-        if self.draft_vocabulary.device != device:
-            self.draft_vocabulary = self.draft_vocabulary.to(device)
-        return self.draft_vocabulary[:size]
+
+    def _draft_head(self, size: int):
+        """(ids [size] on the head's device, the head's rows for them or None): the first `size` ids of
+        `draft_vocabulary`, kept until the vocabulary (replaced or changed in place) or the head's weight changes."""
+        self.check_draft_vocab_size(size)
+        vocabulary, weight = self.draft_vocabulary, getattr(self.parts.lm_head, "weight", None)
+        key = (size, _version(vocabulary), None if weight is None else (weight.data_ptr(), weight.dtype, _version(weight)))
+        held = self.__dict__.get("_draft_head_rows")
+        if held is None or held[0] is not vocabulary or held[1] != key:  # (held[0] keeps the vocabulary alive)
+            ids = vocabulary[:size].to(weight.device if weight is not None else vocabulary.device)
+            held = (vocabulary, key, ids, self.parts.head_rows(ids))
+            self.__dict__["_draft_head_rows"] = held
+        return held[2], held[3]
 
     # ------------------------------------------------------------------ the base model's API
     def __getattr__(self, name: str):
