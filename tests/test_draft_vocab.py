@@ -218,3 +218,30 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
     model.save_pretrained(tmp_path)
     assert load_file(tmp_path / "routers.safetensors")["draft_vocabulary"].numel() == 16
     assert "over the 16 most predicted tokens" in (tmp_path / "README.md").read_text()
+
+
+def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
+    """The trials run `generate` with each scheme's draft vocabulary (timings replaced: a restricted draft is
+    made the fastest), and the kept one decodes as the base model."""
+    calibration = __import__("tide.calibrate", fromlist=["_timed"])
+    monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
+    monkeypatch.setattr(calibration, "_distinct_shapes", lambda candidates, count: candidates[:count])
+    ran = []
+
+    def timed(tide_model, prompts, config):
+        if config.get("mode") == "lossless":
+            out = tide_model.generate(prompts[0], do_sample=False, max_new_tokens=4, tide_config=config)
+            ran.append((config.get("draft_vocab_size"), out))
+        return 1.5 if config.get("draft_vocab_size") else 1.1
+
+    monkeypatch.setattr(calibration, "_timed", timed)
+    model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
+                           config=tide.TideConfig(checkpoint_interval=2), num_samples=16, batch_size=8,
+                           max_length=32, progress=False, head_steps=10, draft_trials=400, validation_tokens=64)
+    selection = model.config.calibration["draft_selection"]
+    assert "unavailable" not in selection and {n for n, _ in ran} >= {0, 16, 32}
+    chosen = selection["chosen"]["draft_vocab_size"]
+    assert chosen in (16, 32) and model.draft_vocabulary.numel() == chosen
+    ids = _ids()
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=10),
+                       model.base.generate(ids, do_sample=False, max_new_tokens=10))

@@ -148,6 +148,7 @@ def calibrate(
                                                        cfg.generation_config.max_draft or 8,
                                                        chain_ranks=held.chain_ranks(), restricted=held.restricted(),
                                                        head_rows=tide.num_head_rows), opts.draft_trials)
+        tide.draft_vocabulary = ranked  # for the trials; cut to the chosen scheme's below
         draft_selection = procs.broadcast(_choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main else None)
         chosen = draft_selection.get("chosen")
         exit_speed = exit_timing["measured"] if exit_timing and exit_timing["active"] else 1.0
