@@ -245,3 +245,29 @@ def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
     ids = _ids()
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=10),
                        model.base.generate(ids, do_sample=False, max_new_tokens=10))
+
+
+def test_draft_trials_stop_only_where_lossless_mode_is_unavailable(monkeypatch):
+    """A model whose cache cannot roll back makes calibration record lossless mode as unavailable; any other
+    error in a trial is a bug and propagates (it once hid a restricted trial's missing vocabulary)."""
+    from types import SimpleNamespace
+
+    from tide.costs import DraftScheme
+    from tide.speculative import LosslessUnavailable
+
+    calibration = __import__("tide.calibrate", fromlist=["_choose_draft"])
+    monkeypatch.setattr(calibration, "_timing_prompts", lambda *args: [])
+    model, scheme = SimpleNamespace(base=SimpleNamespace(device="cpu")), DraftScheme(1, 1, 2, 1.2)
+
+    def unavailable(*args):
+        raise LosslessUnavailable("mode='lossless' needs sliding-window cache layers that can roll back")
+
+    monkeypatch.setattr(calibration, "_timed", unavailable)
+    assert "roll back" in calibration._choose_draft(model, None, [], [scheme])["unavailable"]
+
+    def broken(*args):
+        raise ValueError("draft_vocab_size=64, but these routers' draft vocabulary holds 0 tokens")
+
+    monkeypatch.setattr(calibration, "_timed", broken)
+    with pytest.raises(ValueError, match="holds 0 tokens"):
+        calibration._choose_draft(model, None, [], [scheme])

@@ -26,6 +26,7 @@ from .distributed import Processes
 from .evaluate import teacher_forced
 from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
+from .speculative import LosslessUnavailable
 from .thresholds import EXIT_ERROR_BUDGETS, CheckpointCalibration, auc, binomial_upper_bound, calibrate_cascade, oracle_depth
 
 __all__ = ["calibrate", "calibration_table", "thresholds_for_target", "operating_point", "OperatingPoint", "CalibrationOptions"]
@@ -503,7 +504,7 @@ def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
             ratio = _timed(tide, prompts, {"mode": "lossless", "draft_layer": scheme.draft_layer,
                                            "max_draft": scheme.max_draft, "draft_topk": scheme.draft_topk,
                                            "draft_vocab_size": scheme.draft_vocab_size})
-        except ValueError as err:  # lossless mode unavailable for this model (e.g. sliding-window caches)
+        except LosslessUnavailable as err:  # e.g. sliding-window caches that cannot roll back
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
         trials.append({**scheme._asdict(), "measured": ratio})
     best = max(trials, key=lambda t: t["measured"], default=None)

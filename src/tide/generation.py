@@ -18,7 +18,7 @@ from . import _hf_compat
 from .config import TideConfig, TideGenerationConfig
 from .dispatch import activated, install
 from .engine import ExitSession
-from .speculative import LosslessSession
+from .speculative import LosslessSession, LosslessUnavailable
 from .stats import GenerationStats
 
 __all__ = ["generate_with_tide", "resolve_run_config", "attach_stats", "lossless_problem"]
@@ -82,7 +82,7 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     if run.mode == "lossless":
         problem = lossless_problem(model, args, kwargs)
         if problem:
-            raise ValueError(problem)
+            raise LosslessUnavailable(problem)
         if run.max_draft == 0:  # calibration found that no drafting scheme pays on this model and machine
             return model.base.generate(*args, **kwargs)
         session = LosslessSession(model, run, kwargs.get("stopping_criteria"))

@@ -29,7 +29,11 @@ from .layercalls import capture_layer_calls, capture_outputs
 from .stats import GenerationStats
 from .treedraft import TreeDrafter, grown_mask, new_positions
 
-__all__ = ["LosslessSession", "check_rollback"]
+__all__ = ["LosslessSession", "LosslessUnavailable", "check_rollback"]
+
+
+class LosslessUnavailable(ValueError):
+    """Lossless mode cannot run this call or model (the message says what to do instead)."""
 
 
 def check_rollback(cache) -> None:
@@ -37,7 +41,7 @@ def check_rollback(cache) -> None:
     assisted generation turns that on (`activate_past_recording`); a cache where it is off cannot be used."""
     layers = unrecoverable_sliding_layers(cache)
     if layers:
-        raise ValueError(
+        raise LosslessUnavailable(
             f"mode='lossless' needs sliding-window cache layers that can roll back rejected drafts, and layers "
             f"{layers} of this cache drop evicted positions at once. Pass a DynamicCache (or none) and let "
             "generate create it, or use mode='exit'."
