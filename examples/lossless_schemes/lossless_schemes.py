@@ -2,8 +2,9 @@
 
     python examples/lossless_schemes/lossless_schemes.py --routers DIR [--model DIR] [--schemes 0:1:1,0:1:3]
 
-A scheme is `draft_layer:max_draft:draft_topk[:exit]` (topk 1: a chain of up to max_draft drafts; k > 1: a tree
-of k candidates; `:exit` drafts from the exit head even where the layer has a draft head). Each repeat runs the base model and every scheme once, on one of the demo prompts in turn
+A scheme is `draft_layer:max_draft:draft_topk[:exit][:vN]` (topk 1: a chain of up to max_draft drafts; k > 1: a
+tree of k candidates; `:exit` drafts from the exit head even where the layer has a draft head; `:vN` drafts over
+the N most predicted tokens of the router repo's draft vocabulary). Each repeat runs the base model and every scheme once, on one of the demo prompts in turn
 (interleaved, so that the machine's drift hits them alike); the ratio is the median of the per-repeat ratios,
 with the interquartile range. `--pieces` also times the parts of one tree cycle after a 40-token context.
 Without `--model`, the shipped demo model; `--routers` is a router repo calibrated for that model
@@ -26,11 +27,13 @@ from tide.treedraft import tree_mask_calls, without_first_position
 
 
 def parse_schemes(text: str) -> list[tuple]:
-    """'0:1:3,0:1:3:exit' -> [(0, 1, 3, 'draft'), (0, 1, 3, 'exit')]."""
+    """'0:1:3,0:1:3:exit,1:1:2:v1024' -> [(0, 1, 3, 'draft', 0), (0, 1, 3, 'exit', 0), (1, 1, 2, 'draft', 1024)]."""
     schemes = []
     for item in text.split(","):
         fields = item.split(":")
-        schemes.append((*(int(v) for v in fields[:3]), fields[3] if len(fields) > 3 else "draft"))
+        extra = fields[3:]
+        vocab = next((int(f[1:]) for f in extra if f.startswith("v")), 0)
+        schemes.append((*(int(v) for v in fields[:3]), "exit" if "exit" in extra else "draft", vocab))
     return schemes
 
 
@@ -60,10 +63,10 @@ def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
         if scheme is None:
             model.base.generate(ids, **kwargs)
         else:
-            layer, length, topk, head = scheme
+            layer, length, topk, head, vocab = scheme
             with exit_head_drafts(model, head == "exit"):
                 model.generate(ids, tide_config={"mode": "lossless", "draft_layer": layer, "max_draft": length,
-                                                 "draft_topk": topk}, **kwargs)
+                                                 "draft_topk": topk, "draft_vocab_size": vocab}, **kwargs)
         return time.perf_counter() - start
 
     runs = [None, *schemes]
@@ -74,7 +77,8 @@ def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
         for scheme in runs:
             times[scheme].append(seconds(scheme, prompts[repeat % len(prompts)]))
     print(f"base: {statistics.median(times[None]) * 1000 / new_tokens:.2f} ms per token")
-    print("draft layer | max draft | topk | drafts from | vs base [IQR] | accepted / drafted | layer passes per token")
+    print("draft layer | max draft | topk | drafts from | draft vocabulary | vs base [IQR] | accepted / drafted | "
+          "layer passes per token")
     for scheme in schemes:
         ratios = sorted(b / t for b, t in zip(times[None], times[scheme]))
         accepted = drafted = passes = tokens = 0
@@ -84,7 +88,8 @@ def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
             accepted, drafted, passes, tokens = (accepted + s.accepted, drafted + s.drafted,
                                                  passes + s.layer_passes, tokens + s.decode_tokens)
         quart = len(ratios) // 4
-        print(f"{scheme[0]} | {scheme[1]} | {scheme[2]} | {scheme[3]} head | x{statistics.median(ratios):.3f} "
+        print(f"{scheme[0]} | {scheme[1]} | {scheme[2]} | {scheme[3]} head | {scheme[4] or 'all'} | "
+              f"x{statistics.median(ratios):.3f} "
               f"[{ratios[quart]:.2f}-{ratios[-1 - quart]:.2f}] | {accepted} / {drafted} | {passes / tokens:.2f}")
 
 
