@@ -54,3 +54,25 @@ def test_calibration_through_hooks(offloaded):
     ids = torch.randint(4, 100, (2, 6), generator=torch.Generator().manual_seed(1))
     out = calibrated.generate(ids, **GREEDY)
     assert out.shape == (2, 6 + GREEDY["max_new_tokens"])
+
+
+def test_restricted_drafts_through_hooks_equal_the_base_model(offloaded):
+    model, reference = offloaded
+    tide_model = tide.TideForCausalLM.from_base(model, tide.TideConfig(checkpoint_layers=[1, 3]))
+    tide_model.draft_vocabulary = torch.arange(4, 36)
+    ids = torch.randint(4, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    expected = reference.generate(ids, **GREEDY)
+    for scheme in ({"max_draft": 3}, {"max_draft": 1, "draft_topk": 3}):
+        config = {"mode": "lossless", "draft_layer": 1, "draft_vocab_size": 32, **scheme}
+        assert torch.equal(tide_model.generate(ids, tide_config=config, **GREEDY), expected)
+
+
+def test_an_offloaded_head_gives_no_rows_to_copy():
+    """A head whose weight accelerate keeps off the device (meta until its hook loads it) is read whole, then
+    the draft vocabulary's ids are picked from its logits."""
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"))
+    model.parts.lm_head = torch.nn.Linear(32, 128, bias=False, device="meta")
+    assert model.parts.head_rows(torch.arange(8)) is None
+    model.draft_vocabulary = torch.arange(4, 20)
+    ids, rows = model._draft_head(8)
+    assert rows is None and ids.device.type == "cpu" and ids.tolist() == list(range(4, 12))

@@ -144,7 +144,7 @@ class ModelParts:
         rows of the head, from `head_rows`) only those rows' logits [..., n]."""
         if self.post_norm is not None:
             normed = self.post_norm(normed)
-        logits = self.lm_head(normed) if head is None else nn.functional.linear(normed, *head)
+        logits = self.lm_head(normed) if head is None else nn.functional.linear(normed.to(head[0].device), *head)
         if self.spec.logit_scale is not None:
             logits = logits * self.spec.logit_scale
         if self.softcap:
@@ -153,8 +153,8 @@ class ModelParts:
 
     def head_rows(self, ids: torch.Tensor) -> tuple | None:
         """(weight [n, H], bias [n] or None): copies of the head's rows for token ids `ids`; None where the head
-        is not a plain linear layer."""
-        if not isinstance(self.lm_head, nn.Linear):
+        is not a plain linear layer, or its weight is not loaded (offloaded: accelerate's hooks bring it per call)."""
+        if not isinstance(self.lm_head, nn.Linear) or self.lm_head.weight.device.type == "meta":
             return None
         weight, bias = self.lm_head.weight, self.lm_head.bias
         with torch.no_grad():

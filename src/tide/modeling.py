@@ -197,7 +197,8 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         key = (size, _version(vocabulary), None if weight is None else (weight.data_ptr(), weight.dtype, _version(weight)))
         held = self.__dict__.get("_draft_head_rows")
         if held is None or held[0] is not vocabulary or held[1] != key:  # (held[0] keeps the vocabulary alive)
-            ids = vocabulary[:size].to(weight.device if weight is not None else vocabulary.device)
+            on_head = weight is not None and weight.device.type != "meta"  # (an offloaded head: logits pick ids)
+            ids = vocabulary[:size].to(weight.device if on_head else vocabulary.device)
             held = (vocabulary, key, ids, self.parts.head_rows(ids))
             self.__dict__["_draft_head_rows"] = held
         return held[2], held[3]
