@@ -279,9 +279,9 @@ def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig, vocab: torch.T
         out["ranks"][k] = _draft_ranks(first, cap.full_top1).cpu()
         out["chain_ranks"][k] = out["ranks"][k] if chained is first else _draft_ranks(chained, cap.full_top1).cpu()
         for n in sizes:  # the same drafts ranking only the n most-predicted tokens
-            ranks = [restricted_ranks(logits, cap.full_top1, vocab[:n], MAX_DRAFT_TOPK).cpu() for logits in (first, chained)]
-            out["vocab_ranks"][(k, n)] = ranks[0]
-            out["vocab_chain_ranks"][(k, n)] = ranks[0] if chained is first else ranks[1]
+            ranks = out["vocab_ranks"][(k, n)] = restricted_ranks(first, cap.full_top1, vocab[:n], MAX_DRAFT_TOPK).cpu()
+            out["vocab_chain_ranks"][(k, n)] = ranks if chained is first else \
+                restricted_ranks(chained, cap.full_top1, vocab[:n], MAX_DRAFT_TOPK).cpu()
     return out
 
 

@@ -52,7 +52,7 @@ PACK_ROWS = 4  # the row count MKL packs a weight for (the packed copy serves an
 # Inside `few_row_linears`: the layout for each row count 0..MAX_ROWS (None below 2 rows); outside: None.
 _ACTIVE: ContextVar = ContextVar("tide_few_row_linears", default=None)
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parts.layers -> choice, once per process
-_PACKED: dict = {}  # id(weight) -> (weakref to it, its version, packed copy); dropped with the weight
+_PACKED: dict = {}  # id(weight) -> (weakref to it, its copy_key, packed copy); dropped with the weight
 
 
 @contextmanager
@@ -123,18 +123,25 @@ def _packable(weight: torch.Tensor) -> bool:
 _HAS_MKL_PACK = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
+def copy_key(tensor: torch.Tensor) -> tuple:
+    """What a copy derived from `tensor` (a packed weight, a head's rows) must be made again on: its storage,
+    dtype and in-place version counter."""
+    try:
+        version = tensor._version
+    except RuntimeError:  # an inference tensor (made in inference mode) has no version counter
+        version = None
+    return tensor.data_ptr(), tensor.dtype, version
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight's MKL-packed copy, made once and again when the weight changes in place."""
-    try:
-        version = (weight._version, weight.data_ptr())
-    except RuntimeError:  # an inference tensor (made in inference mode) has no version counter
-        version = (None, weight.data_ptr())
+    key = copy_key(weight)
     held = _PACKED.get(id(weight))
     if held is None or held[0]() is not weight:  # first use of this weight
         weakref.finalize(weight, _PACKED.pop, id(weight), None)
         held = None
-    if held is None or held[1] != version:
-        held = (weakref.ref(weight), version, _new_pack(weight))
+    if held is None or held[1] != key:
+        held = (weakref.ref(weight), key, _new_pack(weight))
         _PACKED[id(weight)] = held
     return held[2]
 

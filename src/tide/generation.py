@@ -40,8 +40,7 @@ def resolve_run_config(model, tide_config) -> TideGenerationConfig | None:
         )
     run = model.config.resolve_generation(tide_config)
     run.validate(checkpoints=model.checkpoints)
-    if run.draft_vocab_size:
-        model.check_draft_vocab_size(run.draft_vocab_size)
+    model.check_draft_vocab_size(run.draft_vocab_size)
     if run.mode == "auto" and _EXIT_OPTIONS & _given_fields(tide_config):
         run.mode = "exit"  # the call set exit-mode options: it asks for exit mode
     if run.has_operating_point or run.mode != "exit":  # lossless drafts need no thresholds

@@ -28,14 +28,6 @@ from .thresholds import exit_decision
 __all__ = ["TideForCausalLM"]
 
 
-def _version(tensor: torch.Tensor):
-    """The tensor's in-place version counter (None for inference tensors, which have none)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return None
-
-
 class TideForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = TideConfig
     base_model_prefix = "base"
@@ -192,11 +184,11 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
     def _draft_head(self, size: int):
         """(ids [size] on the head's device, the head's rows for them or None): the first `size` ids of
         `draft_vocabulary`, kept until the vocabulary (replaced or changed in place) or the head's weight changes."""
-        self.check_draft_vocab_size(size)
         vocabulary, weight = self.draft_vocabulary, getattr(self.parts.lm_head, "weight", None)
-        key = (size, _version(vocabulary), None if weight is None else (weight.data_ptr(), weight.dtype, _version(weight)))
+        key = (size, vocabulary is not None and fewrows.copy_key(vocabulary), weight is not None and fewrows.copy_key(weight))
         held = self.__dict__.get("_draft_head_rows")
         if held is None or held[0] is not vocabulary or held[1] != key:  # (held[0] keeps the vocabulary alive)
+            self.check_draft_vocab_size(size)
             on_head = weight is not None and weight.device.type != "meta"  # (an offloaded head: logits pick ids)
             ids = vocabulary[:size].to(weight.device if on_head else vocabulary.device)
             held = (vocabulary, key, ids, self.parts.head_rows(ids))
