@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tide
-from tiny_models import FAMILIES, sample_texts, tiny_model, tiny_tokenizer
+from tiny_models import FAMILIES, prompt_ids, sample_texts, tiny_model, tiny_tokenizer
 
 FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1, validation_tokens=128)
 
@@ -22,11 +22,6 @@ def _model(family="llama", perturb=0.3, **cfg):
                 for p in model.routers[k].draft.parameters():
                     p.add_(torch.randn_like(p) * perturb)
     return model
-
-
-def _ids(length=9, seed=0):
-    torch.manual_seed(seed)
-    return torch.randint(4, 100, (1, length))
 
 
 def test_heads_sit_on_the_first_half_of_the_stack():
@@ -96,7 +91,7 @@ def test_each_draft_gets_the_full_models_state_before_it(family, topk):
     """With one draft per cycle every draft's context is verified, so it must equal the base model's final
     normed state at the position before the drafted-from token (found by its layer-0 state)."""
     model = _model(family)
-    ids = _ids()
+    ids = prompt_ids()
     base = model.base
     ref = base.generate(ids, do_sample=False, max_new_tokens=12)
     calls = _record_drafts(model)
@@ -122,7 +117,7 @@ def test_each_draft_gets_the_full_models_state_before_it(family, topk):
 @pytest.mark.parametrize("scheme", [dict(max_draft=4), dict(max_draft=1, draft_topk=3)])
 def test_lossless_with_draft_heads_is_token_identical(family, scheme):
     model = _model(family)
-    ids = _ids()
+    ids = prompt_ids()
     ref = model.base.generate(ids, do_sample=False, max_new_tokens=14)
     out = model.generate(ids, do_sample=False, max_new_tokens=14, tide_config={"mode": "lossless", "draft_layer": 0, **scheme})
     assert torch.equal(out, ref)
@@ -130,7 +125,7 @@ def test_lossless_with_draft_heads_is_token_identical(family, scheme):
 
 def test_a_one_token_prompt_drafts_without_context():
     model = _model()
-    ids = _ids(length=1)
+    ids = prompt_ids(length=1)
     ref = model.base.generate(ids, do_sample=False, max_new_tokens=8)
     calls = _record_drafts(model)
     out = model.generate(ids, do_sample=False, max_new_tokens=8, tide_config={"mode": "lossless", "draft_layer": 0})

@@ -13,25 +13,14 @@ from safetensors.torch import load_file, save_file
 import tide
 from tide.costs import StepCosts, draft_candidates
 from tide.draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
-from tiny_models import FAMILIES, VOCAB, sample_texts, tiny_model, tiny_tokenizer
+from tiny_models import FAMILIES, VOCAB, noisy_tide, prompt_ids, sample_texts, tiny_model, tiny_tokenizer
 
 
-def _model(family="llama", size=16, seed=1):
-    model = tide.TideForCausalLM.from_base(tiny_model(family), tide.TideConfig(checkpoint_interval=2))
-    torch.manual_seed(seed)
-    with torch.no_grad():  # exit heads that are right only sometimes
-        for k in model.checkpoints:
-            if model.routers[k].translator is not None:
-                for p in model.routers[k].translator.parameters():
-                    p.add_(torch.randn_like(p) * 0.3)
+def _model(family="llama", size=16):
+    model, _ = noisy_tide(family)
     # a vocabulary that misses many of the base model's tokens: drafts outside it must cost time, never output
-    model.draft_vocabulary = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:size]
+    model.draft_vocabulary = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:size]
     return model
-
-
-def _ids(length=9, seed=0):
-    torch.manual_seed(seed)
-    return torch.randint(4, 100, (1, length))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "gemma2"])
@@ -73,7 +62,7 @@ def test_restricted_logits_follow_a_new_or_changed_vocabulary_and_head():
 @pytest.mark.parametrize("scheme", [dict(max_draft=4), dict(max_draft=1, draft_topk=3)])
 def test_lossless_with_a_draft_vocabulary_is_token_identical(family, scheme):
     model = _model(family)
-    ids = _ids()
+    ids = prompt_ids()
     ref = model.base.generate(ids, do_sample=False, max_new_tokens=14)
     config = {"mode": "lossless", "draft_layer": 1, "draft_vocab_size": 16, **scheme}
     out = model.generate(ids, do_sample=False, max_new_tokens=14, tide_config=config)
@@ -92,7 +81,7 @@ def test_drafts_outside_the_vocabulary_are_never_offered():
         return logits, normed
 
     model.draft_logits = spy
-    model.generate(_ids(), do_sample=False, max_new_tokens=10,
+    model.generate(prompt_ids(), do_sample=False, max_new_tokens=10,
                    tide_config={"mode": "lossless", "draft_layer": 1, "max_draft": 1, "draft_topk": 3,
                                 "draft_vocab_size": 8})
     allowed = set(model.draft_vocabulary[:8].tolist())
@@ -103,7 +92,7 @@ def test_sampling_with_a_draft_vocabulary_keeps_the_base_distribution():
     """Speculative sampling from a restricted draft (probability 0 outside it) still samples the base model:
     the frequency of each first sampled token against the base model's own top-k distribution."""
     model = _model(size=8)
-    ids = _ids(length=5)
+    ids = prompt_ids(length=5)
     top_k, temperature, runs = 4, 2.0, 400
     with torch.no_grad():
         logits = model.base(ids).logits[0, -1] / temperature
@@ -122,7 +111,7 @@ def test_sampling_with_a_draft_vocabulary_keeps_the_base_distribution():
 
 def test_bad_sizes_are_refused_with_what_to_do():
     model = _model(size=16)
-    ids = _ids()
+    ids = prompt_ids()
     with pytest.raises(ValueError, match="holds 16 tokens"):
         model.generate(ids, max_new_tokens=2, tide_config={"mode": "lossless", "draft_vocab_size": 32})
     with pytest.raises(ValueError, match="at least 8"):
@@ -140,7 +129,7 @@ def test_the_vocabulary_round_trips_and_repos_without_one_load(tmp_path):
     model.save_pretrained(tmp_path / "with")
     loaded = tide.TideForCausalLM.from_pretrained(tmp_path / "with", base_model=model.base)
     assert torch.equal(loaded.draft_vocabulary, model.draft_vocabulary)
-    ids = _ids()
+    ids = prompt_ids()
     assert torch.equal(loaded.generate(ids, do_sample=False, max_new_tokens=8),
                        model.base.generate(ids, do_sample=False, max_new_tokens=8))
     plain = _model()
@@ -211,7 +200,7 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
     shapes = [(c.draft_layer, c.max_draft, c.draft_topk) for c in seen["candidates"]]
     assert len(shapes) == len(set(shapes)) > 1  # trials differ in more than the vocabulary
     assert model.draft_vocabulary.numel() == 16 and model.config.generation["draft_vocab_size"] == 16
-    ids = _ids()
+    ids = prompt_ids()
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=10),
                        model.base.generate(ids, do_sample=False, max_new_tokens=10))
     assert model.last_stats.draft_vocab_size == 16
@@ -242,7 +231,7 @@ def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
     assert "unavailable" not in selection and {n for n, _ in ran} >= {0, 16, 32}
     chosen = selection["chosen"]["draft_vocab_size"]
     assert chosen in (16, 32) and model.draft_vocabulary.numel() == chosen
-    ids = _ids()
+    ids = prompt_ids()
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=10),
                        model.base.generate(ids, do_sample=False, max_new_tokens=10))
 

@@ -8,36 +8,19 @@ from transformers import LogitsProcessorList, StoppingCriteriaList, TextIterator
 
 import tide
 from generation_helpers import BanToken, StopAfter
-from tiny_models import FAMILIES, tiny_model, tiny_tokenizer
-
-def _wrap(family="llama", **cfg):
-    base = tiny_model(family)
-    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2, **cfg))
-    torch.manual_seed(1)
-    with torch.no_grad():  # exit heads that are right only sometimes: drafts get accepted and rejected
-        for k in model.checkpoints:
-            if model.routers[k].translator is not None:
-                for p in model.routers[k].translator.parameters():
-                    p.add_(torch.randn_like(p) * 0.3)
-    return model, base
-
+from tiny_models import FAMILIES, noisy_tide, prompt_ids, tiny_model, tiny_tokenizer
 
 LOSSLESS = {"mode": "lossless"}
 # chain drafts, and tree drafts (tests/test_tree_drafts.py has their own cases)
 SCHEMES = {"chain": LOSSLESS, "tree": {"mode": "lossless", "draft_layer": 1, "draft_topk": 4}}
 
 
-def _ids(length=9, seed=0):
-    torch.manual_seed(seed)
-    return torch.randint(4, 100, (1, length))
-
-
 @pytest.mark.parametrize("exit_head", ["tuned", "lens"])
 @pytest.mark.parametrize("draft_layer, max_draft", [(1, 1), (1, 4), (3, 8)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_is_token_identical(family, draft_layer, max_draft, exit_head):
-    model, base = _wrap(family, exit_head=exit_head)
-    ids = _ids()
+    model, base = noisy_tide(family, exit_head=exit_head)
+    ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=16)
     out = model.generate(ids, do_sample=False, max_new_tokens=16,
                          tide_config={"mode": "lossless", "draft_layer": draft_layer, "max_draft": max_draft})
@@ -49,23 +32,23 @@ def test_greedy_is_token_identical(family, draft_layer, max_draft, exit_head):
 
 
 def test_max_draft_zero_is_the_plain_base_model():
-    model, base = _wrap()
-    ids = _ids()
+    model, base = noisy_tide()
+    ids = prompt_ids()
     out = model.generate(ids, do_sample=False, max_new_tokens=8, tide_config={"mode": "lossless", "max_draft": 0})
     assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=8)) and model.last_stats is None
 
 
 def test_exit_threshold_with_lossless_is_a_clear_error():
-    model, _ = _wrap()
+    model, _ = noisy_tide()
     with pytest.raises(ValueError, match="exit_threshold"):
-        model.generate(_ids(), max_new_tokens=4, tide_config={"mode": "lossless", "exit_threshold": 0.5})
+        model.generate(prompt_ids(), max_new_tokens=4, tide_config={"mode": "lossless", "exit_threshold": 0.5})
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3_text"])
 def test_sliding_window_models_stay_token_identical_past_the_window(family):
     """Window 8, 24-token prompt, 24 new tokens: drafts are verified and rejected long after eviction began."""
-    model, base = _wrap(family)
-    ids = _ids(length=24)
+    model, base = noisy_tide(family)
+    ids = prompt_ids(length=24)
     ref = base.generate(ids, do_sample=False, max_new_tokens=24)
     out = model.generate(ids, do_sample=False, max_new_tokens=24,
                          tide_config={"mode": "lossless", "draft_layer": 1, "max_draft": 4})
@@ -80,21 +63,21 @@ def test_a_sliding_cache_that_cannot_roll_back_is_a_clear_error():
 
     base = tiny_model("mistral")
     cache = DynamicCache(config=base.config)
-    base(_ids(length=12), past_key_values=cache, use_cache=True)
+    base(prompt_ids(length=12), past_key_values=cache, use_cache=True)
     with pytest.raises(ValueError, match="roll back"):
         check_rollback(cache)
 
 
 def test_batch_is_a_clear_error():
-    model, _ = _wrap()
+    model, _ = noisy_tide()
     with pytest.raises(ValueError, match="batch size 1"):
         model.generate(torch.randint(4, 100, (2, 5)), max_new_tokens=4, tide_config=LOSSLESS)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
 def test_eos_inside_a_draft(family):
-    model, base = _wrap(family)
-    ids = _ids()
+    model, base = noisy_tide(family)
+    ids = prompt_ids()
     plain = base.generate(ids, do_sample=False, max_new_tokens=12)
     eos = int(plain[0, ids.shape[1] + 5])
     for m in (base, model.base):
@@ -106,8 +89,8 @@ def test_eos_inside_a_draft(family):
 
 @pytest.mark.parametrize("new_tokens", [1, 2, 5, 11])
 def test_max_new_tokens_mid_draft(new_tokens):
-    model, base = _wrap(max_draft=8)
-    ids = _ids()
+    model, base = noisy_tide(max_draft=8)
+    ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=new_tokens)
     out = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, tide_config=LOSSLESS)
     assert torch.equal(out, ref)
@@ -116,8 +99,8 @@ def test_max_new_tokens_mid_draft(new_tokens):
 @pytest.mark.parametrize("stop_after", [1, 2, 3, 5, 6])
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_stopping_criterion_mid_draft(scheme, stop_after):
-    model, base = _wrap()
-    ids = _ids()
+    model, base = noisy_tide()
+    ids = prompt_ids()
     criteria = StoppingCriteriaList([StopAfter(ids.shape[1] + stop_after)])
     ref = base.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria)
     out = model.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria,
@@ -127,8 +110,8 @@ def test_stopping_criterion_mid_draft(scheme, stop_after):
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_logits_processor_applies_to_verified_tokens(scheme):
-    model, base = _wrap()
-    ids = _ids()
+    model, base = noisy_tide()
+    ids = prompt_ids()
     banned = int(base.generate(ids, do_sample=False, max_new_tokens=3)[0, -1])
     ref = base.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]))
     out = model.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]),
@@ -140,7 +123,7 @@ def test_streamer_receives_only_accepted_tokens():
     from threading import Thread
 
     tok = tiny_tokenizer()
-    model, _ = _wrap()
+    model, _ = noisy_tide()
     inputs = tok(["Hello there"], return_tensors="pt")
     streamer = TextIteratorStreamer(tok, skip_prompt=True)
     cfg = LOSSLESS
@@ -170,8 +153,8 @@ def _exact_joint(base, ids, steps, top_k, temperature):
 def test_sampling_matches_the_closed_form_distribution():
     """Lossless sampling draws from the base model's distribution: a chi-square test against the exact
     joint distribution of three sampled tokens (top-k keeps the support small)."""
-    model, base = _wrap()
-    ids = _ids(length=5)
+    model, base = noisy_tide()
+    ids = prompt_ids(length=5)
     steps, top_k, temperature, runs = 3, 3, 2.0, 600
     exact = _exact_joint(base, ids, steps, top_k, temperature)
     counts = Counter()
@@ -198,8 +181,8 @@ def test_sampling_matches_the_closed_form_distribution():
 
 
 def test_stats_and_summary():
-    model, _ = _wrap()
-    out = model.generate(_ids(), do_sample=False, max_new_tokens=12, return_dict_in_generate=True,
+    model, _ = noisy_tide()
+    out = model.generate(prompt_ids(), do_sample=False, max_new_tokens=12, return_dict_in_generate=True,
                          tide_config=LOSSLESS)
     stats = out["tide_stats"]
     assert stats.mode == "lossless" and 0 <= stats.accepted <= stats.drafted

@@ -7,26 +7,13 @@ from transformers import LogitsProcessorList
 
 import tide
 from generation_helpers import BoostInPlace
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import FAMILIES, noisy_tide, prompt_ids
 from tide.config import MAX_DRAFT_TOPK
 from tide.treedraft import tree_mask_calls
 
 
 def _wrap(family="llama"):
-    base = tiny_model(family)
-    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
-    torch.manual_seed(1)
-    with torch.no_grad():  # exit and draft heads that are right only sometimes
-        for k in model.checkpoints:
-            heads = [model.routers[k].translator, model.routers[k].draft]
-            for p in (p for head in heads if head is not None for p in head.parameters()):
-                p.add_(torch.randn_like(p) * 0.3)
-    return model, base
-
-
-def _ids(length=9, seed=0):
-    torch.manual_seed(seed)
-    return torch.randint(4, 100, (1, length))
+    return noisy_tide(family, heads=("translator", "draft"))  # exit and draft heads right only sometimes
 
 
 def _tree(layer=1, topk=3):
@@ -37,7 +24,7 @@ def _tree(layer=1, topk=3):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_is_token_identical(family, draft_layer, topk):
     model, base = _wrap(family)
-    ids = _ids()
+    ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=16)
     out = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config=_tree(draft_layer, topk))
     assert torch.equal(out, ref)
@@ -69,7 +56,7 @@ class _RankedOracle:
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
 def test_a_candidate_below_the_top_is_accepted(family):
     model, base = _wrap(family)
-    ids = _ids()
+    ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=15)
     model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2)
     out = model.generate(ids, do_sample=False, max_new_tokens=15, tide_config=_tree(1, 3))
@@ -80,7 +67,7 @@ def test_a_candidate_below_the_top_is_accepted(family):
 
 def test_a_tree_too_narrow_for_the_true_token_accepts_nothing():
     model, base = _wrap()
-    ids = _ids()
+    ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=8)
     model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2, step=1)
     out = model.generate(ids, do_sample=False, max_new_tokens=8, tide_config=_tree(1, 2))
@@ -90,7 +77,7 @@ def test_a_tree_too_narrow_for_the_true_token_accepts_nothing():
 @pytest.mark.parametrize("topk", [2, 3])
 def test_the_cache_holds_what_the_base_model_holds(topk):
     model, base = _wrap()
-    ids = _ids()
+    ids = prompt_ids()
     kwargs = dict(do_sample=False, max_new_tokens=14, return_dict_in_generate=True)
     ref = base.generate(ids, **kwargs)
     model.draft_logits = _RankedOracle(ref.sequences, ids.shape[1], base.config.vocab_size, rank=topk - 1)
@@ -107,7 +94,7 @@ def test_the_cache_holds_what_the_base_model_holds(topk):
 @pytest.mark.parametrize("new_tokens", [1, 2, 3, 8])
 def test_max_new_tokens(new_tokens):
     model, base = _wrap()
-    ids = _ids()
+    ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=new_tokens)
     model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
     out = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, tide_config=_tree(1, 2))
@@ -118,7 +105,7 @@ def test_max_new_tokens(new_tokens):
 def test_eos_comes_from_the_token_before_it(at):
     """A candidate that would stop generation is left to x's own logits (stopping criteria: test_lossless.py)."""
     model, base = _wrap()
-    ids = _ids()
+    ids = prompt_ids()
     eos = int(base.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1] + at])
     for m in (base, model.base):
         m.generation_config.eos_token_id = eos
@@ -132,7 +119,7 @@ def test_eos_comes_from_the_token_before_it(at):
 def test_an_in_place_logits_processor_applies_once(token):
     """transformers applies the processors to the verification logits: the drafter must not have changed them."""
     model, base = _wrap()
-    ids = _ids()
+    ids = prompt_ids()
     processors = LogitsProcessorList([BoostInPlace(token, 0.3)])
     ref = base.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=processors)
     model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
@@ -142,7 +129,7 @@ def test_an_in_place_logits_processor_applies_once(token):
 
 def test_left_padding_mask():
     model, base = _wrap()
-    ids = _ids()
+    ids = prompt_ids()
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1)
     ref = base.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=10)
@@ -153,7 +140,7 @@ def test_left_padding_mask():
 
 def test_one_token_prompt():
     model, base = _wrap()
-    ids = _ids(length=1)
+    ids = prompt_ids(length=1)
     ref = base.generate(ids, do_sample=False, max_new_tokens=10)
     model.draft_logits = _RankedOracle(ref, 1, base.config.vocab_size, rank=1)
     out = model.generate(ids, do_sample=False, max_new_tokens=10, tide_config=_tree(1, 2))
@@ -163,7 +150,7 @@ def test_one_token_prompt():
 def test_sampling_drafts_a_chain():
     model, _ = _wrap()
     torch.manual_seed(0)
-    model.generate(_ids(), do_sample=True, max_new_tokens=6, tide_config=_tree(1, 3))
+    model.generate(prompt_ids(), do_sample=True, max_new_tokens=6, tide_config=_tree(1, 3))
     assert model.last_stats.draft_topk == 1 and "chain" in model.last_stats.summary()
 
 
@@ -171,7 +158,7 @@ def test_sampling_drafts_a_chain():
 def test_bad_draft_topk_is_a_clear_error(bad):
     model, _ = _wrap()
     with pytest.raises(ValueError, match="draft_topk"):
-        model.generate(_ids(), max_new_tokens=2, tide_config=_tree(1, bad))
+        model.generate(prompt_ids(), max_new_tokens=2, tide_config=_tree(1, bad))
 
 
 def test_tree_mask_blocks_only_siblings():
@@ -232,7 +219,7 @@ def test_one_capture_serves_both_tree_passes(family, monkeypatch):
     import tide.treedraft as treedraft
 
     model, base = _wrap(family)
-    ids = _ids()
+    ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=9)
     model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
     captures = []
@@ -280,7 +267,7 @@ def test_candidates_captured_when_their_calls_cannot_be_sliced(padded, monkeypat
     import tide.treedraft as treedraft
 
     model, base = _wrap()
-    ids = _ids()
+    ids = prompt_ids()
     mask = torch.ones_like(ids)
     if padded:
         ids = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import tide
+
 VOCAB = 128
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, num_attention_heads=4, intermediate_size=64)
 _LLAMA_LIKE = dict(_COMMON, num_key_value_heads=2, max_position_embeddings=256)
@@ -44,6 +46,27 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
     return model.eval()
+
+
+def noisy_tide(model_type: str = "llama", heads: tuple = ("translator",), **config):
+    """(Tide model, its base): a checkpoint after every second layer, and the routers' `heads` (exit heads
+    "translator", draft heads "draft") perturbed so that they are right only sometimes: lossless drafts get
+    accepted and rejected."""
+    base = tiny_model(model_type)
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2, **config))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for k in model.checkpoints:
+            modules = [getattr(model.routers[k], name) for name in heads]
+            for p in (p for module in modules if module is not None for p in module.parameters()):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model, base
+
+
+def prompt_ids(length: int = 9, seed: int = 0) -> torch.Tensor:
+    """[1, length] random token ids (4..99), from `torch.manual_seed(seed)`."""
+    torch.manual_seed(seed)
+    return torch.randint(4, 100, (1, length))
 
 
 def tiny_tokenizer(pad: bool = False):
