@@ -70,8 +70,7 @@ def main() -> None:
             print(f"| {width} | {layout} | " + " | ".join(f"{ms[(layout, n)]:.1f} (x{ms[(layout, n)] / one:.2f})"
                                                      for n in POSITIONS) + " |")
         choice = fewrows.layouts(resolve(model))
-        print(f"| {width} | Tide's choice | " + ", ".join(f"{rows}+ rows: {layout}" for rows, layout in choice.items())
-              + " |" + " |" * (len(POSITIONS) - 1))
+        print(f"| {width} | Tide's choice | {fewrows.layouts_text(choice)} |" + " |" * (len(POSITIONS) - 1))
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
              f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer, "
              f"verifying {VERIFY_POSITIONS} / {WIDE_VERIFY_POSITIONS} positions instead of 1 +{costs.verify_extra:.2f} / "
              f"+{costs.verify_extra_at(WIDE_VERIFY_POSITIONS):.2f} layer (linears over "
-             + ", ".join(f"{rows}+ rows: {layout}" for rows, layout in results["few_row_layouts"].items()) + ")")
+             f"{fewrows.layouts_text(results['few_row_layouts'])})")
     draft = (model.config.calibration or {}).get("draft_selection")
     if draft:
         results["draft_selection"] = draft

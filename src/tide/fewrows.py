@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["install", "few_row_linears", "layouts", "LAYOUTS", "MAX_ROWS", "MEASURED_ROWS"]
+__all__ = ["install", "few_row_linears", "layouts", "layouts_text", "LAYOUTS", "MAX_ROWS", "MEASURED_ROWS"]
 
 LAYOUTS = ("plain", "transposed", "packed")
 MAX_ROWS = 16
@@ -171,6 +171,11 @@ def layouts(parts) -> dict:
     if parts.layers not in _CHOICES:
         _CHOICES[parts.layers] = _measure([*parts.layers, parts.lm_head])
     return _CHOICES[parts.layers]
+
+
+def layouts_text(choice: dict) -> str:
+    """`layouts`' choice in words: '2+ rows: plain, 4+ rows: packed, ...'."""
+    return ", ".join(f"{rows}+ rows: {layout}" for rows, layout in choice.items())
 
 
 def _available_bytes() -> int | None:
