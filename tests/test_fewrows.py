@@ -79,6 +79,15 @@ def test_each_row_count_takes_the_layout_measured_for_it(layout_calls, monkeypat
     assert layout_calls == [("transposed", 4), ("transposed", 7), ("packed", 8), ("packed", 15)]
 
 
+def test_an_all_plain_choice_leaves_the_dispatch_off(monkeypatch):
+    """Where F.linear was measured fastest for every row count, the context costs nothing per linear."""
+    monkeypatch.setattr(fewrows, "layouts", lambda parts: dict.fromkeys(fewrows.MEASURED_ROWS, "plain"))
+    with fewrows.few_row_linears(parts=object()):
+        assert fewrows._ACTIVE.get() is None
+    with fewrows.few_row_linears(layout="transposed"):
+        assert fewrows._ACTIVE.get() is not None
+
+
 def test_few_row_linears_needs_a_model_or_a_layout():
     with pytest.raises(ValueError, match="parts"):
         with fewrows.few_row_linears():

@@ -31,6 +31,29 @@ def test_greedy_is_token_identical(family, draft_layer, max_draft, exit_head):
     assert stats.layer_passes == stats.drafted * (draft_layer + 1) + stats.verify_passes * model.parts.num_layers
 
 
+SDPA_FAMILIES = ["llama", "mistral", "qwen3", "gemma", "gpt2", "opt", "gpt_neox", "phi"]
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("family", SDPA_FAMILIES)
+def test_sdpa_attention_is_token_identical(family, scheme, monkeypatch):
+    """With SDPA, verification hands the layers additive float masks (converted once per pass)."""
+    import tide.layercalls as layercalls
+
+    model, base = noisy_tide(family, attention="sdpa")
+    converted = []
+    real = layercalls.additive_masks
+    for module in ("tide.speculative", "tide.treedraft"):
+        monkeypatch.setattr(f"{module}.additive_masks", lambda parts, calls: converted.append(
+            real(parts, calls)) or converted[-1])
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=16, tide_config=SCHEMES[scheme]), ref)
+    masks = [v for calls in converted for call in calls for v in [*call.args, *call.kwargs.values()]
+             if isinstance(v, torch.Tensor) and v.dim() == 4]
+    assert masks and all(m.dtype == torch.float32 for m in masks)
+
+
 def test_max_draft_zero_is_the_plain_base_model():
     model, base = noisy_tide()
     ids = prompt_ids()

@@ -3,6 +3,7 @@ what the base model holds, and a candidate that is not the exit head's top-1 rea
 
 import pytest
 import torch
+import transformers
 from transformers import LogitsProcessorList
 
 import tide
@@ -176,6 +177,44 @@ def test_tree_mask_blocks_only_siblings():
     as_bool = tree_mask_calls([LayerCall((), {"attention_mask": causal == 0})], blocked)[0].kwargs["attention_mask"]
     assert not as_bool[0, 0, 2, 3] and as_bool[0, 0, 2, 2] and as_bool[0, 0, 2, 4]
     assert tree_mask_calls([LayerCall((torch.zeros(1, 3, 4),), {"attention_mask": None})], blocked) is None
+
+
+@pytest.mark.parametrize("attention, converts", [("sdpa", True), ("eager", False)])
+def test_additive_masks_are_what_sdpa_makes_of_boolean_ones(attention, converts):
+    from tide.layercalls import LayerCall, additive_masks, capture_layer_calls
+
+    model, _ = _wrap()
+    model.base.config._attn_implementation = attention
+    parts = model.parts
+    blocked = torch.zeros(1, 1, 3, 5, dtype=torch.bool)
+    allowed = ~blocked
+    allowed[..., 0, 3:] = allowed[..., 1, 4] = False
+    shared = LayerCall((torch.zeros(1, 3, 4),), {"attention_mask": allowed, "position_ids": torch.arange(3)[None]})
+    calls = additive_masks(parts, [shared, shared, LayerCall((torch.zeros(1, 3, 4),), {"attention_mask": allowed})])
+    if not converts:
+        assert calls[0] is shared
+        return
+    mask = calls[0].kwargs["attention_mask"]
+    assert mask.dtype == torch.float32 and calls[0] is calls[1]
+    assert torch.equal(mask == 0, allowed) and torch.isinf(mask[~allowed]).all() and (mask[~allowed] < 0).all()
+    assert calls[2].kwargs["attention_mask"] is mask  # one conversion per mask, shared by the calls holding it
+    assert calls[0].kwargs["position_ids"] is shared.kwargs["position_ids"]
+    # a real pass: the layers' outputs over a chunk of 4 are the same, bit for bit
+    ids = prompt_ids(12)
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.base.config)
+        model.base(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+        chunk = capture_layer_calls(parts, input_ids=ids[:, 8:], past_key_values=cache, use_cache=True,
+                                    attention_mask=torch.ones(1, 12, dtype=torch.long))
+        assert chunk[0].kwargs["attention_mask"].dtype == torch.bool
+        outputs = []
+        for calls in (chunk, additive_masks(parts, chunk)):
+            hidden = calls[0].hidden
+            for i in range(parts.num_layers):
+                hidden = calls[i].run(parts, i, hidden)
+                cache.layers[i].crop(-4)
+            outputs.append(hidden)
+    assert torch.equal(*outputs)
 
 
 def test_draft_candidates_weigh_chains_against_trees():

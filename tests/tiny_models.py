@@ -40,19 +40,19 @@ def tiny_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def tiny_model(model_type: str, seed: int = 0, **overrides):
+def tiny_model(model_type: str, seed: int = 0, attention: str = "eager", **overrides):
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     model = AutoModelForCausalLM.from_config(config)
     return model.eval()
 
 
-def noisy_tide(model_type: str = "llama", heads: tuple = ("translator",), **config):
+def noisy_tide(model_type: str = "llama", heads: tuple = ("translator",), attention: str = "eager", **config):
     """(Tide model, its base): a checkpoint after every second layer, and the routers' `heads` (exit heads
     "translator", draft heads "draft") perturbed so that they are right only sometimes: lossless drafts get
-    accepted and rejected."""
-    base = tiny_model(model_type)
+    accepted and rejected. `attention`: the base model's attention implementation."""
+    base = tiny_model(model_type, attention=attention)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2, **config))
     torch.manual_seed(1)
     with torch.no_grad():

@@ -16,7 +16,7 @@ import torch
 
 from ._hf_compat import LengthView, has_sliding_layers, layer_kv
 from .fewrows import few_row_linears
-from .layercalls import capture_layer_calls, write_kv_only
+from .layercalls import additive_masks, capture_layer_calls, write_kv_only
 
 __all__ = ["RecomputeState", "RecomputeSteps", "MAX_PENDING"]
 
@@ -174,8 +174,9 @@ class RecomputeSteps:
         state, device = self.state, self.input_ids.device
         ids = torch.cat([state.ids.to(device), self.input_ids], dim=1)
         positions = torch.cat([state.positions.to(self.position_ids.device), self.position_ids], dim=1)
-        self.chunk_calls = capture_layer_calls(self.parts, input_ids=ids, position_ids=positions, attention_mask=self.mask,
-                                               past_key_values=LengthView(self.cache, self.chunk_start), use_cache=True)
+        self.chunk_calls = additive_masks(self.parts, capture_layer_calls(
+            self.parts, input_ids=ids, position_ids=positions, attention_mask=self.mask,
+            past_key_values=LengthView(self.cache, self.chunk_start), use_cache=True))
         self.chunk_states = self._with_token(self.token_state)
         rows = ids.shape[0]
         token_device = self.token_state.device

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ._hf_compat import LengthView, crop_layer, layer_length, unrecoverable_sliding_layers
 from .dispatch import base_forward
 from .fewrows import few_row_linears
-from .layercalls import capture_layer_calls, capture_outputs
+from .layercalls import additive_masks, capture_layer_calls, capture_outputs
 from .stats import GenerationStats
 from .treedraft import TreeDrafter, grown_mask, new_positions
 
@@ -129,8 +129,8 @@ class LosslessSession:
         ids, states = self.pending_ids, self.pending_states  # [1, P + 1], [1, P + 1, H]
         deep_length = layer_length(cache, self.parts.num_layers - 1)  # deep layers hold every position before the chunk
         inputs = new_positions(attention_mask, deep_length, ids.shape[1])
-        calls = capture_layer_calls(self.parts, input_ids=ids, past_key_values=LengthView(cache, deep_length),
-                                    use_cache=True, **inputs)
+        calls = additive_masks(self.parts, capture_layer_calls(self.parts, input_ids=ids, use_cache=True,
+                                                               past_key_values=LengthView(cache, deep_length), **inputs))
         with few_row_linears(self.parts):  # P + 1 positions: on CPU, the layout measured faster here
             for i in range(self.draft_layer + 1, self.parts.num_layers):
                 states = calls[i].run(self.parts, i, states)

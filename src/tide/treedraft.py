@@ -28,7 +28,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ._hf_compat import LengthView, keep_one_of_tail, layer_length, plain_dynamic_layers
 from .fewrows import few_row_linears
-from .layercalls import LayerCall, capture_layer_calls
+from .layercalls import LayerCall, additive_masks, capture_layer_calls
 
 __all__ = ["TreeDrafter", "tree_mask_calls", "without_first_position", "grown_mask", "new_positions"]
 
@@ -172,6 +172,7 @@ class TreeDrafter(CandidateGenerator):
         deep = tree_mask_calls(deep, _siblings_blocked(k, 1))
         if deep is None:
             return None
+        deep = additive_masks(parts, deep)
         # The candidates' chunk for the shallow layers is the same chunk without x: same keys (x is cached
         # there), same positions. Sliced from the deep calls where every per-position argument is recognised,
         # else captured.
@@ -180,6 +181,7 @@ class TreeDrafter(CandidateGenerator):
             inputs["position_ids"] = inputs["position_ids"][:, 1:]
             shallow = tree_mask_calls(capture_layer_calls(parts, input_ids=candidates, use_cache=True, **inputs,
                                                           past_key_values=LengthView(cache, have)), _siblings_blocked(k, 0))
+            shallow = additive_masks(parts, shallow)
         with few_row_linears(parts):  # k and 1 + k positions: on CPU, the layout measured faster here
             states = shallow[0].hidden
             for i in range(session.draft_layer + 1):
