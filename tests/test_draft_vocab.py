@@ -164,7 +164,7 @@ def test_ranking_and_restricted_ranks():
 
 def test_estimates_price_a_restricted_draft_by_its_share_of_the_head():
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=2.0, capture_s=0.5, device="cpu",
-                      verify_extra_s=0.5)
+                      verify_extra_s={4: 0.5})
     ranks = {1: torch.zeros(400, dtype=torch.uint8)}  # every draft right
     same = {256: (ranks, ranks)}
     missing = {256: ({1: torch.full((400,), 8, dtype=torch.uint8)},) * 2}  # the vocabulary never holds the token

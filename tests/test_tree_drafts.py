@@ -221,7 +221,7 @@ def test_draft_candidates_weigh_chains_against_trees():
     from tide.costs import StepCosts, draft_candidates
 
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=1.0, capture_s=0.5, device="cpu",
-                      verify_extra_s=0.5)
+                      verify_extra_s={4: 0.5})
     # the full model's token is the exit head's second choice at every position: only trees of 2+ catch it
     ranks = {1: torch.ones(400, dtype=torch.uint8)}
     schemes = draft_candidates(ranks, num_layers=12, costs=costs, max_draft=4, max_topk=4)
@@ -241,7 +241,7 @@ def test_chain_estimates_use_the_later_drafts_ranks():
     from tide.costs import StepCosts, draft_candidates
 
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=1.0, capture_s=0.5, device="cpu",
-                      verify_extra_s=0.5)
+                      verify_extra_s={4: 0.5})
     ranks = {1: torch.zeros(400, dtype=torch.uint8)}  # a chain's first draft is always right
     later = {1: torch.ones(400, dtype=torch.uint8)}  # the drafts after it never are
     alone = {(s.max_draft, s.draft_topk): s.estimate for s in draft_candidates(ranks, 12, costs, max_draft=3)}
@@ -292,13 +292,45 @@ def test_verification_cost_follows_the_measured_points():
     from tide.costs import StepCosts, draft_candidates
 
     costs = StepCosts(layer_s=2.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=2.0, capture_s=0.0, device="cpu",
-                      verify_extra_s=0.0, wide_verify_extra_s=16.0)  # 4 positions cost nothing more, 8 cost 8 layers
+                      verify_extra_s={4: 0.0, 8: 16.0})  # 4 positions cost nothing more, 8 cost 8 layers
     assert [costs.verify_extra_at(p) for p in (1, 2, 4, 6, 8, 10)] == pytest.approx([0, 0, 0, 4, 8, 12])
     assert costs.as_dict()["wide_verify_extra"] == pytest.approx(8.0)
     # every head's top-8 holds the full model's token, its top-3 half the time: the wide trees pay for their width
     ranks = {0: torch.tensor([0, 2, 5, 7] * 100, dtype=torch.uint8)}
     best = draft_candidates(ranks, num_layers=12, costs=costs, max_draft=2)[0]
     assert best.draft_topk == 3
+
+
+def test_a_jump_between_measured_points_is_not_smoothed_away():
+    from tide.costs import StepCosts, draft_candidates, verify_extras_text
+
+    # three positions cost almost nothing more, four cost 8 layers more (a kernel switch at 4 rows)
+    costs = StepCosts(layer_s=1.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=1.0, capture_s=0.0, device="cpu",
+                      verify_extra_s={2: 0.1, 3: 0.2, 4: 8.0, 6: 2.0})
+    assert [costs.verify_extra_at(p) for p in (1, 2, 3, 4, 5, 6)] == pytest.approx([0, 0.1, 0.2, 8.0, 8.0, 8.0])
+    assert costs.verify_extra == pytest.approx(8.0)  # 6 positions measured cheaper than 4 count as 4's cost
+    ranks = {1: torch.zeros(400, dtype=torch.uint8)}  # every draft right
+    estimates = {s.max_draft: s.estimate for s in draft_candidates(ranks, 12, costs, max_draft=3, max_topk=1)}
+    assert estimates[2] > estimates[3]  # a chain of 3 verifies 4 positions: past the jump
+    smoothed = StepCosts(**{**costs.__dict__, "verify_extra_s": {4: 8.0}})  # 3 positions read off the line to 4
+    assert estimates[2] > draft_candidates(ranks, 12, smoothed, max_draft=2, max_topk=1)[0].estimate
+    assert verify_extras_text(costs.as_dict()) == "verifying 2 / 3 / 4 / 6 positions instead of 1: +0.10 / +0.20 / +8.00 / +8.00 layer"
+    saved = {"verify_extras": {"2": 0.1, "4": 8.0}}  # as a router repo's config.json holds it
+    assert verify_extras_text(saved) == "verifying 2 / 4 positions instead of 1: +0.10 / +8.00 layer"
+    older = {"verify_extra": 2.0, "wide_verify_extra": 5.0}  # a repo calibrated before the narrow points
+    assert verify_extras_text(older) == "verifying 4 / 8 positions instead of 1: +2.00 / +5.00 layer"
+    assert verify_extras_text({}) == ""
+
+
+@pytest.mark.parametrize("family, wide", [("llama", True), ("mistral", False)])
+def test_measure_costs_times_each_verification_point(family, wide):
+    from tide.costs import VERIFY_POINTS, measure_costs
+
+    model, _ = _wrap(family)
+    costs = measure_costs(model, prompt_length=8, repeats=3)
+    # mistral's 8-token window has room for the narrow passes only
+    assert set(costs.verify_extra_s) == (set(VERIFY_POINTS) if wide else {2, 3, 4})
+    assert all(v >= 0 for v in costs.verify_extra_s.values())
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -24,12 +24,17 @@ from transformers import DynamicCache
 from .config import MAX_DRAFT_TOPK
 from .fewrows import few_row_linears
 from .kvfill import fill_kv
-from .layercalls import capture_layer_calls
+from .layercalls import additive_masks, capture_layer_calls
 
-__all__ = ["StepCosts", "DraftScheme", "VERIFY_POSITIONS", "WIDE_VERIFY_POSITIONS", "draft_candidates", "measure_costs", "measured_speedup", "prune_checkpoints"]
+__all__ = ["StepCosts", "DraftScheme", "VERIFY_POSITIONS", "WIDE_VERIFY_POSITIONS", "VERIFY_POINTS", "draft_candidates",
+           "measure_costs", "measured_speedup", "prune_checkpoints", "verify_extras_text"]
 
-VERIFY_POSITIONS = 4  # the verification timed by measure_costs: three drafts and the token before them
+VERIFY_POSITIONS = 4  # a verification of three drafts and the token before them (the figure reported first)
 WIDE_VERIFY_POSITIONS = 8  # and a wider one (a tree of seven candidates), where few-row passes start to cost
+# The position counts measure_costs times a verification pass at. Each is measured, not interpolated: on CPU the
+# cost can jump between neighbours (MKL leaves its 2-3-row kernel at 4 rows: on a hidden-384 Llama, 12 layers +
+# head over 3 positions cost x1.06 of one, over 4 x1.3; docs/benchmarks.md).
+VERIFY_POINTS = (2, 3, VERIFY_POSITIONS, 6, WIDE_VERIFY_POSITIONS)
 
 
 @dataclass
@@ -42,22 +47,23 @@ class StepCosts:
     head_s: float  # final norm + head
     capture_s: float  # embedding, masks and rotary for one step (the backbone up to its first layer)
     device: str
-    # a pass over VERIFY_POSITIONS positions (whole stack + head, as lossless verification runs it) minus a
-    # one-position pass: what verifying a few drafted positions at once adds to a decode step
-    verify_extra_s: float = 0.0
-    # the same for WIDE_VERIFY_POSITIONS positions (None: not measured, e.g. inside a short sliding window)
-    wide_verify_extra_s: float | None = None
+    # {p: a pass over p positions (whole stack + head, as lossless verification runs it) minus a one-position
+    # pass}: what verifying p - 1 drafts at once adds to a decode step, at the VERIFY_POINTS that were measured
+    # (the wide ones not inside a short sliding window)
+    verify_extra_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def verify_extra(self) -> float:
-        return self.verify_extra_s / self.layer_s
+        return self.verify_extra_at(VERIFY_POSITIONS)
 
     def verify_extra_at(self, positions: int) -> float:
         """What a verification pass over `positions` positions adds to a one-position step, in layers: linear
-        through the measured points (1: nothing, VERIFY_POSITIONS, WIDE_VERIFY_POSITIONS), and beyond."""
-        points = [(1, 0.0), (VERIFY_POSITIONS, self.verify_extra)]
-        if self.wide_verify_extra_s is not None:
-            points.append((WIDE_VERIFY_POSITIONS, max(self.wide_verify_extra_s / self.layer_s, self.verify_extra)))
+        between the measured points (1: nothing; a point never below the one before it), and beyond the last."""
+        points = [(1, 0.0)]
+        for p in sorted(self.verify_extra_s):
+            points.append((p, max(self.verify_extra_s[p] / self.layer_s, points[-1][1])))
+        if len(points) == 1:
+            return 0.0
         (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if positions <= b[0]), points[-2:])
         return max(0.0, y0 + (y1 - y0) * (positions - x0) / (x1 - x0))
 
@@ -80,8 +86,22 @@ class StepCosts:
     def as_dict(self) -> dict:
         out = asdict(self)
         out.update(checkpoint=self.checkpoint, skipped_layer=self.skipped_layer, head=self.head, capture=self.capture,
-                   verify_extra=self.verify_extra, wide_verify_extra=self.verify_extra_at(WIDE_VERIFY_POSITIONS))
+                   verify_extra=self.verify_extra, wide_verify_extra=self.verify_extra_at(WIDE_VERIFY_POSITIONS),
+                   verify_extras={p: self.verify_extra_at(p) for p in sorted(self.verify_extra_s)})
         return out
+
+
+def verify_extras_text(costs: dict) -> str:
+    """'verifying 2 / 3 / 4 positions instead of 1: +0.1 / +0.3 / +2.0 layer' from `StepCosts.as_dict()` (also
+    as saved in a router repo, where the keys are strings; older repos hold only the 4 and 8 positions)."""
+    extras = {int(p): v for p, v in (costs.get("verify_extras") or {}).items()}
+    if not extras and "verify_extra" in costs:
+        extras = {VERIFY_POSITIONS: costs["verify_extra"], WIDE_VERIFY_POSITIONS: costs.get("wide_verify_extra", float("nan"))}
+    if not extras:
+        return ""
+    points = sorted(extras)
+    return (f"verifying {' / '.join(map(str, points))} positions instead of 1: "
+            + " / ".join(f"+{extras[p]:.2f}" for p in points) + " layer")
 
 
 def _sync() -> None:
@@ -113,10 +133,10 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
     parts, base = model.parts, model.base
     device = base.device
     window = getattr(base.config.get_text_config(), "sliding_window", None)
-    wide = not window or window > 2 * WIDE_VERIFY_POSITIONS + 1  # room for the wide pass inside the window
+    # the wide passes only where the window has room for them (and a prompt)
+    points = [p for p in VERIFY_POINTS if p <= VERIFY_POSITIONS or not window or window > 2 * p + 1]
     if window:  # stay inside the window: a sliding layer that has evicted keys cannot be cropped back
-        most = WIDE_VERIFY_POSITIONS if wide else VERIFY_POSITIONS
-        prompt_length = max(1, min(prompt_length, window - most - 1))
+        prompt_length = max(1, min(prompt_length, window - max(points) - 1))
     ids = torch.arange(prompt_length + 1, device=device).remainder(base.config.get_text_config().vocab_size)[None] + 0
     cache = DynamicCache(config=base.config)
     base(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
@@ -128,13 +148,12 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
     checkpoints = set(model.checkpoints)
     tests = model.exit_tests({k: 0.5 for k in checkpoints})
 
-    many_calls = capture_layer_calls(parts, input_ids=ids[:, -VERIFY_POSITIONS:], past_key_values=cache, use_cache=True)
-    wide_calls = capture_layer_calls(parts, input_ids=ids[:, -WIDE_VERIFY_POSITIONS:], past_key_values=cache,
-                                     use_cache=True) if wide else None
+    chunks = {p: additive_masks(parts, capture_layer_calls(parts, input_ids=ids[:, -p:], past_key_values=cache,
+                                                           use_cache=True)) for p in points}
 
     def layers(consult: bool = False, head: bool = False, step_calls=calls):
-        """The step of `step_calls` (one position, or the VERIFY_POSITIONS / WIDE_VERIFY_POSITIONS chunk, as
-        lossless verification runs it)."""
+        """The step of `step_calls` (one position, or a chunk of `points` positions, as lossless verification
+        runs it)."""
         def run():
             h = step_calls[0].hidden
             with few_row_linears(parts):  # the layout Tide's multi-position passes use; one position is unchanged
@@ -160,9 +179,8 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
         head_s=_median_extra(layers(), layers(head=True), repeats),
         capture_s=_median_time(lambda: capture_layer_calls(parts, **step), repeats),
         device=str(device),
-        verify_extra_s=_median_extra(layers(head=True), layers(head=True, step_calls=many_calls), max(repeats // 3, 5)),
-        wide_verify_extra_s=None if wide_calls is None else _median_extra(
-            layers(head=True), layers(head=True, step_calls=wide_calls), max(repeats // 3, 5)),
+        verify_extra_s={p: _median_extra(layers(head=True), layers(head=True, step_calls=chunks[p]), max(repeats // 3, 5))
+                        for p in points},
     )
 
 
