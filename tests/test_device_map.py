@@ -76,3 +76,19 @@ def test_an_offloaded_head_gives_no_rows_to_copy():
     model.draft_vocabulary = torch.arange(4, 20)
     ids, rows = model._draft_head(8)
     assert rows is None and ids.device.type == "cpu" and ids.tolist() == list(range(4, 12))
+
+
+def test_calibration_offers_no_restricted_drafts_for_an_offloaded_head(monkeypatch):
+    """Calibration and generation agree on which heads' rows can be read alone: an offloaded head's drafts
+    would read the whole head, so calibration does not price them as cheaper."""
+    import importlib
+    import types
+
+    calibrate = importlib.import_module("tide.calibrate")  # the module (`tide.calibrate` is the function)
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"))
+    monkeypatch.setattr(calibrate, "candidate_sizes", lambda rows: [16])  # the tiny head is too small for any
+    trainer, procs = types.SimpleNamespace(predicted=torch.arange(128)), types.SimpleNamespace(world=1)
+    assert model.parts.head_rows_readable
+    assert calibrate._ranked_vocabulary(model, trainer, procs).tolist()[:3] == [127, 126, 125]
+    model.parts.lm_head = torch.nn.Linear(32, 128, bias=False, device="meta")
+    assert not model.parts.head_rows_readable and calibrate._ranked_vocabulary(model, trainer, procs) is None

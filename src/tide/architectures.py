@@ -151,10 +151,16 @@ class ModelParts:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    @property
+    def head_rows_readable(self) -> bool:
+        """The head is a linear layer whose weight is loaded, so some of its rows can be computed alone (not where
+        it is offloaded: accelerate's hooks bring the weight per call, and the whole head runs)."""
+        return isinstance(self.lm_head, nn.Linear) and self.lm_head.weight.device.type != "meta"
+
     def head_rows(self, ids: torch.Tensor) -> tuple | None:
-        """(weight [n, H], bias [n] or None): copies of the head's rows for token ids `ids`; None where the head
-        is not a plain linear layer, or its weight is not loaded (offloaded: accelerate's hooks bring it per call)."""
-        if not isinstance(self.lm_head, nn.Linear) or self.lm_head.weight.device.type == "meta":
+        """(weight [n, H], bias [n] or None): copies of the head's rows for token ids `ids`; None where they
+        cannot be read (`head_rows_readable`)."""
+        if not self.head_rows_readable:
             return None
         weight, bias = self.lm_head.weight, self.lm_head.bias
         with torch.no_grad():

@@ -287,10 +287,10 @@ def _score(tide: TideForCausalLM, cap: _Capture, cfg: TideConfig, vocab: torch.T
 
 def _ranked_vocabulary(tide: TideForCausalLM, trainer: "_Trainer", procs: Processes) -> torch.Tensor | None:
     """The tokens the full model predicted most on the training texts (all processes), as many as the largest
-    draft vocabulary calibration scores; None where the head is too small for one, or is not a plain linear
-    (whose rows a restricted draft reads alone)."""
+    draft vocabulary calibration scores; None where the head is too small for one, or where generation could
+    not read its rows alone (`ModelParts.head_rows_readable`), as for an offloaded head."""
     sizes = candidate_sizes(tide.num_head_rows)
-    if not sizes or not isinstance(tide.parts.lm_head, torch.nn.Linear):
+    if not sizes or not tide.parts.head_rows_readable:  # the drafts would read the whole head: no cheaper
         return None
     counts = torch.tensor(procs.sum(trainer.predicted.tolist())) if procs.world > 1 else trainer.predicted
     return ranked_vocabulary(counts, max(sizes))
