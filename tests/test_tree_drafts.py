@@ -322,6 +322,23 @@ def test_a_jump_between_measured_points_is_not_smoothed_away():
     assert verify_extras_text({}) == ""
 
 
+def test_chain_estimates_follow_the_adaptive_cap():
+    from collections import Counter
+
+    from tide.costs import StepCosts, chain_cycles, draft_candidates
+
+    assert chain_cycles([0] * 10, 4) == (10, Counter({4: 1, 1: 9}))  # a rejection drops the cap to 1 and keeps it
+    assert chain_cycles([9] * 10, 4) == (10, Counter({4: 2}))  # every draft right: 4 drafts, 5 tokens a cycle
+    # 1 agreeing draft at 0 (cap 4 -> 2), none at 2 (-> 1), 1 at 3 (all of the cap: -> 2), 2 at 5 (-> 3)
+    assert chain_cycles([1, 0, 0, 1, 0, 2, 0, 0], 4) == (8, Counter({4: 1, 2: 2, 1: 1}))
+    costs = StepCosts(layer_s=1.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=1.0, capture_s=0.0, device="cpu",
+                      verify_extra_s={2: 0.5, 4: 4.0, 8: 8.0})
+    never = {1: torch.full((400,), 3, dtype=torch.uint8)}  # no draft is ever right
+    estimates = {s.max_draft: s.estimate for s in draft_candidates(never, 12, costs, max_draft=4, max_topk=1)}
+    # after the first rejection a chain of up to 4 drafts one at a time, like a chain of 1
+    assert estimates[4] == pytest.approx(estimates[1], rel=0.01)
+
+
 @pytest.mark.parametrize("family, wide", [("llama", True), ("mistral", False)])
 def test_measure_costs_times_each_verification_point(family, wide):
     from tide.costs import VERIFY_POINTS, measure_costs

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -27,7 +28,7 @@ from .kvfill import fill_kv
 from .layercalls import additive_masks, capture_layer_calls
 
 __all__ = ["StepCosts", "DraftScheme", "VERIFY_POSITIONS", "WIDE_VERIFY_POSITIONS", "VERIFY_POINTS", "draft_candidates",
-           "measure_costs", "measured_speedup", "prune_checkpoints", "verify_extras_text"]
+           "measure_costs", "measured_speedup", "prune_checkpoints", "verify_extras_text", "chain_cycles"]
 
 VERIFY_POSITIONS = 4  # a verification of three drafts and the token before them (the figure reported first)
 WIDE_VERIFY_POSITIONS = 8  # and a wider one (a tree of seven candidates), where few-row passes start to cost
@@ -246,9 +247,10 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
     chain_ranks: the same for a chain's later drafts, whose draft head reads the previous draft's own state
     (default: `ranks`; equal where there is no draft head). A draft step from layer E costs E + 1 layers, the head and a capture; a verification
     costs the whole stack, the head and a capture, plus what a pass over p positions costs more than a pass
-    over one (`costs.verify_extra_at(p)`, measured here for 4 and 8 positions; speculative decoding assumes it
+    over one (`costs.verify_extra_at(p)`, measured at `VERIFY_POINTS`; speculative decoding assumes it
     small, and on a CPU it can be a third of a step). A chain cycle emits the run of drafts that agree with
-    the full model, plus one; a tree cycle (k candidates for one position, run through the shallow layers
+    the full model, plus one, and drafts as many as generation's adaptive cap allows (`chain_cycles` walks the
+    held-out text with it); a tree cycle (k candidates for one position, run through the shallow layers
     together and verified with the token before them in one pass: about a chain cycle of one draft) emits
     two tokens when the full model's token is among the k, else one. An estimate: calibration then measures
     the best.
@@ -280,16 +282,34 @@ def _schemes(ranks, chain_ranks, draft_overhead: float, verify, max_draft: int, 
         for first, flag in zip(reversed(first_flags), reversed(later_flags)):
             runs.append(current + 1 if first else 0)  # runs[t]: a chain drafted from t, agreeing drafts in a row
             current = current + 1 if flag else 0  # the same for drafts that follow a draft
-        run = torch.tensor(runs[::-1], dtype=torch.float64)
+        runs.reverse()
         draft = layer + 1 + draft_overhead
         for length in range(1, max_draft + 1):
-            tokens = float(run.clamp(max=length).mean() + 1)
-            out.append(DraftScheme(layer, length, 1, tokens / (length * draft + verify(length + 1)) * base, vocab))
+            tokens, drafted = chain_cycles(runs, length)
+            cost = sum(count * (d * draft + verify(d + 1)) for d, count in drafted.items())
+            out.append(DraftScheme(layer, length, 1, tokens / cost * base, vocab))
         if max_draft:
             for k in range(2, max_topk + 1):
                 hit = float((rank.long() < k).double().mean())
                 out.append(DraftScheme(layer, 1, k, (1 + hit) / (draft + verify(k + 1)) * base, vocab))
     return out
+
+
+def chain_cycles(runs: list[int], max_draft: int) -> tuple[int, Counter]:
+    """Lossless mode's chain drafting walked over held-out text: (tokens emitted, {drafts in a cycle: cycles}).
+
+    runs[t]: how many drafts in a row from position t agree with the full model. A cycle at t drafts `cap`
+    tokens, emits the agreeing ones and one more; the cap then grows by one after a fully accepted draft (up to
+    `max_draft`) and otherwise becomes the accepted count + 1 (`_TideDrafter.update_candidate_strategy`). So a
+    chain of up to 4 whose drafts often fail early mostly verifies 2-3 positions, not 5."""
+    tokens, drafted, cap, t = 0, Counter(), max_draft, 0
+    while t < len(runs):
+        accepted = min(runs[t], cap)
+        drafted[cap] += 1
+        tokens += accepted + 1
+        t += accepted + 1
+        cap = min(cap + 1, max_draft) if accepted >= cap else accepted + 1
+    return tokens, drafted
 
 
 def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_tokens: int = 24, repeats: int = 3) -> float:
