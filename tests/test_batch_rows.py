@@ -21,8 +21,8 @@ def _by_sign(layer_dims):
     return lambda thresholds: {k: make(k) for k in thresholds}
 
 
-def _model(family):
-    base = tiny_model(family)
+def _model(family, attention="eager"):
+    base = tiny_model(family, attention=attention)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_layers=[1, 3]))
     model.exit_tests = _by_sign({1: 0, 3: 1})
     return model
@@ -36,9 +36,10 @@ def _rows_per_layer(model):
     return seen, hooks
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "falcon", "phi"])
-def test_rows_exiting_at_different_checkpoints_equal_each_row_alone(family):
-    model = _model(family)
+@pytest.mark.parametrize("family, attention", [("llama", "eager"), ("gpt2", "eager"), ("qwen3", "eager"),
+                                               ("falcon", "eager"), ("phi", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa")])
+def test_rows_exiting_at_different_checkpoints_equal_each_row_alone(family, attention):
+    model = _model(family, attention)
     tok = tiny_tokenizer(pad=True)
     tok.padding_side = "left"
     cfg = {"exit_threshold": 0.5}
@@ -61,8 +62,10 @@ def test_rows_exiting_at_different_checkpoints_equal_each_row_alone(family):
     assert min(deepest) < len(PROMPTS), deepest
 
 
-def test_threshold_one_batch_equals_base_greedy():
-    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_layers=[1, 3]))
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_threshold_one_batch_equals_base_greedy(attention):
+    model = tide.TideForCausalLM.from_base(tiny_model("llama", attention=attention),
+                                           tide.TideConfig(checkpoint_layers=[1, 3]))
     tok = tiny_tokenizer(pad=True)
     tok.padding_side = "left"
     batch = tok(PROMPTS, return_tensors="pt", padding=True)

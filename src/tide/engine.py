@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .config import TideGenerationConfig
 from .dispatch import base_forward
 from .kvfill import fill_kv
-from .layercalls import LayerCall, capture_layer_calls
+from .layercalls import LayerCall, additive_masks, capture_layer_calls
 from .recompute import RecomputeState
 from .rowsplit import RowSplitCache, can_slice, sliced_call
 from .stats import GenerationStats
@@ -123,8 +123,8 @@ class PropagateSteps:
 
     def __init__(self, parts, input_ids, cache, inputs: dict):
         self.parts, self.cache = parts, cache
-        self.calls: list[LayerCall] = capture_layer_calls(parts, input_ids=input_ids, past_key_values=cache,
-                                                          use_cache=True, **inputs)
+        self.calls: list[LayerCall] = additive_masks(parts, capture_layer_calls(
+            parts, input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs))  # (padded batches' masks)
         self.hidden = self.calls[0].hidden  # [B, T, H]: the input of the first layer
         batch, length = self.hidden.shape[:2]
         self.split = None  # RowSplitCache once a row has left, when rows can leave the batch
