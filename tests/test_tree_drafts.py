@@ -340,14 +340,52 @@ def test_chain_estimates_follow_the_adaptive_cap():
 
 
 @pytest.mark.parametrize("family, wide", [("llama", True), ("mistral", False)])
-def test_measure_costs_times_each_verification_point(family, wide):
-    from tide.costs import VERIFY_POINTS, measure_costs
+def test_measure_costs_times_each_verification_point(family, wide, monkeypatch):
+    from tide.costs import LOOP_TOKENS, VERIFY_POINTS, measure_costs
 
     model, _ = _wrap(family)
+    runs = []
+    real = model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **kw: runs.append((kw["tide_config"], kw["max_new_tokens"],
+                                                                         kw["min_new_tokens"])) or real(*a, **kw))
     costs = measure_costs(model, prompt_length=8, repeats=3)
     # mistral's 8-token window has room for the narrow passes only
     assert set(costs.verify_extra_s) == (set(VERIFY_POINTS) if wide else {2, 3, 4})
     assert all(v >= 0 for v in costs.verify_extra_s.values())
+    # generate's own work: lossless mode timed with a chain of one from the first checkpoint, at both lengths
+    chain = {"mode": "lossless", "draft_layer": model.checkpoints[0], "max_draft": 1, "draft_topk": 1,
+             "draft_vocab_size": 0}
+    assert runs and all(config == chain and n == minimum for config, n, minimum in runs)
+    assert {n for _, n, _ in runs} == set(LOOP_TOKENS)
+    assert costs.step_extra_s >= 0 and costs.cycle_extra_s >= 0
+
+
+def test_loop_extras_are_zero_where_lossless_mode_cannot_run(monkeypatch):
+    from tide import costs as costs_module
+    from tide.speculative import LosslessUnavailable
+
+    model, _ = _wrap()
+
+    def unavailable(*args, tide_config=None, **kwargs):
+        raise LosslessUnavailable("not here")
+
+    monkeypatch.setattr(model, "generate", unavailable)
+    costs = costs_module.measure_costs(model, prompt_length=8, repeats=3)
+    assert (costs.step_extra_s, costs.cycle_extra_s) == (0.0, 0.0)
+    assert costs_module.loop_extras_text(costs.as_dict()) == ""
+
+
+def test_estimates_charge_generates_own_work():
+    from tide.costs import StepCosts, draft_candidates, loop_extras_text
+
+    costs = StepCosts(layer_s=1.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=1.0, capture_s=0.5, device="cpu",
+                      verify_extra_s={4: 0.5}, step_extra_s=2.0, cycle_extra_s=6.0)
+    ranks = {1: torch.ones(400, dtype=torch.uint8)}  # the full model's token is always the draft's second choice
+    tree = next(s for s in draft_candidates(ranks, 12, costs, max_draft=1, max_topk=2) if s.draft_topk == 2)
+    step = 12 + 1.0 + 0.5
+    draft, verify = 2 + 1.0 + 0.5, step + 0.5 * 2 / 3 + 6.0  # a cycle pays its own work once
+    assert tree.estimate == pytest.approx(2 / (draft + verify) * (step + 2.0))  # and a base token its own
+    assert loop_extras_text(costs.as_dict()) == "generate's own work +2.00 layer a base token, +6.00 layer a lossless cycle"
 
 
 @pytest.mark.parametrize("padded", [False, True])

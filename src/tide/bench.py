@@ -20,7 +20,7 @@ import torch
 from . import fewrows
 from .calibrate import KEEP_SPEEDUP, operating_point
 from .config import draft_scheme_text
-from .costs import measure_costs, verify_extras_text
+from .costs import loop_extras_text, measure_costs, verify_extras_text
 from .evaluate import oracle_depths, teacher_forced
 
 __all__ = ["run_bench", "plot_bench"]
@@ -124,7 +124,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     results["few_row_layouts"] = fewrows.layouts(model.parts)
     progress(f"costs on {results['machine']}: consulted checkpoint {costs.checkpoint:.2f} layer, skipped layer's K/V "
              f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer, "
-             f"{verify_extras_text(results['costs'])} (linears over "
+             f"{verify_extras_text(results['costs'])}, {loop_extras_text(results['costs']) or 'generate not timed'} (linears over "
              f"{fewrows.layouts_text(results['few_row_layouts'])})")
     draft = (model.config.calibration or {}).get("draft_selection")
     if draft:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .config import MAX_DRAFT_TOPK, TideConfig, draft_scheme_text
-from .costs import draft_candidates, layer_cost_of_cascade, measure_costs, measured_speedup, prune_checkpoints, verify_extras_text
+from .costs import (draft_candidates, layer_cost_of_cascade, loop_extras_text, measure_costs, measured_speedup,
+                    prune_checkpoints, verify_extras_text)
 from .data import load_texts
 from .draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
 from .distributed import Processes
@@ -715,7 +716,7 @@ def calibration_table(config) -> str:
     if costs:
         lines.append(f"measured on {costs['device']}: a consulted checkpoint costs {costs['checkpoint']:.2f} layer, a skipped "
                      f"layer's K/V {costs['skipped_layer']:.2f} layer, the head {costs['head']:.2f} layer"
-                     + (f", {verify_extras_text(costs)}" if verify_extras_text(costs) else ""))
+                     + "".join(f", {text}" for text in (verify_extras_text(costs), loop_extras_text(costs)) if text))
         lines.append(f"expected cost per token {cal['expected_layer_cost']:.2f} layers -> x{config.base_num_layers / cal['expected_layer_cost']:.3f} "
                      "in layer work")
     timing = cal.get("exit_timing")

@@ -26,9 +26,11 @@ from .config import MAX_DRAFT_TOPK
 from .fewrows import few_row_linears
 from .kvfill import fill_kv
 from .layercalls import additive_masks, capture_layer_calls
+from .speculative import LosslessUnavailable
 
 __all__ = ["StepCosts", "DraftScheme", "VERIFY_POSITIONS", "WIDE_VERIFY_POSITIONS", "VERIFY_POINTS", "draft_candidates",
-           "measure_costs", "measured_speedup", "prune_checkpoints", "verify_extras_text", "chain_cycles"]
+           "measure_costs", "measured_speedup", "prune_checkpoints", "verify_extras_text", "loop_extras_text",
+           "chain_cycles"]
 
 VERIFY_POSITIONS = 4  # a verification of three drafts and the token before them (the figure reported first)
 WIDE_VERIFY_POSITIONS = 8  # and a wider one (a tree of seven candidates), where few-row passes start to cost
@@ -52,6 +54,21 @@ class StepCosts:
     # pass}: what verifying p - 1 drafts at once adds to a decode step, at the VERIFY_POINTS that were measured
     # (the wide ones not inside a short sliding window)
     verify_extra_s: dict[int, float] = field(default_factory=dict)
+    # What `generate` spends beyond these pieces, measured in `generate` itself (0: not measured): per token of
+    # the base model (its decoding loop, logits processors, stopping criteria), and per lossless cycle
+    # (drafting's bookkeeping and logits processors, transformers' assisted loop, the verification's second
+    # capture). Speed-up estimates that leave them out overshoot the timings on small models (x1.23 estimated,
+    # x1.01 timed on the shipped model; docs/benchmarks.md).
+    step_extra_s: float = 0.0
+    cycle_extra_s: float = 0.0
+
+    @property
+    def step_extra(self) -> float:
+        return self.step_extra_s / self.layer_s
+
+    @property
+    def cycle_extra(self) -> float:
+        return self.cycle_extra_s / self.layer_s
 
     @property
     def verify_extra(self) -> float:
@@ -87,9 +104,19 @@ class StepCosts:
     def as_dict(self) -> dict:
         out = asdict(self)
         out.update(checkpoint=self.checkpoint, skipped_layer=self.skipped_layer, head=self.head, capture=self.capture,
+                   step_extra=self.step_extra, cycle_extra=self.cycle_extra,
                    verify_extra=self.verify_extra, wide_verify_extra=self.verify_extra_at(WIDE_VERIFY_POSITIONS),
                    verify_extras={p: self.verify_extra_at(p) for p in sorted(self.verify_extra_s)})
         return out
+
+
+def loop_extras_text(costs: dict) -> str:
+    """'generate's own work +2.64 layer a base token, +8.54 layer a lossless cycle' from `StepCosts.as_dict()`
+    ('' where not measured, as in repos calibrated before it was)."""
+    if not costs.get("step_extra_s") and not costs.get("cycle_extra_s"):
+        return ""
+    return (f"generate's own work +{costs['step_extra']:.2f} layer a base token, +{costs['cycle_extra']:.2f} layer a "
+            "lossless cycle")
 
 
 def verify_extras_text(costs: dict) -> str:
@@ -173,7 +200,7 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
 
     # Interleaved with the layers, so each piece's weights come from memory as in a real decode step.
     one_layer_fill = lambda: (fill_kv(parts, calls, [num_layers - 1], hidden, cache), cache.layers[-1].crop(-1))  # noqa: E731
-    return StepCosts(
+    costs = StepCosts(
         layer_s=_median_time(layers(), repeats) / num_layers,
         checkpoint_s=_median_extra(layers(), layers(consult=True), repeats) / max(len(checkpoints), 1),
         skipped_layer_s=_median_extra(one_layer_fill, skipped, repeats) / max(num_layers - 1, 1),
@@ -183,6 +210,53 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
         verify_extra_s={p: _median_extra(layers(head=True), layers(head=True, step_calls=chunks[p]), max(repeats // 3, 5))
                         for p in points},
     )
+    costs.step_extra_s, costs.cycle_extra_s = _loop_extras(model, ids, costs)
+    return costs
+
+
+LOOP_TOKENS = (8, 40)  # generate runs of these lengths: their difference leaves out prefill and per-call set-up
+
+
+def _loop_extras(model, ids: torch.Tensor, costs: StepCosts, repeats: int = 3) -> tuple[float, float]:
+    """(per base token, per lossless cycle) seconds that `generate` spends beyond the pieces `costs` holds.
+
+    Times the base model's `generate` and lossless mode with a chain of one draft from the first checkpoint,
+    each for LOOP_TOKENS new tokens (greedy, as calibration's timings run it: `min_new_tokens` set), and
+    subtracts what the pieces account for over the extra tokens: the layers, head and capture of each base
+    step; each cycle's drafts and verification as `draft_candidates` prices them. (0, 0) where lossless mode
+    cannot run here."""
+    num_layers, short, long = model.parts.num_layers, *LOOP_TOKENS
+    layer, head, capture = costs.layer_s, costs.head_s, costs.capture_s
+    config = {"mode": "lossless", "draft_layer": model.checkpoints[0], "max_draft": 1, "draft_topk": 1,
+              "draft_vocab_size": 0}
+    kwargs = dict(do_sample=False, pad_token_id=model.base.generation_config.pad_token_id or 0)
+
+    def run(n: int, lossless: bool):
+        start = time.perf_counter()
+        if lossless:
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, tide_config=config, **kwargs)
+        else:
+            model.base.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        _sync()
+        stats = model.last_stats if lossless else None
+        return time.perf_counter() - start, stats
+
+    try:
+        run(short, True)  # warm-up (and the check that lossless mode runs here)
+    except LosslessUnavailable:
+        return 0.0, 0.0
+    step, cycle = [], []
+    for _ in range(repeats):
+        (base_short, _), (base_long, _) = run(short, False), run(long, False)
+        (tide_short, few), (tide_long, many) = run(short, True), run(long, True)
+        step.append((base_long - base_short) / (long - short) - (num_layers * layer + head + capture))
+        cycles, drafted = many.verify_passes - few.verify_passes, many.drafted - few.drafted
+        if cycles <= 0:
+            continue
+        pieces = (drafted * ((config["draft_layer"] + 1) * layer + head + capture + costs.verify_extra_at(2) * layer)
+                  + cycles * (num_layers * layer + head + capture))
+        cycle.append((tide_long - tide_short - pieces) / cycles)
+    return max(statistics.median(step), 0.0), max(statistics.median(cycle), 0.0) if cycle else 0.0
 
 
 def layer_cost_of_cascade(rows, total: int, num_layers: int, costs: StepCosts) -> float:
@@ -252,29 +326,32 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
     the full model, plus one, and drafts as many as generation's adaptive cap allows (`chain_cycles` walks the
     held-out text with it); a tree cycle (k candidates for one position, run through the shallow layers
     together and verified with the token before them in one pass: about a chain cycle of one draft) emits
-    two tokens when the full model's token is among the k, else one. An estimate: calibration then measures
-    the best.
+    two tokens when the full model's token is among the k, else one. A cycle also pays `generate`'s own work
+    per cycle, and the base model's per token (`costs.cycle_extra`, `costs.step_extra`, measured in `generate`).
+    An estimate: calibration then measures the best.
 
     restricted: {n: (ranks, chain_ranks)} for drafts that rank only the n most-predicted tokens (a token outside
     them ranks last), whose head costs n / `head_rows` of the whole head.
     """
-    base = num_layers + costs.head + costs.capture
+    step = num_layers + costs.head + costs.capture
 
-    def verify(positions: int) -> float:
-        return base + costs.verify_extra_at(positions)
+    def verify(positions: int) -> float:  # a verification, and the cycle's work beyond its pieces
+        return step + costs.verify_extra_at(positions) + costs.cycle_extra
 
     variants = [(0, ranks, chain_ranks or ranks)]
     variants += [(n, r, c) for n, (r, c) in sorted((restricted or {}).items()) if head_rows and n < head_rows]
     out = []
     for vocab, layer_ranks, layer_chain_ranks in variants:
         head = costs.head * (vocab / head_rows if vocab else 1.0)
-        out += _schemes(layer_ranks, layer_chain_ranks, head + costs.capture, verify, max_draft, max_topk, vocab)
+        out += _schemes(layer_ranks, layer_chain_ranks, head + costs.capture, verify, step + costs.step_extra,
+                        max_draft, max_topk, vocab)
     return sorted(out, key=lambda c: -c.estimate)
 
 
-def _schemes(ranks, chain_ranks, draft_overhead: float, verify, max_draft: int, max_topk: int, vocab: int) -> list:
-    """`draft_candidates`' schemes for one draft vocabulary (a draft step costs E + 1 layers + `draft_overhead`)."""
-    base = verify(1)
+def _schemes(ranks, chain_ranks, draft_overhead: float, verify, base: float, max_draft: int, max_topk: int,
+             vocab: int) -> list:
+    """`draft_candidates`' schemes for one draft vocabulary (a draft step costs E + 1 layers + `draft_overhead`;
+    a cycle's verification `verify(positions)`; a base token `base`)."""
     out = []
     for layer, rank in ranks.items():
         later = chain_ranks[layer]
