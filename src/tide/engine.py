@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .config import TideGenerationConfig
 from .dispatch import base_forward
 from .kvfill import fill_kv
-from .layercalls import LayerCall, additive_masks, capture_layer_calls
+from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
 from .recompute import RecomputeState
 from .rowsplit import RowSplitCache, can_slice, sliced_call
 from .stats import GenerationStats
@@ -153,8 +153,7 @@ class PropagateSteps:
             self.split = RowSplitCache(self.cache, batch)
         rows = leaving[:, 0].nonzero().squeeze(1)
         self.split.rows = rows
-        calls = [sliced_call(c, rows, batch) for c in self.calls] if len({id(c) for c in self.calls}) > 1 else \
-            [sliced_call(self.calls[0], rows, batch)] * len(self.calls)
+        calls = map_calls(self.calls, lambda call: sliced_call(call, rows, batch))
         fill_kv(self.parts, calls, list(range(layer + 1, self.parts.num_layers)),
                 hidden.index_select(0, rows.to(hidden.device)), self.split)
 

@@ -22,7 +22,7 @@ import torch
 
 from .architectures import ModelParts
 
-__all__ = ["LayerCall", "capture_layer_calls", "capture_outputs", "write_kv_only", "additive_masks"]
+__all__ = ["LayerCall", "capture_layer_calls", "capture_outputs", "write_kv_only", "additive_masks", "map_calls"]
 
 
 @dataclass
@@ -150,6 +150,19 @@ def capture_layer_calls(parts: ModelParts, **backbone_inputs) -> list[LayerCall]
     return [store[i] for i in range(parts.num_layers)]
 
 
+def map_calls(calls: list[LayerCall], transform) -> list[LayerCall] | None:
+    """`transform(call)` for each call, computed once per distinct call object (`capture_layer_calls` hands one
+    call to every layer of a uniform model, and the results stay shared the same way); None if any is None."""
+    done: dict[int, LayerCall] = {}
+    for call in calls:
+        if id(call) not in done:
+            new = transform(call)
+            if new is None:
+                return None
+            done[id(call)] = new
+    return [done[id(call)] for call in calls]
+
+
 def additive_masks(parts: ModelParts, calls: list[LayerCall]) -> list[LayerCall]:
     """`calls` with every 4-D boolean attention mask given as the additive mask SDPA makes of it (0 where a query
     sees a key, -inf elsewhere, in the hidden states' dtype), for models whose attention is SDPA.
@@ -160,7 +173,6 @@ def additive_masks(parts: ModelParts, calls: list[LayerCall]) -> list[LayerCall]
     if getattr(parts.backbone.config, "_attn_implementation", None) != "sdpa":
         return calls
     converted: dict[int, torch.Tensor] = {}
-    done: dict[int, LayerCall] = {}
 
     def convert(value, dtype):
         if not (isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 4):
@@ -170,12 +182,12 @@ def additive_masks(parts: ModelParts, calls: list[LayerCall]) -> list[LayerCall]
                 value.logical_not(), float("-inf"))
         return converted[id(value)]
 
-    for call in calls:
-        if id(call) not in done:
-            dtype = call.hidden.dtype
-            done[id(call)] = LayerCall(tuple(convert(v, dtype) for v in call.args),
-                                       {name: convert(v, dtype) for name, v in call.kwargs.items()})
-    return [done[id(call)] for call in calls]
+    def with_additive(call: LayerCall) -> LayerCall:
+        dtype = call.hidden.dtype
+        return LayerCall(tuple(convert(v, dtype) for v in call.args),
+                         {name: convert(v, dtype) for name, v in call.kwargs.items()})
+
+    return map_calls(calls, with_additive)
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ._hf_compat import LengthView, keep_one_of_tail, layer_length, plain_dynamic_layers
 from .fewrows import few_row_linears
-from .layercalls import LayerCall, additive_masks, capture_layer_calls
+from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
 
 __all__ = ["TreeDrafter", "tree_mask_calls", "without_first_position", "grown_mask", "new_positions"]
 
@@ -38,10 +38,8 @@ def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor) -> list[Layer
 
     The chunk's keys are the mask's last Q columns. None when a call carries no 4-D mask for Q queries."""
     q = blocked.shape[0]
-    patched: dict[int, LayerCall] = {}
-    for call in calls:
-        if id(call) in patched:
-            continue
+
+    def patched(call: LayerCall) -> LayerCall | None:
         args, kwargs, found = list(call.args), dict(call.kwargs), False
         for where, value in [*enumerate(args), *kwargs.items()]:
             if not (isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-2] == q
@@ -58,10 +56,9 @@ def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor) -> list[Layer
             else:
                 kwargs[where] = mask
             found = True
-        if not found:
-            return None
-        patched[id(call)] = LayerCall(tuple(args), kwargs)
-    return [patched[id(call)] for call in calls]
+        return LayerCall(tuple(args), kwargs) if found else None
+
+    return map_calls(calls, patched)
 
 
 def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | None:
@@ -70,7 +67,6 @@ def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | 
     Per-position arguments lose their first query: the hidden states and rotary tables [B, q, ...] (3-D),
     position ids [B, q], cache positions [q], and 4-D masks [B, h, q, K] (rows). None when a tensor has a
     dimension of size q anywhere else, which this cannot place."""
-    sliced: dict[int, LayerCall] = {}
 
     def cut(value):
         if isinstance(value, (tuple, list)):
@@ -86,15 +82,12 @@ def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | 
             return value[1:]
         return _UNPLACED
 
-    for call in calls:
-        if id(call) in sliced:
-            continue
+    def sliced(call: LayerCall) -> LayerCall | None:
         args = [cut(v) for v in call.args]
         kwargs = {name: cut(v) for name, v in call.kwargs.items()}
-        if any(v is _UNPLACED for v in [*args, *kwargs.values()]):
-            return None
-        sliced[id(call)] = LayerCall(tuple(args), kwargs)
-    return [sliced[id(call)] for call in calls]
+        return None if any(v is _UNPLACED for v in [*args, *kwargs.values()]) else LayerCall(tuple(args), kwargs)
+
+    return map_calls(calls, sliced)
 
 
 _UNPLACED = object()
