@@ -26,7 +26,7 @@ from .config import MAX_DRAFT_TOPK
 from .fewrows import few_row_linears
 from .kvfill import fill_kv
 from .layercalls import additive_masks, capture_layer_calls
-from .speculative import LosslessUnavailable
+from .speculative import LosslessUnavailable, next_cap
 
 __all__ = ["StepCosts", "DraftScheme", "VERIFY_POSITIONS", "WIDE_VERIFY_POSITIONS", "VERIFY_POINTS", "draft_candidates",
            "measure_costs", "measured_speedup", "prune_checkpoints", "verify_extras_text", "loop_extras_text",
@@ -225,18 +225,18 @@ def _loop_extras(model, ids: torch.Tensor, costs: StepCosts, repeats: int = 3) -
     subtracts what the pieces account for over the extra tokens: the layers, head and capture of each base
     step; each cycle's drafts and verification as `draft_candidates` prices them. (0, 0) where lossless mode
     cannot run here."""
-    num_layers, short, long = model.parts.num_layers, *LOOP_TOKENS
-    layer, head, capture = costs.layer_s, costs.head_s, costs.capture_s
+    short, long = LOOP_TOKENS
     config = {"mode": "lossless", "draft_layer": model.checkpoints[0], "max_draft": 1, "draft_topk": 1,
               "draft_vocab_size": 0}
-    kwargs = dict(do_sample=False, pad_token_id=model.base.generation_config.pad_token_id or 0)
+    step = model.parts.num_layers + costs.head + costs.capture  # a base step's pieces, in layers
+    draft = config["draft_layer"] + 1 + costs.head + costs.capture
 
     def run(n: int, lossless: bool):
         start = time.perf_counter()
         if lossless:
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, tide_config=config, **kwargs)
+            model.generate(ids, tide_config=config, **_timing_kwargs(model, n))
         else:
-            model.base.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+            model.base.generate(ids, **_timing_kwargs(model, n))
         _sync()
         stats = model.last_stats if lossless else None
         return time.perf_counter() - start, stats
@@ -245,18 +245,24 @@ def _loop_extras(model, ids: torch.Tensor, costs: StepCosts, repeats: int = 3) -
         run(short, True)  # warm-up (and the check that lossless mode runs here)
     except LosslessUnavailable:
         return 0.0, 0.0
-    step, cycle = [], []
+    per_token, per_cycle = [], []
     for _ in range(repeats):
         (base_short, _), (base_long, _) = run(short, False), run(long, False)
         (tide_short, few), (tide_long, many) = run(short, True), run(long, True)
-        step.append((base_long - base_short) / (long - short) - (num_layers * layer + head + capture))
+        per_token.append((base_long - base_short) / (long - short) - step * costs.layer_s)
         cycles, drafted = many.verify_passes - few.verify_passes, many.drafted - few.drafted
         if cycles <= 0:
             continue
-        pieces = (drafted * ((config["draft_layer"] + 1) * layer + head + capture + costs.verify_extra_at(2) * layer)
-                  + cycles * (num_layers * layer + head + capture))
-        cycle.append((tide_long - tide_short - pieces) / cycles)
-    return max(statistics.median(step), 0.0), max(statistics.median(cycle), 0.0) if cycle else 0.0
+        pieces = _chain_cost(Counter({1: drafted, 0: cycles - drafted}), draft,
+                             lambda positions: step + costs.verify_extra_at(positions)) * costs.layer_s
+        per_cycle.append((tide_long - tide_short - pieces) / cycles)
+    return max(statistics.median(per_token), 0.0), max(statistics.median(per_cycle), 0.0) if per_cycle else 0.0
+
+
+def _timing_kwargs(model, new_tokens: int) -> dict:
+    """Greedy `generate` arguments for a timing: exactly `new_tokens` new tokens."""
+    return dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                pad_token_id=model.base.generation_config.pad_token_id or 0)
 
 
 def layer_cost_of_cascade(rows, total: int, num_layers: int, costs: StepCosts) -> float:
@@ -363,8 +369,7 @@ def _schemes(ranks, chain_ranks, draft_overhead: float, verify, base: float, max
         draft = layer + 1 + draft_overhead
         for length in range(1, max_draft + 1):
             tokens, drafted = chain_cycles(runs, length)
-            cost = sum(count * (d * draft + verify(d + 1)) for d, count in drafted.items())
-            out.append(DraftScheme(layer, length, 1, tokens / cost * base, vocab))
+            out.append(DraftScheme(layer, length, 1, tokens / _chain_cost(drafted, draft, verify) * base, vocab))
         if max_draft:
             for k in range(2, max_topk + 1):
                 hit = float((rank.long() < k).double().mean())
@@ -372,12 +377,17 @@ def _schemes(ranks, chain_ranks, draft_overhead: float, verify, base: float, max
     return out
 
 
+def _chain_cost(drafted: Counter, draft: float, verify) -> float:
+    """What chain cycles cost, in layers: {drafts in a cycle: cycles}, a draft step `draft`, and a verification
+    over p positions `verify(p)` (the drafts and the token before them)."""
+    return sum(count * (d * draft + verify(d + 1)) for d, count in drafted.items())
+
+
 def chain_cycles(runs: list[int], max_draft: int) -> tuple[int, Counter]:
     """Lossless mode's chain drafting walked over held-out text: (tokens emitted, {drafts in a cycle: cycles}).
 
     runs[t]: how many drafts in a row from position t agree with the full model. A cycle at t drafts `cap`
-    tokens, emits the agreeing ones and one more; the cap then grows by one after a fully accepted draft (up to
-    `max_draft`) and otherwise becomes the accepted count + 1 (`_TideDrafter.update_candidate_strategy`). So a
+    tokens, emits the agreeing ones and one more, and the cap follows generation's rule (`next_cap`). So a
     chain of up to 4 whose drafts often fail early mostly verifies 2-3 positions, not 5."""
     tokens, drafted, cap, t = 0, Counter(), max_draft, 0
     while t < len(runs):
@@ -385,7 +395,7 @@ def chain_cycles(runs: list[int], max_draft: int) -> tuple[int, Counter]:
         drafted[cap] += 1
         tokens += accepted + 1
         t += accepted + 1
-        cap = min(cap + 1, max_draft) if accepted >= cap else accepted + 1
+        cap = next_cap(cap, cap, accepted, max_draft)
     return tokens, drafted
 
 
@@ -394,8 +404,7 @@ def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_
 
     Runs alternate between the two and the median of the per-repeat ratios is returned.
     """
-    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  pad_token_id=model.base.generation_config.pad_token_id or 0)
+    kwargs = _timing_kwargs(model, new_tokens)
 
     def seconds(fn):
         return sum(_seconds(lambda ids=ids: fn(ids)) for ids in prompts)

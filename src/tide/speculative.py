@@ -29,7 +29,15 @@ from .layercalls import additive_masks, capture_layer_calls, capture_outputs
 from .stats import GenerationStats
 from .treedraft import TreeDrafter, grown_mask, new_positions
 
-__all__ = ["LosslessSession", "LosslessUnavailable", "check_rollback"]
+__all__ = ["LosslessSession", "LosslessUnavailable", "check_rollback", "next_cap"]
+
+
+def next_cap(cap: int, drafted: int, accepted: int, max_draft: int) -> int:
+    """The chain's draft cap after a verification: one more after a fully accepted draft (up to `max_draft`),
+    the accepted count + 1 after a rejection, unchanged when nothing was drafted."""
+    if not drafted:
+        return cap
+    return min(cap + 1, max_draft) if accepted >= drafted else max(1, accepted + 1)
 
 
 class LosslessUnavailable(ValueError):
@@ -191,10 +199,7 @@ class _TideDrafter(CandidateGenerator):
         session.accept(num_matches)
         stats.accepted += min(int(num_matches), self.drafted)
         stats.decode_tokens += int(num_matches) + 1
-        if self.drafted and num_matches >= self.drafted:
-            session.cap = min(session.cap + 1, session.max_draft)
-        elif self.drafted:
-            session.cap = max(1, int(num_matches) + 1)
+        session.cap = next_cap(session.cap, self.drafted, int(num_matches), session.max_draft)
 
     # ------------------------------------------------------------------ helpers
     def _prefill(self, input_ids) -> None:
