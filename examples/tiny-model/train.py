@@ -35,11 +35,13 @@ from tide.demo_corpus import split_corpus  # noqa: E402  (before torch: imports 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast,  # noqa: E402
+                          Qwen3Config)
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 DEFAULT_OUT = REPO / "src" / "tide" / "assets" / "tiny-llama"
 PROMPTS = ["The list type", "A function is", "To open a file,"]
+ARCHITECTURES = {"llama": LlamaConfig, "qwen3": Qwen3Config}  # both: model.model.layers, .norm, .self_attn, .mlp
 
 
 def parse_args(argv=None):
@@ -54,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("model")
+    g.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama",
+                   help="model family (the demo model is llama; qwen3 adds q/k norms)")
     g.add_argument("--vocab-size", type=int, default=4096)
     g.add_argument("--layers", type=int, default=12)
     g.add_argument("--hidden", type=int, default=192)
@@ -156,7 +160,7 @@ def evaluate(model, rows, tail, per_layer=False, batch=16):
 
 
 def add_train_dropout(model, p):
-    """Dropout on each attention / MLP output, active only in train mode; the saved model is plain Llama."""
+    """Dropout on each attention / MLP output, active only in train mode; the saved model is the plain family's."""
     def hook(module, inputs, output):
         if not module.training or p == 0:
             return None
@@ -196,12 +200,13 @@ def main(argv=None):
           f"prepared in {time.time() - t_start:.0f}s", flush=True)
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    config = LlamaConfig(
+    config = ARCHITECTURES[args.arch](
         vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.max_positions, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=pad, use_cache=True)
-    model = LlamaForCausalLM(config)
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=pad, use_cache=True,
+        **({"head_dim": args.hidden // args.heads} if args.arch == "qwen3" else {}))
+    model = AutoModelForCausalLM.from_config(config)
     dropout_hooks = add_train_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
@@ -272,7 +277,7 @@ def main(argv=None):
     for f in args.out.iterdir():
         f.chmod(0o644)  # save_pretrained writes the weights 0600; package data should be readable
     report = {
-        "model": {"architecture": "LlamaForCausalLM", "layers": args.layers, "hidden_size": args.hidden,
+        "model": {"architecture": type(model).__name__, "layers": args.layers, "hidden_size": args.hidden,
                   "intermediate_size": args.intermediate, "heads": args.heads, "kv_heads": args.kv_heads,
                   "vocab_size": len(tokenizer), "tied_embeddings": True, "params": n_params,
                   "dtype": str(model.dtype).replace("torch.", ""),
