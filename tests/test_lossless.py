@@ -54,6 +54,18 @@ def test_sdpa_attention_is_token_identical(family, scheme, monkeypatch):
     assert masks and all(m.dtype == torch.float32 for m in masks)
 
 
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral"])
+def test_left_padded_prompt_is_token_identical(family, scheme):
+    model, base = noisy_tide(family, attention="sdpa")
+    ids = prompt_ids()
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1)
+    ref = base.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    out = model.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=12, tide_config=SCHEMES[scheme])
+    assert torch.equal(out, ref) and model.last_stats.verify_passes > 0
+
+
 def test_max_draft_zero_is_the_plain_base_model():
     model, base = noisy_tide()
     ids = prompt_ids()
