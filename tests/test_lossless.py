@@ -1,10 +1,11 @@
 """Lossless mode: output identical to the base model's for any exit heads, draft layer and draft length."""
 
+import contextlib
 from collections import Counter
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList, TextIteratorStreamer
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList, TextIteratorStreamer
 
 import tide
 from generation_helpers import BanToken, StopAfter
@@ -52,6 +53,46 @@ def test_sdpa_attention_is_token_identical(family, scheme, monkeypatch):
     masks = [v for calls in converted for call in calls for v in [*call.args, *call.kwargs.values()]
              if isinstance(v, torch.Tensor) and v.dim() == 4]
     assert masks and all(m.dtype == torch.float32 for m in masks)
+
+
+def test_verification_attends_grouped_query_heads_in_place(monkeypatch):
+    """Verification passes on CPU attend the K/V heads in place (no per-group copy), bit-identically; outside
+    them transformers decides as before."""
+    from transformers.integrations import sdpa_attention
+
+    from tide._hf_compat import grouped_query_attention_in_place
+    from tide.layercalls import additive_masks, capture_layer_calls
+
+    model, base = noisy_tide("llama", attention="sdpa")  # 4 query heads, 2 K/V heads
+    parts, ids = model.parts, prompt_ids(length=10)
+    copies = []
+    real = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or real(x, n))
+
+    def verify_pass(in_place: bool):
+        cache = DynamicCache(config=base.config)
+        base(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
+        calls = additive_masks(parts, capture_layer_calls(parts, input_ids=ids[:, 6:], past_key_values=cache,
+                                                          use_cache=True))
+        hidden = calls[0].hidden
+        with grouped_query_attention_in_place() if in_place else contextlib.nullcontext():
+            for i in range(parts.num_layers):
+                hidden = calls[i].run(parts, i, hidden)
+        return hidden
+
+    copied = verify_pass(False)
+    assert copies  # transformers copies K/V heads for a masked pass of 4 positions
+    copies.clear()
+    assert torch.equal(verify_pass(True), copied) and not copies
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12)
+    out = model.generate(ids, do_sample=False, max_new_tokens=12, tide_config=SCHEMES["tree"])
+    assert torch.equal(out, ref) and model.last_stats.verify_passes > 0
+    assert not copies  # generation's verification passes made no copy either
+    mask, key = torch.zeros(1, 1, 4, 10), torch.zeros(1, 2, 10, 8)
+    assert not sdpa_attention.use_gqa_in_sdpa(mask, key, key)  # outside Tide's passes: transformers' own choice
+    with grouped_query_attention_in_place():
+        assert sdpa_attention.use_gqa_in_sdpa(mask, key, key)
+        assert not sdpa_attention.use_gqa_in_sdpa(mask[..., :1, :], key, key)  # one query: transformers' own
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))

@@ -7,6 +7,9 @@
 - Cache internals: a layer's `keys`/`values` tensors (which tree drafts compact in place on a plain
   `DynamicLayer`), `crop`, `get_seq_length`; the cache's `is_sliding`,
   `get_mask_sizes` and `get_query_offset`, which `LengthView` answers for a chunk of positions.
+- `use_gqa_in_sdpa` in transformers' SDPA attention, which decides whether grouped-query K/V heads are copied
+  per query group (`repeat_kv`) before attention; `grouped_query_attention_in_place` answers it for Tide's
+  masked multi-position passes on CPU.
 
 `check()` verifies them against the installed transformers and raises an error naming the piece that
 changed; the test suite calls it.
@@ -15,13 +18,17 @@ changed; the test suite calls it.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from transformers import Cache, DynamicCache
+from transformers.integrations import sdpa_attention
 
 __all__ = ["CANDIDATE_GENERATOR_METHOD", "ASSISTED_SWITCH", "LengthView", "layer_kv", "crop_layer", "layer_length",
            "plain_dynamic_layers", "keep_one_of_tail",
-           "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of", "check"]
+           "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of",
+           "grouped_query_attention_in_place", "check"]
 
 CANDIDATE_GENERATOR_METHOD = "_get_candidate_generator"
 ASSISTED_SWITCH = "prompt_lookup_num_tokens"
@@ -126,6 +133,44 @@ class LengthView(Cache):
         return getattr(self._cache, name)
 
 
+# Grouped-query attention over several query positions with a mask. transformers' SDPA path copies every K/V
+# head once per query group (`repeat_kv`) whenever a mask is given, so a verification pass pays a copy of each
+# layer's whole cache that a decode step (one query, no mask) does not: on a hidden-256 Qwen3 with 4 query and 2
+# K/V heads, 10 layers over 2 positions took 4.27 / 5.55 ms at 60 / 480 cached tokens, and 3.97 / 4.48 ms with
+# torch attending the K/V heads in place (`enable_gqa`, PyTorch >= 2.5), bit-identical (docs/benchmarks.md). On
+# CUDA a mask keeps SDPA off the kernels that take `enable_gqa`, so only CPU passes change.
+_GQA_IN_PLACE: ContextVar = ContextVar("tide_gqa_in_place", default=False)
+_TORCH_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def _use_gqa_in_sdpa_for(original):
+    def use_gqa_in_sdpa(attention_mask, key, value):
+        if (_GQA_IN_PLACE.get() and attention_mask is not None and attention_mask.dim() == 4
+                and attention_mask.shape[-2] > 1 and key.device.type == "cpu" and key.shape[-1] == value.shape[-1] <= 256):
+            return True
+        return original(attention_mask, key, value)
+
+    use_gqa_in_sdpa.tide_original = original
+    return use_gqa_in_sdpa
+
+
+@contextmanager
+def grouped_query_attention_in_place():
+    """In this context (Tide's multi-position passes), transformers' SDPA attention over several masked query
+    positions on CPU attends grouped-query K/V heads in place instead of copying them per query group."""
+    if not _TORCH_GQA:
+        yield
+        return
+    current = sdpa_attention.use_gqa_in_sdpa
+    if not hasattr(current, "tide_original"):  # installed once per process; outside the context it is transformers'
+        sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa_for(current)
+    token = _GQA_IN_PLACE.set(True)
+    try:
+        yield
+    finally:
+        _GQA_IN_PLACE.reset(token)
+
+
 def check() -> None:
     """Raise RuntimeError naming every private transformers piece above that is missing or changed."""
     from transformers import DynamicCache, GenerationConfig, GenerationMixin, LlamaConfig
@@ -159,5 +204,10 @@ def check() -> None:
             problems.append("a DynamicLayer's length is no longer its keys' length")
     except (AttributeError, IndexError, TypeError) as err:
         problems.append(f"cache layers changed: {err}")
+    decide = getattr(sdpa_attention.use_gqa_in_sdpa, "tide_original", getattr(sdpa_attention, "use_gqa_in_sdpa", None))
+    if decide is None or list(inspect.signature(decide).parameters) != ["attention_mask", "key", "value"]:
+        problems.append("transformers.integrations.sdpa_attention.use_gqa_in_sdpa(attention_mask, key, value) changed")
+    elif "use_gqa_in_sdpa" not in sdpa_attention.sdpa_attention_forward.__code__.co_names:
+        problems.append("sdpa_attention_forward no longer asks use_gqa_in_sdpa whether to repeat K/V heads")
     if problems:
         raise RuntimeError("Tide relies on transformers internals that changed: " + "; ".join(problems) + ".")

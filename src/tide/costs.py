@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
+from ._hf_compat import grouped_query_attention_in_place
 from .config import MAX_DRAFT_TOPK
 from .fewrows import few_row_linears
 from .kvfill import fill_kv
@@ -184,7 +185,8 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
         runs it)."""
         def run():
             h = step_calls[0].hidden
-            with few_row_linears(parts):  # the layout Tide's multi-position passes use; one position is unchanged
+            # the layouts Tide's multi-position passes use; one position is unchanged
+            with few_row_linears(parts), grouped_query_attention_in_place():
                 for i in range(num_layers):
                     h = step_calls[i].run(parts, i, h)
                     if consult and i in checkpoints:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._hf_compat import LengthView, has_sliding_layers, layer_kv
+from ._hf_compat import LengthView, grouped_query_attention_in_place, has_sliding_layers, layer_kv
 from .fewrows import few_row_linears
 from .layercalls import additive_masks, capture_layer_calls, write_kv_only
 
@@ -148,7 +148,7 @@ class RecomputeSteps:
         self.chunk_states = torch.where(entering, self._with_token(self.token_state), self.chunk_states)
         stale = self.exact_through[:, :-1] < i
         self.recomputed = self.recomputed + stale.sum()
-        with few_row_linears(self.parts):
+        with few_row_linears(self.parts), grouped_query_attention_in_place():
             self.chunk_states = self.chunk_calls[i].run(self.parts, i, self.chunk_states,
                                                         cache=_MergeTail(self.cache, stale))
         self.token_state = self.chunk_states[:, -1:]

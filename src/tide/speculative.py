@@ -22,7 +22,8 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ._hf_compat import LengthView, crop_layer, layer_length, unrecoverable_sliding_layers
+from ._hf_compat import (LengthView, crop_layer, grouped_query_attention_in_place, layer_length,
+                         unrecoverable_sliding_layers)
 from .dispatch import base_forward
 from .fewrows import few_row_linears
 from .layercalls import additive_masks, capture_layer_calls, capture_outputs
@@ -139,7 +140,7 @@ class LosslessSession:
         inputs = new_positions(attention_mask, deep_length, ids.shape[1])
         calls = additive_masks(self.parts, capture_layer_calls(self.parts, input_ids=ids, use_cache=True,
                                                                past_key_values=LengthView(cache, deep_length), **inputs))
-        with few_row_linears(self.parts):  # P + 1 positions: on CPU, the layout measured faster here
+        with few_row_linears(self.parts), grouped_query_attention_in_place():  # P + 1 positions: the CPU layouts
             for i in range(self.draft_layer + 1, self.parts.num_layers):
                 states = calls[i].run(self.parts, i, states)
             normed = self.parts.final_norm(states)

@@ -26,7 +26,8 @@ import time
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ._hf_compat import LengthView, keep_one_of_tail, layer_length, plain_dynamic_layers
+from ._hf_compat import (LengthView, grouped_query_attention_in_place, keep_one_of_tail, layer_length,
+                         plain_dynamic_layers)
 from .fewrows import few_row_linears
 from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
 
@@ -175,7 +176,7 @@ class TreeDrafter(CandidateGenerator):
             shallow = tree_mask_calls(capture_layer_calls(parts, input_ids=candidates, use_cache=True, **inputs,
                                                           past_key_values=LengthView(cache, have)), _siblings_blocked(k, 0))
             shallow = additive_masks(parts, shallow)
-        with few_row_linears(parts):  # k and 1 + k positions: on CPU, the layout measured faster here
+        with few_row_linears(parts), grouped_query_attention_in_place():  # k and 1 + k positions: the CPU layouts
             states = shallow[0].hidden
             for i in range(session.draft_layer + 1):
                 states = shallow[i].run(parts, i, states)
