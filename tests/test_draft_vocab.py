@@ -214,7 +214,7 @@ def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
     made the fastest), and the kept one decodes as the base model."""
     calibration = __import__("tide.calibrate", fromlist=["_timed"])
     monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
-    monkeypatch.setattr(calibration, "_distinct_shapes", lambda candidates, count: candidates[:count])
+    monkeypatch.setattr(calibration, "_timed_schemes", lambda candidates, count: candidates[:count])
     ran = []
 
     def timed(tide_model, prompts, config):
@@ -260,3 +260,18 @@ def test_draft_trials_stop_only_where_lossless_mode_is_unavailable(monkeypatch):
     monkeypatch.setattr(calibration, "_timed", broken)
     with pytest.raises(ValueError, match="holds 0 tokens"):
         calibration._choose_draft(model, None, [], [scheme])
+
+
+def test_timed_schemes_spread_over_verification_widths():
+    """Calibration times the best-estimated scheme, then the best-estimated one verifying at most half as many
+    positions, else the next best shape; a shape differing only in its vocabulary is not timed twice."""
+    from tide.costs import DraftScheme
+
+    calibration = __import__("tide.calibrate", fromlist=["_timed_schemes"])
+    tree8, tree8_vocab, tree7, tree3, chain2 = (DraftScheme(0, 1, 8, 1.3), DraftScheme(0, 1, 8, 1.29, 256),
+                                                DraftScheme(0, 1, 7, 1.28), DraftScheme(0, 1, 3, 1.2),
+                                                DraftScheme(1, 2, 1, 1.1))
+    ranked = [tree8, tree8_vocab, tree7, tree3, chain2]
+    assert calibration._timed_schemes(ranked, 3) == [tree8, tree3, tree7]  # 9 positions, then 4, then none <= 2
+    assert calibration._timed_schemes(ranked, 10) == [tree8, tree3, tree7, chain2]
+    assert calibration._timed_schemes([], 3) == []
