@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import MAX_DRAFT_TOPK, TideConfig, draft_scheme_text
+from .config import MAX_DRAFT_TOPK, TideConfig, draft_scheme_text, exit_timing_text, timings_text
 from .costs import (draft_candidates, layer_cost_of_cascade, loop_extras_text, measure_costs, measured_speedup,
                     prune_checkpoints, verify_extras_text)
 from .data import load_texts
@@ -139,11 +139,13 @@ def calibrate(
     costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
     tokens = _validation_tokens(held_texts, tokenizer, opts, share=procs.world) if opts.validation_tokens else None
     prompts = _timing_prompts(tokenizer, held_texts, tide.base.device) if costs is not None else None
+    batch = _timing_batch(tokenizer, held_texts, tide.base.device) if costs is not None else None
     tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(), held.num_tokens,
-                                               num_layers, cfg.confidence, costs, tokens, prompts)
+                                               num_layers, cfg.confidence, costs, tokens, prompts, batch)
     point = operating_point(tide, cfg.target_agreement, procs)
     selection, dropped, validation, exit_timing = point.selection, point.dropped, point.validation, point.exit_timing
     cfg.thresholds = point.thresholds
+    cfg.set_generation_defaults(batch_exits=point.batch_exits)
     draft_selection = None
     if costs is not None and opts.draft_trials:
         candidates = _timed_schemes(draft_candidates(held.ranks(), num_layers, costs,
@@ -440,6 +442,7 @@ class _HeldoutSelection:
 
     validation_tokens: list | None = None  # held-out token lists for the check through the decode step
     timing_prompts: list | None = None  # prompts that time exit mode against the base model
+    timing_batch: torch.Tensor | None = None  # [rows, T] one batch that times it on several sequences
 
     def select(self, target: float, max_budget: float = 1.0):
         """(CascadeSelection, dropped checkpoints {layer: reason}) for `target` agreement."""
@@ -464,6 +467,17 @@ def _timing_prompts(tokenizer, texts, device) -> list[torch.Tensor]:
     return [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:4]]
 
 
+BATCH_TIMING_ROWS = 8
+
+
+def _timing_batch(tokenizer, texts, device, length: int = 16) -> torch.Tensor | None:
+    """[rows, length]: the first `length` tokens of up to `BATCH_TIMING_ROWS` texts that have that many (one
+    batch, no padding), to time exit mode on several sequences; None when fewer than 2 texts are long enough."""
+    rows = [ids[:length] for ids in (tokenizer(t)["input_ids"] for t in texts) if len(ids) >= length]
+    rows = rows[:BATCH_TIMING_ROWS]
+    return torch.tensor(rows, device=device) if len(rows) >= 2 else None
+
+
 # A timed mode is kept only when at least this much faster than the base model: the median of 5 interleaved
 # repeats still moves by about 1% between runs (rows of `tide bench` that run the base model: x0.992-1.007;
 # a tree that calibration timed at x1.002 ran x0.992 in the bench), and a kept scheme that is really no
@@ -475,11 +489,28 @@ def _timed(tide, prompts, tide_config: dict) -> float:
     return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5)
 
 
-def _time_exit(tide, prompts, thresholds) -> dict:
-    """Time exit mode at `thresholds` against the base model here; it stays active only when it is faster (by
-    `KEEP_SPEEDUP`)."""
-    ratio = _timed(tide, prompts, {"mode": "exit", "thresholds": thresholds})
-    return {"measured": ratio, "active": ratio >= KEEP_SPEEDUP}
+def _kept(tide, prompts, tide_config: dict, first: float | None = None) -> dict:
+    """Time `tide_config` against the base model here (`first`: a timing already made); it is kept only when
+    two timings both find it `KEEP_SPEEDUP` times faster. {"measured": the lower timing, "timings", "active"}.
+
+    One timing is not enough on a shared machine: on the shipped model, the layer-wise engine with no exit (the
+    base model's work) timed x0.88-1.04 in six runs of `_timed`, and exits that run about 5% slower timed
+    x1.054 once and were kept (docs/benchmarks.md)."""
+    timings = [_timed(tide, prompts, tide_config) if first is None else first]
+    if timings[0] >= KEEP_SPEEDUP:
+        timings.append(_timed(tide, prompts, tide_config))
+    return {"measured": min(timings), "timings": timings, "active": min(timings) >= KEEP_SPEEDUP}
+
+
+def _time_exit(tide, prompts, batch, thresholds) -> dict:
+    """Time exit mode at `thresholds` against the base model here (`_kept`), and where it is kept, on `batch`
+    [rows, T] too (None: not timed): exits that leave rows of a batch save less (the running rows still run every
+    layer) and may not pay there."""
+    config = {"mode": "exit", "thresholds": thresholds}
+    timing = _kept(tide, prompts, config)
+    if timing["active"] and batch is not None:
+        timing["batch"] = {"rows": batch.shape[0], **_kept(tide, [batch], config)}
+    return timing
 
 
 def _timed_schemes(candidates: list, count: int) -> list:
@@ -518,14 +549,22 @@ def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
     trials = []
     for scheme in candidates:
         try:
-            ratio = _timed(tide, prompts, {"mode": "lossless", "draft_layer": scheme.draft_layer,
-                                           "max_draft": scheme.max_draft, "draft_topk": scheme.draft_topk,
-                                           "draft_vocab_size": scheme.draft_vocab_size})
+            ratio = _timed(tide, prompts, _lossless_config(scheme._asdict()))
         except LosslessUnavailable as err:  # e.g. sliding-window caches that cannot roll back
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
         trials.append({**scheme._asdict(), "measured": ratio})
-    best = max(trials, key=lambda t: t["measured"], default=None)
-    return {"trials": trials, "chosen": best if best is not None and best["measured"] >= KEEP_SPEEDUP else None}
+    for trial in sorted(trials, key=lambda t: -t["measured"]):  # the fastest first; the next if it is not kept
+        kept = _kept(tide, prompts, _lossless_config(trial), first=trial["measured"])
+        trial["timings"] = kept["timings"]
+        if kept["active"]:
+            return {"trials": trials, "chosen": {**trial, "measured": kept["measured"]}}
+        if len(kept["timings"]) == 1:  # not faster even once: nor are the trials timed slower
+            break
+    return {"trials": trials, "chosen": None}
+
+
+def _lossless_config(scheme: dict) -> dict:
+    return {"mode": "lossless", **{k: scheme[k] for k in ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size")}}
 
 
 def _validation_tokens(texts, tokenizer, opts: CalibrationOptions, share: int = 1) -> list[list[int]]:
@@ -594,6 +633,11 @@ class OperatingPoint:
     def exits(self) -> bool:
         return any(t < 1.0 for t in self.thresholds.values())
 
+    @property
+    def batch_exits(self) -> bool:
+        """False when the exits were timed no faster than the base model on a batch (batches then run it)."""
+        return ((self.exit_timing or {}).get("batch") or {}).get("active", True)
+
 
 def operating_point(model, target_agreement: float, procs: Processes | None = None) -> OperatingPoint:
     """Thresholds for `target_agreement` from the held-out scores of a calibration run in this process:
@@ -613,7 +657,8 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
     thresholds = held.thresholds(selection, model.checkpoints)
     exit_timing = None
     if held.timing_prompts is not None and any(t < 1.0 for t in thresholds.values()):
-        exit_timing = procs.broadcast(_time_exit(model, held.timing_prompts, thresholds) if procs.is_main else None)
+        exit_timing = procs.broadcast(_time_exit(model, held.timing_prompts, held.timing_batch, thresholds)
+                                      if procs.is_main else None)
         if not exit_timing["active"]:
             thresholds = dict.fromkeys(thresholds, 1.0)  # exit mode then runs the base model
     expected = None
@@ -737,12 +782,10 @@ def calibration_table(config) -> str:
                      "in layer work")
     timing = cal.get("exit_timing")
     if timing:
-        lines.append(f"exit mode at these thresholds: measured x{timing['measured']:.3f} against the base model"
-                     + ("" if timing["active"] else f"; not {KEEP_SPEEDUP - 1:.0%} faster, so its exits are off (exit mode runs the "
-                                                 "base model)"))
+        lines.append(f"exit mode at these thresholds: {exit_timing_text(timing)}")
     draft = cal.get("draft_selection") or {}
     for trial in draft.get("trials", []):
-        lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, measured x{trial['measured']:.3f}")
+        lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, {timings_text(trial)}")
     if draft:
         generation = config.generation_config
         lines.append(f"lossless mode: {draft_scheme_text(generation.to_dict())}" if generation.max_draft

@@ -18,7 +18,8 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-__all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "draft_scheme_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
+__all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "draft_scheme_text",
+           "timings_text", "exit_timing_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
 
 LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
@@ -27,8 +28,8 @@ KV_STRATEGIES = ("propagate", "recompute")
 MODES = ("exit", "lossless", "auto")
 
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
-GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "max_draft",
-                     "draft_layer", "draft_topk", "draft_vocab_size")
+GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "batch_exits",
+                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size")
 MAX_DRAFT_TOPK = 8  # tree drafts: candidates verified together with the token before them
 
 
@@ -57,6 +58,10 @@ class TideGenerationConfig:
             it timed lossless mode faster than exit mode.
         prefill_exit (`bool`, *optional*, defaults to `False`):
             Let prompt tokens exit early too (with propagated K/V).
+        batch_exits (`bool`, *optional*, defaults to `True`):
+            Exit mode on a batch of several sequences with the calibrated thresholds. Calibration sets it to
+            `False` where exits that paid for one sequence timed no faster than the base model on a batch; such
+            batches then run the base model. A call that sets `exit_threshold` or `thresholds` always exits.
         max_draft (`int`, *optional*, defaults to 8):
             Lossless mode: most draft tokens per verification; 0 runs the base model's own `generate`.
         draft_layer (`int`, *optional*):
@@ -76,10 +81,11 @@ class TideGenerationConfig:
     """
 
     def __init__(self, exit_threshold: float | None = None, thresholds: dict | None = None, min_layers: int = 0,
-                 kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False, max_draft: int = 8,
-                 draft_layer: int | None = None, draft_topk: int = 1, draft_vocab_size: int = 0):
+                 kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False, batch_exits: bool = True,
+                 max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1, draft_vocab_size: int = 0):
         self.exit_threshold, self.min_layers, self.kv_strategy, self.mode = exit_threshold, min_layers, kv_strategy, mode
-        self.prefill_exit, self.max_draft, self.draft_layer, self.draft_topk = prefill_exit, max_draft, draft_layer, draft_topk
+        self.prefill_exit, self.batch_exits = prefill_exit, batch_exits
+        self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
         self.draft_vocab_size = draft_vocab_size
         self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
         self.validate()
@@ -130,8 +136,9 @@ class TideGenerationConfig:
         if 0 < self.draft_vocab_size < MAX_DRAFT_TOPK:
             raise ValueError(f"tide_config.draft_vocab_size must be 0 (the whole vocabulary) or at least {MAX_DRAFT_TOPK} "
                              f"(the most candidates a draft offers), got {self.draft_vocab_size}.")
-        if not isinstance(self.prefill_exit, bool):
-            raise ValueError(f"tide_config.prefill_exit must be True or False, got {self.prefill_exit!r}.")
+        for name in ("prefill_exit", "batch_exits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"tide_config.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.exit_threshold is not None:
             _check_number("exit_threshold", self.exit_threshold, owner="tide_config")
             if self.exit_threshold > 1.0:
@@ -184,6 +191,25 @@ def draft_scheme_text(scheme: dict) -> str:
     if scheme.get("draft_topk", 1) > 1:
         return f"tree drafts from layer {scheme['draft_layer']}, {scheme['draft_topk']} candidates per verification{vocab}"
     return f"drafts from layer {scheme['draft_layer']}, up to {scheme['max_draft']} per verification{vocab}"
+
+
+def timings_text(entry: dict) -> str:
+    """'measured x1.172' or, for a mode timed again before it was kept, 'measured x1.172, then x1.150'."""
+    timings = entry.get("timings") or [entry["measured"]]
+    return "measured " + ", then ".join(f"x{t:.3f}" for t in timings)
+
+
+def exit_timing_text(timing: dict) -> str:
+    """Calibration's timing of exit mode against the base model (`exit_timing` of the calibration summary), in
+    words: what was measured, for one sequence and for a batch, and what was kept."""
+    text = timings_text(timing) + " against the base model"
+    if not timing["active"]:
+        return text + "; not faster by calibration's margin, so its exits are off (exit mode runs the base model)"
+    batch = timing.get("batch")
+    if batch:
+        text += f"; on a batch of {batch['rows']}: {timings_text(batch)}"
+        text += "" if batch["active"] else ", not faster, so batches run the base model"
+    return text
 
 
 # Keys that transformers itself writes into every config.json, never "unknown".

@@ -24,7 +24,8 @@ from .stats import GenerationStats
 __all__ = ["generate_with_tide", "resolve_run_config", "attach_stats", "lossless_problem"]
 
 # Options only exit mode uses: a call that sets one runs in exit mode when the repo's default is "auto".
-_EXIT_OPTIONS = {"exit_threshold", "thresholds", "min_layers", "kv_strategy", "prefill_exit"}
+_EXIT_OPTIONS = {"exit_threshold", "thresholds", "min_layers", "kv_strategy", "prefill_exit", "batch_exits"}
+_OWN_THRESHOLDS = {"exit_threshold", "thresholds"}  # a call that sets one exits whatever calibration measured
 _NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", _hf_compat.ASSISTED_SWITCH, "output_hidden_states",
                       "output_attentions")
 
@@ -74,6 +75,8 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
         run.mode = "lossless" if fits else "exit"
         if not (fits or run.has_operating_point):
             run = None
+    if run is not None and run.mode == "exit" and _batch_exits_off(model, run, tide_config, args, kwargs):
+        run = None
     if run is None:  # no thresholds, or calibration found that no checkpoint pays: the base model runs unchanged
         return model.base.generate(*args, **kwargs)
     if "use_cache" not in kwargs and getattr(kwargs.get("generation_config"), "use_cache", None) is not False:
@@ -105,6 +108,16 @@ def attach_stats(output, stats: GenerationStats):
     if not isinstance(output, torch.Tensor):
         output["tide_stats"] = stats
     return output
+
+
+def _batch_exits_off(model, run, tide_config, args, kwargs) -> bool:
+    """True for a call on several sequences whose calibrated exits calibration timed no faster than the base
+    model on a batch (`batch_exits=False`), unless the call gives its own thresholds."""
+    if run.batch_exits or _OWN_THRESHOLDS & _given_fields(tide_config):
+        return False
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    rows = 1 if inputs is None else inputs.shape[0]
+    return rows * (_option(model, kwargs, "num_return_sequences") or 1) * (_option(model, kwargs, "num_beams") or 1) > 1
 
 
 def lossless_problem(model, args, kwargs) -> str | None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .architectures import resolve
-from .config import TideConfig, draft_scheme_text
+from .config import TideConfig, draft_scheme_text, exit_timing_text
 
 __all__ = [
     "CONFIG_NAME",
@@ -309,8 +309,7 @@ def model_card(config: TideConfig) -> str:
                          f"{costs['checkpoint']:.2f} decoder layer, a skipped layer's K/V {costs['skipped_layer']:.2f} layer.")
         timing = cal.get("exit_timing")
         if timing:
-            lines.append(f"Exit mode at these thresholds measured x{timing['measured']:.3f} against the base model at "
-                         "calibration" + ("." if timing["active"] else "; its exits are off, so exit mode runs the base model."))
+            lines.append(f"Exit mode at these thresholds, at calibration: {exit_timing_text(timing)}.")
         generation = config.generation_config
         if generation.draft_layer is not None:
             lines.append(f"Lossless mode: {draft_scheme_text(generation.to_dict())}.")
