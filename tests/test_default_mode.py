@@ -11,6 +11,7 @@ import tide
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
 calibration = importlib.import_module("tide.calibrate")  # the module (`tide.calibrate` is the function)
+trials = importlib.import_module("tide.trials")
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
@@ -93,7 +94,7 @@ def _calibrate(monkeypatch, exit_speed, lossless_speed):
     def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3):
         return exit_speed if tide_config["mode"] == "exit" else lossless_speed
 
-    monkeypatch.setattr(calibration, "measured_speedup", fake_speedup)
+    monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
     torch.manual_seed(0)
     config = tide.TideConfig(checkpoint_interval=2, target_agreement=0.05)
     return tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24), config=config,
@@ -113,11 +114,11 @@ def test_calibration_times_exit_mode_and_picks_the_default(monkeypatch, exit_spe
     timing = model.config.calibration["exit_timing"]
     assert timing is not None, "the tiny model's calibration selected no exit; the test needs one"
     assert (timing["measured"], timing["active"]) == (exit_speed, exits_on)
-    assert timing["timings"] == [exit_speed] * (2 if exit_speed >= calibration.KEEP_SPEEDUP else 1)
+    assert timing["timings"] == [exit_speed] * (2 if exit_speed >= trials.KEEP_SPEEDUP else 1)
     assert any(t < 1.0 for t in model.config.thresholds.values()) == exits_on
     assert model.config.generation_config.mode == mode
     assert ("default mode: auto" in calibration.calibration_table(model.config)) == (mode == "auto")
-    assert (model.config.generation_config.max_draft > 0) == (lossless_speed >= calibration.KEEP_SPEEDUP)
+    assert (model.config.generation_config.max_draft > 0) == (lossless_speed >= trials.KEEP_SPEEDUP)
 
 
 @pytest.mark.parametrize("exit_speed", [1.3, 0.9])
@@ -131,9 +132,9 @@ def test_other_targets_are_chosen_as_calibration_chooses_its_own(monkeypatch, ex
     assert calibration.thresholds_for_target(model, 0.05) == own.thresholds
     variants, chosen = importlib.import_module("tide.bench")._variants(model, (0.05, 0.99999))
     assert variants["exit target 0.05"]["thresholds"] == own.thresholds
-    assert chosen["exit target 0.05"]["exits"] == (exit_speed >= calibration.KEEP_SPEEDUP)
+    assert chosen["exit target 0.05"]["exits"] == (exit_speed >= trials.KEEP_SPEEDUP)
     timing = chosen["exit target 0.05"]["exit_timing"]
-    assert (timing["measured"], timing["active"]) == (exit_speed, exit_speed >= calibration.KEEP_SPEEDUP)
+    assert (timing["measured"], timing["active"]) == (exit_speed, exit_speed >= trials.KEEP_SPEEDUP)
     # calibration's layer speed-up at the target, which the timing is compared with
     assert chosen["exit target 0.05"]["expected_speedup"] == own.expected_speedup > 1.0
 
@@ -149,15 +150,15 @@ def test_a_mode_is_kept_only_when_a_second_timing_agrees(monkeypatch):
     find it faster, and reported at the lower one; a mode slower at the first timing is not timed again."""
     def timings(*values):
         values = list(values)
-        monkeypatch.setattr(calibration, "_timed", lambda *args: values.pop(0))
+        monkeypatch.setattr(trials, "timed", lambda *args: values.pop(0))
         return values
 
     left = timings(1.06, 0.97)
-    assert calibration._kept(None, [], {}) == {"measured": 0.97, "timings": [1.06, 0.97], "active": False} and not left
+    assert trials.kept(None, [], {}) == {"measured": 0.97, "timings": [1.06, 0.97], "active": False} and not left
     timings(1.06, 1.04)
-    assert calibration._kept(None, [], {}) == {"measured": 1.04, "timings": [1.06, 1.04], "active": True}
+    assert trials.kept(None, [], {}) == {"measured": 1.04, "timings": [1.06, 1.04], "active": True}
     left = timings(0.9, 1.5)
-    assert calibration._kept(None, [], {}) == {"measured": 0.9, "timings": [0.9], "active": False} and left == [1.5]
+    assert trials.kept(None, [], {}) == {"measured": 0.9, "timings": [0.9], "active": False} and left == [1.5]
 
 
 def test_draft_trials_keep_the_fastest_scheme_that_times_faster_again(monkeypatch):
@@ -172,10 +173,10 @@ def test_draft_trials_keep_the_fastest_scheme_that_times_faster_again(monkeypatc
         calls.append(config["draft_topk"])
         return (again if calls.count(config["draft_topk"]) > 1 else first)[config["draft_topk"]]
 
-    monkeypatch.setattr(calibration, "_timed", timed)
-    monkeypatch.setattr(calibration, "_timing_prompts", lambda *args: [])
+    monkeypatch.setattr(trials, "timed", timed)
+    monkeypatch.setattr(trials, "timing_prompts", lambda *args: [])
     model = type("M", (), {"base": type("B", (), {"device": "cpu"})()})()
-    selection = calibration._choose_draft(model, None, [], schemes)
+    selection = trials.choose_draft(model, None, [], schemes)
     assert calls == [3, 8, 1, 8, 3]  # every scheme once, then the fastest ones again until one holds
     assert selection["chosen"]["draft_topk"] == 3 and selection["chosen"]["measured"] == 1.08
     assert [t["timings"] for t in selection["trials"][:2]] == [[1.10, 1.08], [1.20, 0.99]]
@@ -190,7 +191,7 @@ def test_calibration_times_exits_on_a_batch(monkeypatch, batch_speed):
             return 0.9
         return batch_speed if prompts[0].shape[0] > 1 else 1.3
 
-    monkeypatch.setattr(calibration, "measured_speedup", fake_speedup)
+    monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
     torch.manual_seed(0)
     model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
                            config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.05), num_samples=24,

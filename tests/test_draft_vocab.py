@@ -179,7 +179,7 @@ def test_estimates_price_a_restricted_draft_by_its_share_of_the_head():
 def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tmp_path):
     """Calibration ranks the full model's predictions, scores restricted drafts on held-out text, and keeps
     the vocabulary (cut to the chosen size) only when the chosen scheme uses one."""
-    calibration = __import__("tide.calibrate", fromlist=["_choose_draft"])
+    calibration = __import__("tide.calibrate", fromlist=["choose_draft"])
     monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
     seen = {}
 
@@ -188,7 +188,7 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
         pick = candidates[0]._replace(draft_vocab_size=16)  # as if calibration had timed this one fastest
         return {"trials": [{**pick._asdict(), "measured": 1.5}], "chosen": {**pick._asdict(), "measured": 1.5}}
 
-    monkeypatch.setattr(calibration, "_choose_draft", choose)
+    monkeypatch.setattr(calibration, "choose_draft", choose)
     scored = []
     original_candidates = calibration.draft_candidates
     monkeypatch.setattr(calibration, "draft_candidates",
@@ -212,9 +212,10 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
 def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
     """The trials run `generate` with each scheme's draft vocabulary (timings replaced: a restricted draft is
     made the fastest), and the kept one decodes as the base model."""
-    calibration = __import__("tide.calibrate", fromlist=["_timed"])
+    calibration = __import__("tide.calibrate", fromlist=["timed_schemes"])
+    trials = __import__("tide.trials", fromlist=["timed"])
     monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
-    monkeypatch.setattr(calibration, "_timed_schemes", lambda candidates, count: candidates[:count])
+    monkeypatch.setattr(calibration, "timed_schemes", lambda candidates, count: candidates[:count])
     ran = []
 
     def timed(tide_model, prompts, config):
@@ -223,7 +224,7 @@ def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
             ran.append((config.get("draft_vocab_size"), out))
         return 1.5 if config.get("draft_vocab_size") else 1.1
 
-    monkeypatch.setattr(calibration, "_timed", timed)
+    monkeypatch.setattr(trials, "timed", timed)
     model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
                            config=tide.TideConfig(checkpoint_interval=2), num_samples=16, batch_size=8,
                            max_length=32, progress=False, head_steps=10, draft_trials=400, validation_tokens=64)
@@ -244,22 +245,22 @@ def test_draft_trials_stop_only_where_lossless_mode_is_unavailable(monkeypatch):
     from tide.costs import DraftScheme
     from tide.speculative import LosslessUnavailable
 
-    calibration = __import__("tide.calibrate", fromlist=["_choose_draft"])
-    monkeypatch.setattr(calibration, "_timing_prompts", lambda *args: [])
+    trials = __import__("tide.trials", fromlist=["choose_draft"])
+    monkeypatch.setattr(trials, "timing_prompts", lambda *args: [])
     model, scheme = SimpleNamespace(base=SimpleNamespace(device="cpu")), DraftScheme(1, 1, 2, 1.2)
 
     def unavailable(*args):
         raise LosslessUnavailable("mode='lossless' needs sliding-window cache layers that can roll back")
 
-    monkeypatch.setattr(calibration, "_timed", unavailable)
-    assert "roll back" in calibration._choose_draft(model, None, [], [scheme])["unavailable"]
+    monkeypatch.setattr(trials, "timed", unavailable)
+    assert "roll back" in trials.choose_draft(model, None, [], [scheme])["unavailable"]
 
     def broken(*args):
         raise ValueError("draft_vocab_size=64, but these routers' draft vocabulary holds 0 tokens")
 
-    monkeypatch.setattr(calibration, "_timed", broken)
+    monkeypatch.setattr(trials, "timed", broken)
     with pytest.raises(ValueError, match="holds 0 tokens"):
-        calibration._choose_draft(model, None, [], [scheme])
+        trials.choose_draft(model, None, [], [scheme])
 
 
 def test_timed_schemes_spread_over_verification_widths():
@@ -267,11 +268,11 @@ def test_timed_schemes_spread_over_verification_widths():
     positions, else the next best shape; a shape differing only in its vocabulary is not timed twice."""
     from tide.costs import DraftScheme
 
-    calibration = __import__("tide.calibrate", fromlist=["_timed_schemes"])
+    trials = __import__("tide.trials", fromlist=["timed_schemes"])
     tree8, tree8_vocab, tree7, tree3, chain2 = (DraftScheme(0, 1, 8, 1.3), DraftScheme(0, 1, 8, 1.29, 256),
                                                 DraftScheme(0, 1, 7, 1.28), DraftScheme(0, 1, 3, 1.2),
                                                 DraftScheme(1, 2, 1, 1.1))
     ranked = [tree8, tree8_vocab, tree7, tree3, chain2]
-    assert calibration._timed_schemes(ranked, 3) == [tree8, tree3, tree7]  # 9 positions, then 4, then none <= 2
-    assert calibration._timed_schemes(ranked, 10) == [tree8, tree3, tree7, chain2]
-    assert calibration._timed_schemes([], 3) == []
+    assert trials.timed_schemes(ranked, 3) == [tree8, tree3, tree7]  # 9 positions, then 4, then none <= 2
+    assert trials.timed_schemes(ranked, 10) == [tree8, tree3, tree7, chain2]
+    assert trials.timed_schemes([], 3) == []

@@ -19,7 +19,7 @@ import torch
 
 from . import fewrows
 from .calibrate import operating_point
-from .config import draft_scheme_text, exit_timing_text, timings_text
+from .config import batches_text, draft_scheme_text, exit_timing_text, timings_text
 from .costs import loop_extras_text, measure_costs, verify_extras_text
 from .evaluate import oracle_depths, teacher_forced
 
@@ -191,7 +191,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                  + (f" (measured x{timing['measured']:.3f} against the base model)" if timing else "")
                  + ", so it runs the base model")
     progress(f"default generate(): mode={model.config.generation_config.mode!r}"
-             + (" (lossless at batch size 1, exit mode for batches)" if model.config.generation_config.mode == "auto" else ""))
+             + (f" (lossless at batch size 1, {batches_text(model.config)})" if model.config.generation_config.mode == "auto" else ""))
     results["default_mode"] = model.config.generation_config.mode
     if exits_on and batch_size > 1:
         results["batch"] = batch_throughput(model, tokenizer, heldout, batch_size, new_tokens, repeats)

@@ -18,17 +18,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import MAX_DRAFT_TOPK, TideConfig, draft_scheme_text, exit_timing_text, timings_text
-from .costs import (draft_candidates, layer_cost_of_cascade, loop_extras_text, measure_costs, measured_speedup,
-                    prune_checkpoints, verify_extras_text)
+from .config import MAX_DRAFT_TOPK, TideConfig, batches_text, draft_scheme_text, exit_timing_text, timings_text
+from .costs import (draft_candidates, layer_cost_of_cascade, loop_extras_text, measure_costs, prune_checkpoints,
+                    verify_extras_text)
 from .data import load_texts
 from .draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
 from .distributed import Processes
 from .evaluate import teacher_forced
 from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
-from .speculative import LosslessUnavailable
 from .thresholds import EXIT_ERROR_BUDGETS, CheckpointCalibration, auc, binomial_upper_bound, calibrate_cascade, oracle_depth
+from .trials import choose_draft, time_exit, timed_schemes, timing_batch, timing_prompts
 
 __all__ = ["calibrate", "calibration_table", "thresholds_for_target", "operating_point", "OperatingPoint", "CalibrationOptions"]
 
@@ -138,8 +138,8 @@ def calibrate(
     num_layers = tide.parts.num_layers
     costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
     tokens = _validation_tokens(held_texts, tokenizer, opts, share=procs.world) if opts.validation_tokens else None
-    prompts = _timing_prompts(tokenizer, held_texts, tide.base.device) if costs is not None else None
-    batch = _timing_batch(tokenizer, held_texts, tide.base.device) if costs is not None else None
+    prompts = timing_prompts(tokenizer, held_texts, tide.base.device) if costs is not None else None
+    batch = timing_batch(tokenizer, held_texts, tide.base.device) if costs is not None else None
     tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(), held.num_tokens,
                                                num_layers, cfg.confidence, costs, tokens, prompts, batch)
     point = operating_point(tide, cfg.target_agreement, procs)
@@ -148,12 +148,12 @@ def calibrate(
     cfg.set_generation_defaults(batch_exits=point.batch_exits)
     draft_selection = None
     if costs is not None and opts.draft_trials:
-        candidates = _timed_schemes(draft_candidates(held.ranks(), num_layers, costs,
+        candidates = timed_schemes(draft_candidates(held.ranks(), num_layers, costs,
                                                        cfg.generation_config.max_draft or 8,
                                                        chain_ranks=held.chain_ranks(), restricted=held.restricted(),
                                                        head_rows=tide.num_head_rows), opts.draft_trials)
         tide.draft_vocabulary = ranked  # for the trials; cut to the chosen scheme's below
-        draft_selection = procs.broadcast(_choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main else None)
+        draft_selection = procs.broadcast(choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main else None)
         chosen = draft_selection.get("chosen")
         exit_speed = exit_timing["measured"] if exit_timing and exit_timing["active"] else 1.0
         lossless_wins = chosen is not None and chosen["measured"] > exit_speed
@@ -461,112 +461,6 @@ class _HeldoutSelection:
         return out
 
 
-def _timing_prompts(tokenizer, texts, device) -> list[torch.Tensor]:
-    # Four prompts, 32 tokens, five alternating repeats (see `_timed`): with two prompts of 24 tokens and three
-    # repeats, one tree scheme on the shipped model timed x0.95-1.13 across runs (docs/benchmarks.md).
-    return [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:4]]
-
-
-BATCH_TIMING_ROWS = 8
-
-
-def _timing_batch(tokenizer, texts, device, length: int = 16) -> torch.Tensor | None:
-    """[rows, length]: the first `length` tokens of up to `BATCH_TIMING_ROWS` texts that have that many (one
-    batch, no padding), to time exit mode on several sequences; None when fewer than 2 texts are long enough."""
-    rows = [ids[:length] for ids in (tokenizer(t)["input_ids"] for t in texts) if len(ids) >= length]
-    rows = rows[:BATCH_TIMING_ROWS]
-    return torch.tensor(rows, device=device) if len(rows) >= 2 else None
-
-
-# A timed mode is kept only when at least this much faster than the base model: the median of 5 interleaved
-# repeats still moves by about 1% between runs (rows of `tide bench` that run the base model: x0.992-1.007;
-# a tree that calibration timed at x1.002 ran x0.992 in the bench), and a kept scheme that is really no
-# faster costs the user time on every call.
-KEEP_SPEEDUP = 1.02
-
-
-def _timed(tide, prompts, tide_config: dict) -> float:
-    return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5)
-
-
-def _kept(tide, prompts, tide_config: dict, first: float | None = None) -> dict:
-    """Time `tide_config` against the base model here (`first`: a timing already made); it is kept only when
-    two timings both find it `KEEP_SPEEDUP` times faster. {"measured": the lower timing, "timings", "active"}.
-
-    One timing is not enough on a shared machine: on the shipped model, the layer-wise engine with no exit (the
-    base model's work) timed x0.88-1.04 in six runs of `_timed`, and exits that run about 5% slower timed
-    x1.054 once and were kept (docs/benchmarks.md)."""
-    timings = [_timed(tide, prompts, tide_config) if first is None else first]
-    if timings[0] >= KEEP_SPEEDUP:
-        timings.append(_timed(tide, prompts, tide_config))
-    return {"measured": min(timings), "timings": timings, "active": min(timings) >= KEEP_SPEEDUP}
-
-
-def _time_exit(tide, prompts, batch, thresholds) -> dict:
-    """Time exit mode at `thresholds` against the base model here (`_kept`), and where it is kept, on `batch`
-    [rows, T] too (None: not timed): exits that leave rows of a batch save less (the running rows still run every
-    layer) and may not pay there."""
-    config = {"mode": "exit", "thresholds": thresholds}
-    timing = _kept(tide, prompts, config)
-    if timing["active"] and batch is not None:
-        timing["batch"] = {"rows": batch.shape[0], **_kept(tide, [batch], config)}
-    return timing
-
-
-def _timed_schemes(candidates: list, count: int) -> list:
-    """The `count` drafting schemes calibration times, of different shapes (draft layer, chain length, tree
-    width), each with its best-estimated draft vocabulary: the best-estimated scheme, then each time the
-    best-estimated one that verifies at most half as many positions per cycle as the last one taken (else the
-    next best-estimated shape).
-
-    The estimate is least sure of what a wide verification costs: on CPU a pass over 4 or more rows can cost a
-    jump, and a cycle's own work is one measured average. On a hidden-256 Qwen3 it ranked trees of 8, 7 and 6
-    first (timed x0.995-1.018) where a tree of 3 timed x1.056, and on the shipped model trees of 8, 7 and 6
-    too. Trials spread over verification widths let the timing choose between them."""
-    seen, out, width = set(), [], None
-    while len(out) < count:
-        pool = [s for s in candidates if (s.draft_layer, s.max_draft, s.draft_topk) not in seen]
-        if not pool:
-            break
-        narrower = [s for s in pool if width is not None and _verified_positions(s) <= width // 2]
-        pick = (narrower or pool)[0] if width is not None else pool[0]
-        seen.add((pick.draft_layer, pick.max_draft, pick.draft_topk))
-        out.append(pick)
-        width = _verified_positions(pick)
-    return out
-
-
-def _verified_positions(scheme) -> int:
-    """Positions one verification covers at most: the drafted-from token and a tree's candidates or a chain's
-    drafts."""
-    return 1 + (scheme.draft_topk if scheme.draft_topk > 1 else scheme.max_draft)
-
-
-def _choose_draft(tide, tokenizer, texts, candidates) -> dict:
-    """Time the best-estimated drafting schemes against the base model here; choose the fastest, or none
-    (lossless mode then decodes plainly) when none is faster than the base model (by `KEEP_SPEEDUP`)."""
-    prompts = _timing_prompts(tokenizer, texts, tide.base.device)
-    trials = []
-    for scheme in candidates:
-        try:
-            ratio = _timed(tide, prompts, _lossless_config(scheme._asdict()))
-        except LosslessUnavailable as err:  # e.g. sliding-window caches that cannot roll back
-            return {"trials": trials, "chosen": None, "unavailable": str(err)}
-        trials.append({**scheme._asdict(), "measured": ratio})
-    for trial in sorted(trials, key=lambda t: -t["measured"]):  # the fastest first; the next if it is not kept
-        kept = _kept(tide, prompts, _lossless_config(trial), first=trial["measured"])
-        trial["timings"] = kept["timings"]
-        if kept["active"]:
-            return {"trials": trials, "chosen": {**trial, "measured": kept["measured"]}}
-        if len(kept["timings"]) == 1:  # not faster even once: nor are the trials timed slower
-            break
-    return {"trials": trials, "chosen": None}
-
-
-def _lossless_config(scheme: dict) -> dict:
-    return {"mode": "lossless", **{k: scheme[k] for k in ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size")}}
-
-
 def _validation_tokens(texts, tokenizer, opts: CalibrationOptions, share: int = 1) -> list[list[int]]:
     """Held-out texts as token lists, up to `opts.validation_tokens / share` tokens in all (this process's share)."""
     out, total, budget = [], 0, math.ceil(opts.validation_tokens / share)
@@ -642,7 +536,7 @@ class OperatingPoint:
 def operating_point(model, target_agreement: float, procs: Processes | None = None) -> OperatingPoint:
     """Thresholds for `target_agreement` from the held-out scores of a calibration run in this process:
     selection with checkpoints pruned by measured cost, the check through the decode step, then exit mode
-    timed against the base model here; exits that are not `KEEP_SPEEDUP` times faster are turned off, so that exit mode runs the
+    timed against the base model here; exits that are not `trials.KEEP_SPEEDUP` times faster are turned off, so that exit mode runs the
     base model (never slower). Calibration's own target goes through this, and so do `tide bench`'s rows."""
     held = getattr(model, "heldout_selection", None)
     if held is None:
@@ -657,7 +551,7 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
     thresholds = held.thresholds(selection, model.checkpoints)
     exit_timing = None
     if held.timing_prompts is not None and any(t < 1.0 for t in thresholds.values()):
-        exit_timing = procs.broadcast(_time_exit(model, held.timing_prompts, held.timing_batch, thresholds)
+        exit_timing = procs.broadcast(time_exit(model, held.timing_prompts, held.timing_batch, thresholds)
                                       if procs.is_main else None)
         if not exit_timing["active"]:
             thresholds = dict.fromkeys(thresholds, 1.0)  # exit mode then runs the base model
@@ -790,6 +684,6 @@ def calibration_table(config) -> str:
         generation = config.generation_config
         lines.append(f"lossless mode: {draft_scheme_text(generation.to_dict())}" if generation.max_draft
                      else "lossless mode: no draft pays on this model and machine (it decodes plainly)")
-        lines.append("default mode: " + ("auto (lossless, measured faster than exit mode; exit mode for batches)"
+        lines.append("default mode: " + (f"auto (lossless, measured faster than exit mode; {batches_text(config)})"
                                          if generation.mode == "auto" else "exit"))
     return "\n".join(lines)

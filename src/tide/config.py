@@ -19,7 +19,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 __all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "draft_scheme_text",
-           "timings_text", "exit_timing_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
+           "timings_text", "exit_timing_text", "batches_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
 
 LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
@@ -210,6 +210,13 @@ def exit_timing_text(timing: dict) -> str:
         text += f"; on a batch of {batch['rows']}: {timings_text(batch)}"
         text += "" if batch["active"] else ", not faster, so batches run the base model"
     return text
+
+
+def batches_text(config: "TideConfig") -> str:
+    """What a plain `generate` on a batch runs with these routers' calibrated defaults: 'exit mode for batches' or
+    'the base model for batches' (no exit, or exits that calibration timed no faster on a batch)."""
+    exits = config.resolve_generation().has_operating_point and config.generation_config.batch_exits
+    return "exit mode for batches" if exits else "the base model for batches"
 
 
 # Keys that transformers itself writes into every config.json, never "unknown".

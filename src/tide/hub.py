@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .architectures import resolve
-from .config import TideConfig, draft_scheme_text, exit_timing_text
+from .config import TideConfig, batches_text, draft_scheme_text, exit_timing_text
 
 __all__ = [
     "CONFIG_NAME",
@@ -314,7 +314,7 @@ def model_card(config: TideConfig) -> str:
         if generation.draft_layer is not None:
             lines.append(f"Lossless mode: {draft_scheme_text(generation.to_dict())}.")
         if generation.mode == "auto":
-            lines.append("Default mode: `auto` (lossless, timed faster than exit mode at calibration; exit mode for batches).")
+            lines.append(f"Default mode: `auto` (lossless, timed faster than exit mode at calibration; {batches_text(config)}).")
     lines += [
         "",
         "## Use",
