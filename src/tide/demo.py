@@ -90,7 +90,8 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
             model.generate(**inputs, max_new_tokens=24 if quick else 40, do_sample=False,
                            streamer=TextStreamer(tokenizer, skip_special_tokens=True), tide_config={"mode": mode})
             stats = model.last_stats
-            print(stats.summary() if stats else "(no draft pays on this model and machine: the base model ran unchanged)")
+            why = "no exit pays" if mode == "exit" else "no draft pays"
+            print(stats.summary() if stats else f"({why} on this model and machine: the base model ran unchanged)")
             print()
 
     _section("5. Speed and quality against the base model")
