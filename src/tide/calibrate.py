@@ -536,8 +536,8 @@ class OperatingPoint:
 def operating_point(model, target_agreement: float, procs: Processes | None = None) -> OperatingPoint:
     """Thresholds for `target_agreement` from the held-out scores of a calibration run in this process:
     selection with checkpoints pruned by measured cost, the check through the decode step, then exit mode
-    timed against the base model here; exits that are not `trials.KEEP_SPEEDUP` times faster are turned off, so that exit mode runs the
-    base model (never slower). Calibration's own target goes through this, and so do `tide bench`'s rows."""
+    timed against the base model here (`trials.time_exit`); exits not kept by two timings are turned off, so that exit
+    mode runs the base model (never slower), and `batch_exits` says whether exits kept for one sequence paid on a batch. Calibration's own target goes through this, and so do `tide bench`'s rows."""
     held = getattr(model, "heldout_selection", None)
     if held is None:
         raise ValueError("operating_point needs a model calibrated in this process (tide.calibrate keeps its "

@@ -115,14 +115,16 @@ def _batch_exits_off(model, run, tide_config, args, kwargs) -> bool:
     model on a batch (`batch_exits=False`), unless the call gives its own thresholds."""
     if run.batch_exits or _OWN_THRESHOLDS & _given_fields(tide_config):
         return False
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    inputs = _inputs(args, kwargs)
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
     rows = 1 if inputs is None else inputs.shape[0]
     return rows * (_option(model, kwargs, "num_return_sequences") or 1) * (_option(model, kwargs, "num_beams") or 1) > 1
 
 
 def lossless_problem(model, args, kwargs) -> str | None:
     """Why lossless mode cannot run this call (a message saying what to do), or None."""
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    inputs = _inputs(args, kwargs)
     if inputs is not None and inputs.shape[0] != 1:
         return (f"mode='lossless' decodes one sequence at a time (batch size 1), got a batch of {inputs.shape[0]}; "
                 "loop over the rows or use mode='exit' for batches.")
@@ -136,6 +138,11 @@ def lossless_problem(model, args, kwargs) -> str | None:
     if kwargs.get("use_cache") is False:
         return "mode='lossless' verifies drafts against the KV cache; drop use_cache=False."
     return ((model.config.calibration or {}).get("draft_selection") or {}).get("unavailable")
+
+
+def _inputs(args, kwargs):
+    """The call's prompt ids, however generate was given them (None: none)."""
+    return args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
 
 
 def _option(model, kwargs, name):
