@@ -1,8 +1,7 @@
 """Every private piece of transformers that Tide relies on, in one place.
 
-- `CANDIDATE_GENERATOR_METHOD`: the `GenerationMixin` method assisted generation asks for its drafter;
-  lossless mode answers it with its own (see `dispatch.py`).
-- `ASSISTED_SWITCH`: the `generate` argument that turns assisted decoding on without an assistant model.
+- `stop_strings_as_criteria`: `generate` with a `custom_generate` callable (Tide's decode loops) drops the
+  `tokenizer` argument before it builds the stop-string criterion, so Tide builds that criterion itself.
 - Cache layer classes (`cache_layer_kinds`): which layers hold recurrent state or reuse another layer's K/V.
 - Cache internals: a layer's `keys`/`values` tensors (which tree drafts compact in place on a plain
   `DynamicLayer`), `crop`, `get_seq_length`; the cache's `is_sliding`,
@@ -25,13 +24,32 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.integrations import sdpa_attention
 
-__all__ = ["CANDIDATE_GENERATOR_METHOD", "ASSISTED_SWITCH", "LengthView", "layer_kv", "crop_layer", "layer_length",
+__all__ = ["stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "layer_length",
            "plain_dynamic_layers", "keep_one_of_tail",
            "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of",
            "grouped_query_attention_in_place", "check"]
 
-CANDIDATE_GENERATOR_METHOD = "_get_candidate_generator"
-ASSISTED_SWITCH = "prompt_lookup_num_tokens"
+
+
+def stop_strings_as_criteria(base, kwargs: dict) -> dict:
+    """generate's keyword arguments with any stop strings (the call's, its generation_config's or the model's)
+    turned into a `StopStringCriteria` among the call's stopping criteria.
+
+    transformers 5.23's `generate` pops `tokenizer` and then, for a `custom_generate` callable, rebuilds the mode
+    arguments without it, so its own stop-string criterion would fail for want of a tokenizer."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    config = kwargs.get("generation_config")
+    stop = kwargs.get("stop_strings") or getattr(config, "stop_strings", None) or base.generation_config.stop_strings
+    if not stop:
+        return kwargs
+    tokenizer = kwargs.get("tokenizer")
+    if tokenizer is None:
+        raise ValueError("generate was given stop_strings (or its generation config has some) but no tokenizer: "
+                         "pass tokenizer=... as well.")
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop))
+    return {**kwargs, "stop_strings": None, "stopping_criteria": criteria}
 
 
 def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +92,7 @@ def has_sliding_layers(cache) -> bool:
 
 def unrecoverable_sliding_layers(cache) -> list[int]:
     """Sliding-window cache layers that drop evicted positions at once (not recording their past), so a
-    rejected draft could not be rolled back. transformers' assisted generation turns recording on."""
+    rejected draft could not be rolled back. Tide's lossless loop turns recording on."""
     sliding = getattr(cache, "is_sliding", None) or []
     return [i for i, is_sliding in enumerate(sliding) if is_sliding and not cache.is_recording_past(i)]
 
@@ -173,17 +191,11 @@ def grouped_query_attention_in_place():
 
 def check() -> None:
     """Raise RuntimeError naming every private transformers piece above that is missing or changed."""
-    from transformers import DynamicCache, GenerationConfig, GenerationMixin, LlamaConfig
+    from transformers import DynamicCache, GenerationMixin, LlamaConfig
 
     problems = []
-    method = getattr(GenerationMixin, CANDIDATE_GENERATOR_METHOD, None)
-    expected = ["generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs"]
-    if method is None:
-        problems.append(f"GenerationMixin.{CANDIDATE_GENERATOR_METHOD} is gone (lossless mode answers it)")
-    elif [p for p in inspect.signature(method).parameters][1:6] != expected:
-        problems.append(f"GenerationMixin.{CANDIDATE_GENERATOR_METHOD} no longer takes {expected}")
-    if not hasattr(GenerationConfig(), ASSISTED_SWITCH):
-        problems.append(f"GenerationConfig.{ASSISTED_SWITCH} is gone (it switches generate into assisted mode)")
+    if "custom_generate" not in inspect.signature(GenerationMixin.generate).parameters:
+        problems.append("GenerationMixin.generate no longer takes custom_generate (Tide's decode loops run through it)")
     for name in ("get_mask_sizes", "get_query_offset", "crop", "get_seq_length", "is_sliding", "is_recording_past",
                  "activate_past_recording"):
         if not hasattr(DynamicCache, name):

@@ -57,7 +57,7 @@ class StepCosts:
     verify_extra_s: dict[int, float] = field(default_factory=dict)
     # What `generate` spends beyond these pieces, measured in `generate` itself (0: not measured): per token of
     # the base model (its decoding loop, logits processors, stopping criteria), and per lossless cycle
-    # (drafting's bookkeeping and logits processors, transformers' assisted loop, the verification's second
+    # (drafting's bookkeeping and logits processors, the decode loop, the verification's second
     # capture). Speed-up estimates that leave them out overshoot the timings on small models (x1.23 estimated,
     # x1.01 timed on the shipped model; docs/benchmarks.md).
     step_extra_s: float = 0.0

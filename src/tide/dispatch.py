@@ -1,14 +1,15 @@
-"""How a Tide call reaches transformers' generation loop without changing the base model per call.
+"""How an exit-mode beam search reaches transformers' beam loop without changing the base model per call.
 
-`install(base)` gives the base model, once for its lifetime, a `forward` and a candidate-generator hook
-that look up the session active in the caller's context (a `contextvars.ContextVar`). Inside
+Greedy and sampling calls run Tide's own decode loops (`decode/`) and never come here. For beams,
+`install(base)` gives the base model, once for its lifetime, a `forward` that looks up the session active in
+the caller's context (a `contextvars.ContextVar`); under `torch.compile` it is the base model's own forward. Inside
 `activated(session)` they run that session's steps; everywhere else (other threads, other tasks, other
 models, plain `base(...)` or `base.generate(...)`) they are the base model's own. Concurrent Tide calls on
 one model therefore never see each other's sessions, and nothing is restored afterwards because nothing
 was swapped.
 
-A session is any object with a `base` attribute (the model it runs on) and a `forward`; lossless sessions
-also have a `candidate_generator`. Of Tide, this module imports only `_hf_compat`.
+A session is any object with a `base` attribute (the model it runs on) and a `forward`. This module imports
+nothing of Tide.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import types
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from . import _hf_compat
+import torch
 
 __all__ = ["install", "activated", "active_session", "base_forward"]
 
@@ -56,14 +57,15 @@ def install(base) -> None:
         object.__setattr__(base, _INNER_FORWARD, base.__dict__["forward"])
     # Bound methods (not closures over `base`) so that a deep copy of the model dispatches for the copy.
     object.__setattr__(base, "forward", types.MethodType(_forward_for(type(base)), base))
-    name = _hf_compat.CANDIDATE_GENERATOR_METHOD
-    object.__setattr__(base, name, types.MethodType(_candidate_generator_for(type(base)), base))
     object.__setattr__(base, "_tide_dispatch_installed", True)
 
 
 @functools.cache
 def _forward_for(cls):
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # a compiled base model is the base model (dynamo reads no ContextVar)
+            inner = self.__dict__.get(_INNER_FORWARD)
+            return inner(*args, **kwargs) if inner is not None else cls.forward(self, *args, **kwargs)
         session = active_session(self)
         if session is not None:
             return session.forward(*args, **kwargs)
@@ -71,16 +73,3 @@ def _forward_for(cls):
 
     # generate reads forward's signature (e.g. whether it takes position_ids): keep the class's.
     return functools.update_wrapper(forward, cls.forward)
-
-
-@functools.cache
-def _candidate_generator_for(cls):
-    original = getattr(cls, _hf_compat.CANDIDATE_GENERATOR_METHOD)
-
-    def get_candidate_generator(self, *args, **kwargs):
-        session = active_session(self)
-        if session is not None and hasattr(session, "candidate_generator"):
-            return session.candidate_generator(*args, **kwargs)
-        return original(self, *args, **kwargs)
-
-    return functools.update_wrapper(get_candidate_generator, original)

@@ -97,6 +97,8 @@ def install(modules) -> None:
 
 def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward, with the few-row layout inside `few_row_linears()`."""
+    if torch.compiler.is_compiling():  # compiled code is nn.Linear's own (dynamo reads no ContextVar)
+        return F.linear(x, self.weight, self.bias)
     by_rows = _ACTIVE.get()
     if by_rows is not None and x.is_cpu and x.dim() >= 2:
         rows = x.numel() // x.shape[-1]

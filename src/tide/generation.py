@@ -1,10 +1,12 @@
 """`TideForCausalLM.generate`: the config a call runs with, and the session that runs it.
 
-Every call runs the base model's own `generate`. With no operating point it is the plain base model; in exit
-mode an `ExitSession` (engine.py) serves the decode steps; in lossless mode a `LosslessSession`
-(speculative.py) drafts and verifies inside transformers' assisted generation. The session is made active
-for this call's context only (`dispatch.activated`), so concurrent calls on one model, from threads or
-asyncio tasks, each run their own configuration and the base model is never changed per call.
+Every call runs the base model's own `generate`. With no operating point it is the plain base model; otherwise
+generate prepares the call and hands decoding to one of Tide's loops (`decode/`, through `custom_generate`):
+exit mode's walk per step over an `ExitSession` (engine.py), or lossless mode's draft-verify cycles over a
+`LosslessSession` (speculative.py). Each call's session lives in its own loop, so concurrent calls on one
+model, from threads or asyncio tasks, each run their own configuration and the base model is never changed
+per call. Exit-mode beam search alone runs transformers' beam loop, with the session active for that call's
+context only (`dispatch.activated`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import warnings
 
 import torch
 
-from . import _hf_compat
 from .config import TideConfig, TideGenerationConfig
+from .decode import exit_decode, generate_with_loop, lossless_decode
 from .dispatch import activated, install
 from .engine import ExitSession
 from .speculative import LosslessSession, LosslessUnavailable
@@ -26,7 +28,7 @@ __all__ = ["generate_with_tide", "resolve_run_config", "attach_stats", "lossless
 # Options only exit mode uses: a call that sets one runs in exit mode when the repo's default is "auto".
 _EXIT_OPTIONS = {"exit_threshold", "thresholds", "min_layers", "kv_strategy", "prefill_exit", "batch_exits"}
 _OWN_THRESHOLDS = {"exit_threshold", "thresholds"}  # a call that sets one exits whatever calibration measured
-_NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", _hf_compat.ASSISTED_SWITCH, "output_hidden_states",
+_NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", "prompt_lookup_num_tokens", "output_hidden_states",
                       "output_attentions")
 
 
@@ -87,19 +89,20 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
             raise LosslessUnavailable(problem)
         if run.max_draft == 0:  # calibration found that no drafting scheme pays on this model and machine
             return model.base.generate(*args, **kwargs)
-        session = LosslessSession(model, run, kwargs.get("stopping_criteria"))
-        # This switch only turns generate's assisted mode on; the candidate generator is the session's.
-        kwargs = {**kwargs, _hf_compat.ASSISTED_SWITCH: max(run.max_draft, 1)}
+        session, loop = LosslessSession(model, run), lossless_decode
     else:
         if kwargs.get("use_cache") is False:
             raise ValueError("Tide's exit mode decodes on the KV cache (skipped layers still get their K/V); drop "
                              "use_cache=False, or pass tide_config=False to run the base model without exits.")
-        session = ExitSession(model, run)
-    install(model.base)
-    with activated(session):
-        start = time.perf_counter()
-        output = model.base.generate(*args, **kwargs)
-        session.stats.wall_time_s = time.perf_counter() - start
+        session, loop = ExitSession(model, run), exit_decode
+    start = time.perf_counter()
+    if loop is exit_decode and (_option(model, kwargs, "num_beams") or 1) > 1:
+        install(model.base)  # beams: transformers' beam loop, with this session's forward in this context
+        with activated(session):
+            output = model.base.generate(*args, **kwargs)
+    else:
+        output = generate_with_loop(model.base, session, loop, args, kwargs)
+    session.stats.wall_time_s = time.perf_counter() - start
     model.last_stats = session.stats
     return attach_stats(output, session.stats)
 
@@ -134,7 +137,7 @@ def lossless_problem(model, args, kwargs) -> str | None:
         return "mode='lossless' drafts from token ids; pass input_ids instead of inputs_embeds."
     given = [name for name in _NOT_WITH_LOSSLESS if kwargs.get(name)]
     if given:
-        return f"mode='lossless' is Tide's own assisted decoding and does not combine with {given}; drop them."
+        return f"mode='lossless' is Tide's own speculative decoding and does not combine with {given}; drop them."
     if kwargs.get("use_cache") is False:
         return "mode='lossless' verifies drafts against the KV cache; drop use_cache=False."
     return ((model.config.calibration or {}).get("draft_selection") or {}).get("unavailable")

@@ -52,7 +52,8 @@ class LayerCall:
 
 # Capturing the backbone's layer calls, and K/V-only passes, never change the model per call: each decoder
 # layer (and its query projection, where K/V-only passes skip it) gets, once, a forward that looks up the
-# capture or the skip active in the caller's context. Other threads and plain forwards see the model as is.
+# capture or the skip active in the caller's context. Other threads and plain forwards see the model as is, and
+# so does `torch.compile`: under dynamo these forwards are the module's own, so the model compiles as one graph.
 _CAPTURE: ContextVar = ContextVar("tide_layer_capture", default=None)
 _QUERY_SKIP: ContextVar = ContextVar("tide_query_skip", default=None)
 _INNER = "_tide_inner_forward"
@@ -75,6 +76,12 @@ def _own_forward(module):
     return inner if inner is not None else types.MethodType(type(module).forward, module)
 
 
+def _call_own(module, cls, *args, **kwargs):
+    """The module's own forward, called in a way dynamo traces (no bound-method construction)."""
+    inner = module.__dict__.get(_INNER)
+    return inner(*args, **kwargs) if inner is not None else cls.forward(module, *args, **kwargs)
+
+
 def _dispatching(module, make) -> None:
     if getattr(module, "_tide_dispatch_installed", False):
         return
@@ -87,6 +94,8 @@ def _dispatching(module, make) -> None:
 @functools.cache
 def _layer_forward_for(cls):
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # compiled code is the model's own (dynamo reads no ContextVar)
+            return _call_own(self, cls, *args, **kwargs)
         capture = _CAPTURE.get()
         index = None if capture is None else capture.positions.get(id(self))
         if index is None:
@@ -103,6 +112,8 @@ def _layer_forward_for(cls):
 @functools.cache
 def _query_forward_for(cls):
     def forward(self, x, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return _call_own(self, cls, x, *args, **kwargs)
         if _QUERY_SKIP.get() is self:  # a K/V-only pass: the queries are never used
             return x.new_zeros(*x.shape[:-1], self.out_features)
         return _own_forward(self)(x, *args, **kwargs)

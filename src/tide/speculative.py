@@ -1,17 +1,17 @@
-"""Lossless mode: self-speculative decoding from a checkpoint's exit head, inside transformers' assisted generation.
+"""Lossless mode: self-speculative decoding from a checkpoint's exit head (the loop is `decode.lossless`).
 
 Drafting runs each token through the shallow layers 0..E only (E = the draft layer), on the model's own
 cache: those layers' K/V are exactly what the full model writes. The exit head at E drafts the next token.
 Verification runs the last draft through the shallow layers, then the deep layers E+1..L-1 over all the
 drafted positions at once (their layer-E states were kept), which makes the cache even again and gives
 the full model's logits for every position. Acceptance (longest greedy prefix, or the speculative-sampling
-rule), cache cropping, logits processors, stopping on EOS/length and streaming of accepted tokens are
-transformers' own `_assisted_decoding`. Batch size 1. No router or threshold is involved: a wrong draft
+rule), cache cropping, logits processors, stopping criteria and streaming of accepted tokens are the decode
+loop's (`decode/lossless.py`). Batch size 1. No router or threshold is involved: a wrong draft
 costs time, never output. Drafts read the full model's final normed state at the position before the drafted
 token (the "context") when the draft layer has a draft head (`TideForCausalLM.draft_logits`); verification
 computes that state for every position it checks, and the accepted count picks the next draft's. With
 `draft_topk` > 1 (greedy), `treedraft.TreeDrafter` drafts a one-level tree of candidates instead of a chain
-and hands this session's `forward` logits it has already verified.
+and hands the loop logits it has already verified.
 """
 
 from __future__ import annotations
@@ -19,18 +19,16 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.modeling_outputs import CausalLMOutputWithPast
-
-from ._hf_compat import (LengthView, crop_layer, grouped_query_attention_in_place, layer_length,
+from ._hf_compat import (LengthView, grouped_query_attention_in_place, layer_length,
                          unrecoverable_sliding_layers)
+from .decode.records import Draft
 from .dispatch import base_forward
 from .fewrows import few_row_linears
 from .layercalls import additive_masks, capture_layer_calls, capture_outputs
 from .stats import GenerationStats
 from .treedraft import TreeDrafter, grown_mask, new_positions
 
-__all__ = ["LosslessSession", "LosslessUnavailable", "check_rollback", "next_cap"]
+__all__ = ["LosslessSession", "ChainDrafter", "LosslessUnavailable", "check_rollback", "next_cap"]
 
 
 def next_cap(cap: int, drafted: int, accepted: int, max_draft: int) -> int:
@@ -46,8 +44,8 @@ class LosslessUnavailable(ValueError):
 
 
 def check_rollback(cache) -> None:
-    """Sliding-window layers must keep evicted positions until a draft is accepted or cropped: transformers'
-    assisted generation turns that on (`activate_past_recording`); a cache where it is off cannot be used."""
+    """Sliding-window layers must keep evicted positions until a draft is accepted or cropped: the decode loop
+    turns that on (`activate_past_recording`); a cache where it is off cannot be used."""
     layers = unrecoverable_sliding_layers(cache)
     if layers:
         raise LosslessUnavailable(
@@ -60,15 +58,14 @@ def check_rollback(cache) -> None:
 class LosslessSession:
     """One lossless `generate` call: drafted states between drafting and verification, and the counters."""
 
-    def __init__(self, model, config, stopping_criteria=None):
+    def __init__(self, model, config):
         self.model, self.base, self.parts = model, model.base, model.parts
         self.draft_layer = config.resolve_draft_layer(model.checkpoints, self.parts.num_layers)
         self.max_draft = config.max_draft
         self.cap = config.max_draft
         self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1
         self.draft_vocab_size = config.draft_vocab_size
-        self.verified = None  # (ids, logits) a tree draft already verified, for the next forward
-        self.user_stopping_criteria = stopping_criteria
+        self.mask = None  # [1, n] the prompt's attention mask (None: no padding)
         self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact",
                                      draft_vocab_size=config.draft_vocab_size)
         self.pending_ids = None  # [1, P] tokens through the shallow layers only
@@ -81,12 +78,17 @@ class LosslessSession:
     def pending(self) -> int:
         return 0 if self.pending_ids is None else self.pending_ids.shape[1]
 
-    def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, **_):
-        chain = _TideDrafter(self, generation_config, logits_processor, model_kwargs)
+    def drafter(self, generation_config, logits_processor, stopping_criteria, cache, mask):
+        """The drafter for this call: a chain, or a tree of `draft_topk` candidates (greedy)."""
+        self.mask = mask
+        chain = ChainDrafter(self, generation_config, logits_processor, stopping_criteria, cache)
         if self.draft_topk > 1 and not generation_config.do_sample:
             self.stats.draft_topk = self.draft_topk
             return TreeDrafter(self, chain)
         return chain
+
+    def grown_mask(self, length: int):
+        return grown_mask(self.mask, length)
 
     # ------------------------------------------------------------------ the shallow step (drafting)
     def shallow_step(self, token: torch.Tensor, cache, mask) -> torch.Tensor:
@@ -110,34 +112,20 @@ class LosslessSession:
             self.context = self.verified_contexts[:, int(num_matches)]
             self.verified_contexts = None
 
-    def drop_last(self, cache) -> None:
-        """Forget the newest drafted position (its shallow K/V and state)."""
-        for i in range(self.draft_layer + 1):
-            crop_layer(cache, i, -1)
-        self.pending_ids, self.pending_states = self.pending_ids[:, :-1], self.pending_states[:, :-1]
-        if self.pending == 0:
-            self.pending_ids = self.pending_states = None
-
-    # ------------------------------------------------------------------ the verification forward
+    # ------------------------------------------------------------------ verification
     @torch.no_grad()
-    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, **kwargs):
-        """Full-model logits [1, P + 1, V] for the drafted positions and the last token of `input_ids`."""
-        if self.verified is not None:  # a tree draft: its logits came from the pass that verified it
-            ids, logits = self.verified
-            self.verified = None
-            if input_ids is None or not torch.equal(input_ids[:, -ids.shape[1]:].to(ids.device), ids):
-                raise RuntimeError("Tide lossless mode: the verified tokens are not the drafted ones.")
-            return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
-        pending, cache = self.pending, past_key_values
-        if cache is None or input_ids is None or input_ids.shape[1] < pending + 1:
-            raise RuntimeError("Tide lossless mode: unexpected verification call (was generate's flow changed?).")
+    def verify(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """Full-model logits [1, P + 1, V] for the drafted positions and the last token of `input_ids` (the
+        sequence with the drafts appended)."""
+        pending = self.pending
+        if input_ids.shape[1] < pending + 1:
+            raise RuntimeError("Tide lossless mode: unexpected verification call.")
         if pending and not torch.equal(input_ids[:, -pending - 1 : -1].to(self.pending_ids.device), self.pending_ids):
             raise RuntimeError("Tide lossless mode: the verified tokens are not the drafted ones.")
-        start = time.perf_counter()
-        self.shallow_step(input_ids[:, -1:], cache, attention_mask)
+        self.shallow_step(input_ids[:, -1:], cache, self.grown_mask(input_ids.shape[1]))
         ids, states = self.pending_ids, self.pending_states  # [1, P + 1], [1, P + 1, H]
         deep_length = layer_length(cache, self.parts.num_layers - 1)  # deep layers hold every position before the chunk
-        inputs = new_positions(attention_mask, deep_length, ids.shape[1])
+        inputs = new_positions(self.grown_mask(input_ids.shape[1]), deep_length, ids.shape[1])
         calls = additive_masks(self.parts, capture_layer_calls(self.parts, input_ids=ids, use_cache=True,
                                                                past_key_values=LengthView(cache, deep_length), **inputs))
         with few_row_linears(self.parts), grouped_query_attention_in_place():  # P + 1 positions: the CPU layouts
@@ -150,57 +138,55 @@ class LosslessSession:
         self.pending_ids = self.pending_states = None
         self.stats.verify_passes += 1
         self.stats.decode_steps += 1
-        self.stats.decode_time_s += time.perf_counter() - start
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return logits
 
 
-class _TideDrafter(CandidateGenerator):
-    """Drafts tokens from the draft layer's exit head on the main model's own cache."""
+class ChainDrafter:
+    """Drafts a chain of tokens from the draft layer's exit head on the main model's own cache."""
 
-    def __init__(self, session: LosslessSession, generation_config, logits_processor, model_kwargs):
-        self.session, self.logits_processor = session, logits_processor
-        self.cache = model_kwargs["past_key_values"]
-        self.mask = model_kwargs.get("attention_mask")
+    def __init__(self, session: LosslessSession, generation_config, logits_processor, stopping_criteria, cache):
+        self.session, self.logits_processor, self.stopping_criteria = session, logits_processor, stopping_criteria
+        self.cache = cache
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         eos = generation_config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
         self.drafted = 0
 
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
+    def draft(self, input_ids: torch.LongTensor) -> Draft:
         session, stats = self.session, self.session.stats
         start = time.perf_counter()
         self._prefill(input_ids)
         budget = min(session.cap, self.max_length - input_ids.shape[1] - 1)
-        tokens, draft_logits = input_ids, []
+        tokens, draft_scores, stops = input_ids, [], False
         token, context = input_ids[:, -1:], session.context
         with torch.no_grad():
-            while len(draft_logits) < budget:
+            while len(draft_scores) < budget:
                 state = session.shallow_step(token, self.cache, self._mask(tokens))
                 logits, context = session.model.draft_logits(session.draft_layer, state[:, -1], context,
                                                              session.draft_vocab_size)
                 scores = self.logits_processor(tokens, logits.float())
                 token = self._choose(scores)
-                if self._stops(torch.cat([tokens, token], 1), scores):
-                    # The stopping token is left to verification, which must feed the last kept token itself.
-                    session.drop_last(self.cache)
-                    break
                 tokens = torch.cat([tokens, token], 1)
-                draft_logits.append(scores)
-                if int(token) in self.eos:
+                draft_scores.append(scores)
+                # A draft that would stop generation ends the chain. It is verified like any other (dropping a
+                # draft because of its value would bias sampling); the loop emits nothing after it if accepted.
+                stops = int(token) in self.eos or self.stops(tokens, scores)
+                if stops:
                     break
-        self.drafted = len(draft_logits)
+        self.drafted = len(draft_scores)
         stats.drafted += self.drafted
         stats.decode_time_s += time.perf_counter() - start
-        logits = torch.stack(draft_logits, 1) if (draft_logits and self.do_sample) else None
-        return tokens, logits
+        scores = torch.stack(draft_scores, 1) if (draft_scores and self.do_sample) else None
+        return Draft(tokens, self.drafted, scores, stops=stops)
 
-    def update_candidate_strategy(self, input_ids, scores, num_matches: int):
+    def verified(self, accepted: int) -> None:
+        """After the loop accepted `accepted` of the drafts: the next context, the counters and the cap."""
         stats, session = self.session.stats, self.session
-        session.accept(num_matches)
-        stats.accepted += min(int(num_matches), self.drafted)
-        stats.decode_tokens += int(num_matches) + 1
-        session.cap = next_cap(session.cap, self.drafted, int(num_matches), session.max_draft)
+        session.accept(accepted)
+        stats.accepted += min(accepted, self.drafted)
+        stats.decode_tokens += accepted + 1
+        session.cap = next_cap(session.cap, self.drafted, accepted, session.max_draft)
 
     # ------------------------------------------------------------------ helpers
     def _prefill(self, input_ids) -> None:
@@ -218,13 +204,13 @@ class _TideDrafter(CandidateGenerator):
             self.session.stats.prefill_tokens += input_ids.shape[1] - 1 - have
 
     def _mask(self, tokens):
-        return grown_mask(self.mask, tokens.shape[1])
+        return self.session.grown_mask(tokens.shape[1])
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         if self.do_sample:
             return torch.multinomial(scores.softmax(-1), 1)
         return scores.argmax(-1, keepdim=True)
 
-    def _stops(self, tokens, scores) -> bool:
-        criteria = self.session.user_stopping_criteria
-        return bool(criteria is not None and criteria(tokens, scores).any())
+    def stops(self, tokens, scores) -> bool:
+        """Whether a stopping criterion of the call (EOS, length, stop strings, the caller's) fires on `tokens`."""
+        return bool(self.stopping_criteria(tokens, scores).any())

@@ -9,9 +9,9 @@ often among its top few (docs/benchmarks.md). One cycle here, for the last emitt
 3. The deep layers E+1..L-1 run over x and the k candidates at once, with the same mask; the final head
    gives the full model's logits at x and at each candidate.
 4. If the full model's next token (greedy, after the logits processors) is a candidate, the cache keeps that
-   candidate's positions and it is handed to transformers' assisted generation as an already verified draft
-   (its logits are those of step 3, so transformers' own acceptance test and bonus token run unchanged);
-   otherwise every candidate is dropped and x's logits give the next token.
+   candidate's positions and it is handed to the decode loop as an already verified draft (its logits are those
+   of step 3, so the loop's acceptance test and bonus token run unchanged); otherwise every candidate is
+   dropped and x's logits give the next token.
 
 The tree mask is the mask the backbone builds for the chunk [x, candidates], with the candidate-to-candidate
 entries blocked; the candidates' shallow calls are the same calls without x's row (one capture per cycle). Where no 4-D mask tensor reaches the layers, or a cache layer is not a plain `DynamicLayer`
@@ -24,10 +24,9 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers.generation.candidate_generator import CandidateGenerator
-
 from ._hf_compat import (LengthView, grouped_query_attention_in_place, keep_one_of_tail, layer_length,
                          plain_dynamic_layers)
+from .decode.records import Draft
 from .fewrows import few_row_linears
 from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
 
@@ -101,7 +100,7 @@ def _siblings_blocked(k: int, lead: int) -> torch.Tensor:
     return blocked
 
 
-class TreeDrafter(CandidateGenerator):
+class TreeDrafter:
     """Greedy lossless drafting with `session.draft_topk` candidates per cycle (used by `LosslessSession`)."""
 
     def __init__(self, session, chain):
@@ -109,10 +108,10 @@ class TreeDrafter(CandidateGenerator):
         self.k = session.draft_topk
         self.usable = None  # known at the first call: the cache can be compacted and the layers take a tree mask
 
-    def update_candidate_strategy(self, input_ids, scores, num_matches: int):
-        self.chain.update_candidate_strategy(input_ids, scores, num_matches)
+    def verified(self, accepted: int) -> None:
+        self.chain.verified(accepted)
 
-    def get_candidates(self, input_ids: torch.LongTensor):
+    def draft(self, input_ids: torch.LongTensor) -> Draft:
         session, chain, stats = self.session, self.chain, self.session.stats
         start = time.perf_counter()
         chain._prefill(input_ids)
@@ -123,35 +122,34 @@ class TreeDrafter(CandidateGenerator):
             stats.decode_time_s += time.perf_counter() - start
             if not self.usable:
                 stats.draft_topk = 1
-            return chain.get_candidates(input_ids)  # a cache the tree cannot compact, or no room for a draft
+            return chain.draft(input_ids)  # a cache the tree cannot compact, or no room for a draft
         x = input_ids[:, -1:]
         with torch.no_grad():
-            state = session.shallow_step(x, cache, chain._mask(input_ids))
+            state = session.shallow_step(x, cache, session.grown_mask(input_ids.shape[1]))
             logits, _ = session.model.draft_logits(session.draft_layer, state[:, -1], session.context,
                                                    session.draft_vocab_size)
             draft_scores = chain.logits_processor(input_ids, logits.float())
             candidates = draft_scores.topk(self.k, dim=-1).indices  # [1, k]
-            logits = self._verify(candidates, cache, chain._mask(input_ids))
+            logits = self._verify(candidates, cache, session.grown_mask(input_ids.shape[1]))
         chain.drafted = 1
         stats.drafted += 1
         if logits is None:  # no tree mask reached the layers: a chain draft of one (the session verifies it)
             if layer_length(cache, 0) > 1:  # (a one-token context may get no mask: causal attention needs none)
                 self.usable, stats.draft_topk = False, 1  # this model's attention takes none: chains from here on
             stats.decode_time_s += time.perf_counter() - start
-            return torch.cat([input_ids, candidates[:, :1]], 1), None
+            return Draft(torch.cat([input_ids, candidates[:, :1]], 1), 1)
         # (a copy: processors may work in place, and transformers applies them to these logits itself)
         target = chain.logits_processor(input_ids, logits[:, 0].to(torch.float32, copy=True)).argmax(-1, keepdim=True)
         hits = (candidates[0] == target[0]).nonzero()
-        stops = int(target) in chain.eos or chain._stops(torch.cat([input_ids, target], 1), logits[:, 0])
+        stops = int(target) in chain.eos or chain.stops(torch.cat([input_ids, target], 1), logits[:, 0])
         keep = int(hits[0]) if len(hits) and not stops else None  # a stopping token comes from x's logits
         for layer in range(session.parts.num_layers):
             keep_one_of_tail(cache, layer, self.k, keep)
         rows = [0] if keep is None else [0, 1 + keep]
         session.verified_contexts = session.verified_contexts[:, rows]
-        session.verified = (torch.cat([x, target], 1)[:, : len(rows)], logits[:, rows])
         out = input_ids if keep is None else torch.cat([input_ids, target], 1)
         stats.decode_time_s += time.perf_counter() - start
-        return out, None
+        return Draft(out, len(rows) - 1, verified=logits[:, rows])
 
     def _verify(self, candidates: torch.Tensor, cache, mask) -> torch.Tensor | None:
         """Full-model logits [1, 1 + k, V] at the pending token x and at each candidate; None if no tree mask."""

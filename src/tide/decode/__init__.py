@@ -1,0 +1,28 @@
+"""Tide's own decode loops, run by `generate` as its decoding method (transformers' `custom_generate`).
+
+`generate` still prepares the generation config, the logits processors, the stopping criteria, the cache and
+the prompt's inputs; the loop then decodes: `exits.exit_decode` (a walk with per-token exits per step) or
+`lossless.lossless_decode` (draft, verify, accept per cycle). `records.py` holds what passes between drafting
+and verification, `accept.py` the acceptance rules, `emit.py` what the loops hand back.
+"""
+
+from __future__ import annotations
+
+from .. import _hf_compat
+from .exits import exit_decode
+from .lossless import lossless_decode
+
+__all__ = ["generate_with_loop", "exit_decode", "lossless_decode"]
+
+
+def generate_with_loop(base, session, loop, args: tuple, kwargs: dict):
+    """`base.generate(*args, **kwargs)` with `loop(session, ...)` as its decoding method."""
+    streamer = kwargs.get("streamer")  # generate streams the prompt; the loop streams what it accepts
+    kwargs = _hf_compat.stop_strings_as_criteria(base, kwargs)
+
+    def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+               **model_kwargs):
+        model_kwargs.pop("streamer", None)
+        return loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
+
+    return base.generate(*args, custom_generate=decode, **kwargs)

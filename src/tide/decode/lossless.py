@@ -1,0 +1,84 @@
+"""The lossless decode loop: draft, verify, accept, repeat; Tide's own, behind `generate`.
+
+Each cycle a drafter (`speculative.ChainDrafter`, or `treedraft.TreeDrafter` for tree drafts) proposes tokens
+after the sequence; the session's verification pass gives the full model's logits at every drafted position and
+the one after (a tree draft brings them along); logits processors run on each position as transformers applies
+them; `accept.py` decides; the cache drops what was rejected. Stopping criteria (EOS, `max_length`, stop
+strings, the caller's), streamers (accepted tokens only) and `return_dict_in_generate` scores and logits are
+served here. Batch size 1. Nothing here knows the model's architecture or how drafts are made.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .accept import greedy_verdict, sampling_verdict
+from .emit import Emitted
+from .records import Draft, Verdict
+
+__all__ = ["lossless_decode"]
+
+
+@torch.no_grad()
+def lossless_decode(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                    model_kwargs: dict):
+    """Generate from `input_ids` [1, n] until a stopping criterion fires; returns what `generate` returns."""
+    cache = model_kwargs.get("past_key_values")
+    if cache is None:
+        raise RuntimeError("Tide lossless mode decodes on the KV cache; generate made none (was use_cache=False?).")
+    if hasattr(cache, "activate_past_recording"):  # sliding-window layers keep evicted positions for rollback
+        cache.activate_past_recording()
+    drafter = session.drafter(generation_config, logits_processor, stopping_criteria, cache,
+                              model_kwargs.get("attention_mask"))
+    emitted = Emitted(generation_config, streamer)
+    sample = bool(generation_config.do_sample)
+    eos = generation_config._eos_token_tensor
+    while True:
+        draft = drafter.draft(input_ids)
+        start = time.perf_counter()
+        raw = draft.verified if draft.verified is not None else session.verify(draft.ids, cache)
+        raw = raw.to(torch.float32, copy=True)  # [1, k + 1, V]
+        scores = _processed(logits_processor, draft.ids, raw)
+        verdict = _decide(draft, scores, sample)
+        tokens = verdict.tokens
+        if draft.stops and verdict.accepted == draft.count:  # generation stops at the last draft: no bonus token
+            tokens = tokens[:, : draft.count]
+        tokens = _cut(tokens, generation_config.max_length - input_ids.shape[1], eos)
+        accepted = tokens.shape[1] - 1
+        if draft.count > accepted:
+            cache.crop(-(draft.count - accepted))
+        input_ids = torch.cat([input_ids, tokens.to(input_ids.device)], 1)
+        emitted.add(tokens, scores, raw)
+        drafter.verified(accepted)
+        session.stats.decode_time_s += time.perf_counter() - start
+        if bool(stopping_criteria(input_ids, emitted.scores).any()):
+            return emitted.finish(input_ids, cache)
+
+
+def _processed(logits_processor, ids: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Scores at each of the last k + 1 positions of `ids`, processed as if generated one at a time."""
+    if not len(logits_processor):
+        return raw
+    scores, n, k1 = raw.clone(), ids.shape[1], raw.shape[1]
+    for i in range(k1):
+        scores[:, i] = logits_processor(ids[:, : n - k1 + 1 + i], scores[:, i])
+    return scores
+
+
+def _decide(draft: Draft, scores: torch.Tensor, sample: bool) -> Verdict:
+    drafted = draft.ids[:, draft.ids.shape[1] - draft.count:]
+    if sample:
+        return sampling_verdict(drafted, draft.scores, scores)
+    return greedy_verdict(drafted, scores)
+
+
+def _cut(tokens: torch.Tensor, budget: int, eos) -> torch.Tensor:
+    """The verdict's tokens within the length budget and up to the first EOS."""
+    tokens = tokens[:, :budget]
+    if eos is not None:
+        hits = torch.isin(tokens[0], eos.to(tokens.device)).nonzero()
+        if hits.numel():
+            tokens = tokens[:, : int(hits[0]) + 1]
+    return tokens
