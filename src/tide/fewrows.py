@@ -12,11 +12,13 @@ PyTorch's plain `F.linear` that depends on the CPU and on the row count, because
   `_mkl_reorder_linear_weight`) read the weights once: x1.32 for 4 positions, x1.54 for 8 against x2.29.
 
 So the layout is measured, not assumed (docs/benchmarks.md, `examples/verify_cost`). Inside
-`few_row_linears(parts)`, the plain `nn.Linear` modules given to `install` compute 2 to `MAX_ROWS` rows on
+`few_row_linears(parts)`, the plain `nn.Linear` modules given to `install` (the model's, on the first pass whose
+measured layout is not plain: where plain wins everywhere, no linear is ever touched) compute 2 to `MAX_ROWS` rows on
 CPU in the layout measured fastest for that row count, for this model on this machine (once per model and
 process: `layouts`; `TIDE_FEW_ROW_LAYOUT=plain|transposed|packed` forces one). All layouts compute
 F.linear's product; only the order of floating-point sums may differ. Outside the context, on other devices,
-for one row or more than `MAX_ROWS`, and for subclasses of `nn.Linear` (quantized layers), nothing changes.
+for one row or more than `MAX_ROWS`, for subclasses of `nn.Linear` (quantized layers), and under
+`torch.compile` (dynamo traces nn.Linear's own product), nothing changes.
 
 The packed layout needs float32 weights and PyTorch built with MKL, and it keeps a packed copy of each weight
 it has computed with (about the weight's size again): it is a candidate only where a copy of all the model's
@@ -69,6 +71,8 @@ def few_row_linears(parts=None, layout: str | None = None):
         # (checking the row count costs about 3 us a linear: 0.25 ms a pass on the 12-layer demo model)
         yield
         return
+    if getattr(parts, "layers", None) is not None:  # the model's linears get the dispatching forward once a
+        install([*parts.layers, parts.lm_head])  # layout other than plain pays
     token = _ACTIVE.set(_by_rows(choice))
     try:
         yield

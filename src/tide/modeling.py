@@ -42,7 +42,6 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.base = base_model
         self.parts: ModelParts = resolve(base_model)
-        fewrows.install([*self.parts.layers, self.parts.lm_head])  # used by Tide's multi-position passes only
         config.validate(num_layers=self.parts.num_layers)
         self.routers = RouterBank(
             hidden_size=base_model.config.get_text_config().hidden_size,

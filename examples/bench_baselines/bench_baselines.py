@@ -1,0 +1,119 @@
+"""Tide against the two baselines a user compares it with, in one process, per prompt.
+
+- `generate`: transformers' `generate` on the base model (greedy), what users run today;
+- `static+compile`: the base model decoded by a plain loop on a `StaticCache` with
+  `torch.compile(model.forward, fullgraph=True, dynamic=False)`, what a speed-minded user runs;
+- Tide's rows: `TideForCausalLM.generate` with the repo's default mode and with forced lossless schemes.
+
+Every row decodes the same prompts for the same number of tokens (greedy, `min_new_tokens` = `max_new_tokens`) and
+is checked token for token against `generate` (lossless rows must match; exit rows report their agreement).
+Prints, for each row, the median over prompts of the per-prompt speed ratio against each baseline and the
+spread (min-max), and the compile time of the first compiled call.
+
+    python examples/bench_baselines/bench_baselines.py --routers ROUTER_REPO [--tokens 48] [--prompts 8]
+
+Without --routers the shipped model runs with fresh (uncalibrated) heads: lossless rows are exact but draft poorly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers import StaticCache
+
+import tide
+from tide.demo import _load_base
+from tide.demo_corpus import split_corpus
+
+
+def static_compiled_decoder(base, cache_len: int):
+    """A greedy decode loop over `base` on a StaticCache of `cache_len` positions (one shape for every prompt, so
+    one compilation) with a compiled single-token forward."""
+    step = torch.compile(base.forward, fullgraph=True, dynamic=False)
+
+    @torch.no_grad()
+    def decode(ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        cache = StaticCache(config=base.config, max_cache_len=cache_len)
+        n = ids.shape[1]
+        logits = base(input_ids=ids, past_key_values=cache, use_cache=True,
+                      position_ids=torch.arange(n)[None]).logits[:, -1]
+        out = [logits.argmax(-1, keepdim=True)]
+        for i in range(new_tokens - 1):
+            logits = step(input_ids=out[-1], past_key_values=cache, use_cache=True,
+                          position_ids=torch.tensor([[n + i]])).logits[:, -1]
+            out.append(logits.argmax(-1, keepdim=True))
+        return torch.cat([ids, *out], 1)
+
+    return decode
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - start, out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--routers", help="router repo for the shipped model")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="timings per prompt and row (the median is kept)")
+    parser.add_argument("--schemes", nargs="*", default=[], help="forced lossless schemes, e.g. 0:4 (layer:max_draft) "
+                        "or 0:1:k3 (a tree of 3)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    base, tok = _load_base()
+    model = (tide.TideForCausalLM.from_pretrained(args.routers, base_model=base) if args.routers
+             else tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=1)))
+    _, heldout = split_corpus()
+    prompts = [tok(text[:160], return_tensors="pt").input_ids for text in heldout[: args.prompts]]
+    n = args.tokens
+    greedy = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    compiled = static_compiled_decoder(base, max(p.shape[1] for p in prompts) + n)
+    compile_s, _ = timed(compiled, prompts[0], n)  # the first call compiles
+    rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n),
+            "tide default": lambda ids: model.generate(ids, **greedy)}
+    for scheme in args.schemes:
+        layer, draft, *tree = scheme.split(":")
+        config = {"mode": "lossless", "draft_layer": int(layer), "max_draft": int(draft)}
+        if tree:
+            config["draft_topk"] = int(tree[0].lstrip("k"))
+        rows[f"lossless {scheme}"] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
+    times = {name: [] for name in rows}
+    same = {name: 0 for name in rows}
+    for ids in prompts:
+        ref = None
+        for _ in range(args.repeats):
+            for name, fn in rows.items():  # interleaved, so that load on the machine hits every row alike
+                seconds, out = timed(fn, ids)
+                times[name].append(seconds)
+                ref = out if name == "generate" else ref
+                same[name] += int(torch.equal(out, ref))
+    per_prompt = {name: [statistics.median(t[i * args.repeats:(i + 1) * args.repeats]) for i in range(len(prompts))]
+                  for name, t in times.items()}
+    result = {"tokens": n, "prompts": len(prompts), "compile_s": round(compile_s, 1), "threads": torch.get_num_threads(),
+              "rows": {}}
+    print(f"{len(prompts)} prompts x {n} tokens, median of {args.repeats}; first compiled call {compile_s:.1f} s")
+    print(f"{'row':<22}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}")
+    for name, secs in per_prompt.items():
+        row = {"ms_per_token": statistics.median(secs) / n * 1e3, "identical_runs": same[name] / len(times[name])}
+        for baseline in ("generate", "static+compile"):
+            ratios = [b / s for b, s in zip(per_prompt[baseline], secs)]
+            row[f"vs {baseline}"] = (statistics.median(ratios), min(ratios), max(ratios))
+        result["rows"][name] = row
+        cells = [f"x{m:.2f} [{lo:.2f}-{hi:.2f}]" for m, lo, hi in (row["vs generate"], row["vs static+compile"])]
+        print(f"{name:<22}{row['ms_per_token']:>9.2f}{cells[0]:>22}{cells[1]:>24}{row['identical_runs']:>11.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
