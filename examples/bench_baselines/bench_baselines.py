@@ -34,6 +34,11 @@ def static_compiled_decoder(base, cache_len: int):
     """A greedy decode loop over `base` on a StaticCache of `cache_len` positions (one shape for every prompt, so
     one compilation) with a compiled single-token forward."""
     step = torch.compile(base.forward, fullgraph=True, dynamic=False)
+    eos = base.generation_config.eos_token_id
+    eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long)
+
+    def pick(logits):  # greedy with end-of-sequence suppressed, as generate's min_new_tokens does
+        return logits.index_fill(-1, eos, float("-inf")).argmax(-1, keepdim=True)
 
     @torch.no_grad()
     def decode(ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -41,11 +46,11 @@ def static_compiled_decoder(base, cache_len: int):
         n = ids.shape[1]
         logits = base(input_ids=ids, past_key_values=cache, use_cache=True,
                       position_ids=torch.arange(n)[None]).logits[:, -1]
-        out = [logits.argmax(-1, keepdim=True)]
+        out = [pick(logits)]
         for i in range(new_tokens - 1):
             logits = step(input_ids=out[-1], past_key_values=cache, use_cache=True,
                           position_ids=torch.tensor([[n + i]])).logits[:, -1]
-            out.append(logits.argmax(-1, keepdim=True))
+            out.append(pick(logits))
         return torch.cat([ids, *out], 1)
 
     return decode
