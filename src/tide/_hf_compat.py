@@ -30,7 +30,6 @@ __all__ = ["stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "
            "grouped_query_attention_in_place", "check"]
 
 
-
 def stop_strings_as_criteria(base, kwargs: dict) -> dict:
     """generate's keyword arguments with any stop strings (the call's, its generation_config's or the model's)
     turned into a `StopStringCriteria` among the call's stopping criteria.

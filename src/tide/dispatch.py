@@ -63,13 +63,12 @@ def install(base) -> None:
 @functools.cache
 def _forward_for(cls):
     def forward(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # a compiled base model is the base model (dynamo reads no ContextVar)
-            inner = self.__dict__.get(_INNER_FORWARD)
-            return inner(*args, **kwargs) if inner is not None else cls.forward(self, *args, **kwargs)
-        session = active_session(self)
+        # A compiled base model is the base model: dynamo reads no ContextVar and builds no bound method.
+        session = None if torch.compiler.is_compiling() else active_session(self)
         if session is not None:
             return session.forward(*args, **kwargs)
-        return base_forward(self)(*args, **kwargs)
+        inner = self.__dict__.get(_INNER_FORWARD)
+        return inner(*args, **kwargs) if inner is not None else cls.forward(self, *args, **kwargs)
 
     # generate reads forward's signature (e.g. whether it takes position_ids): keep the class's.
     return functools.update_wrapper(forward, cls.forward)

@@ -101,9 +101,7 @@ def install(modules) -> None:
 
 def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward, with the few-row layout inside `few_row_linears()`."""
-    if torch.compiler.is_compiling():  # compiled code is nn.Linear's own (dynamo reads no ContextVar)
-        return F.linear(x, self.weight, self.bias)
-    by_rows = _ACTIVE.get()
+    by_rows = None if torch.compiler.is_compiling() else _ACTIVE.get()  # compiled: nn.Linear's own (no ContextVar)
     if by_rows is not None and x.is_cpu and x.dim() >= 2:
         rows = x.numel() // x.shape[-1]
         if rows <= MAX_ROWS:

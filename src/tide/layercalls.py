@@ -71,11 +71,6 @@ class _Captured(Exception):
     pass
 
 
-def _own_forward(module):
-    inner = module.__dict__.get(_INNER)
-    return inner if inner is not None else types.MethodType(type(module).forward, module)
-
-
 def _call_own(module, cls, *args, **kwargs):
     """The module's own forward, called in a way dynamo traces (no bound-method construction)."""
     inner = module.__dict__.get(_INNER)
@@ -94,12 +89,10 @@ def _dispatching(module, make) -> None:
 @functools.cache
 def _layer_forward_for(cls):
     def forward(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # compiled code is the model's own (dynamo reads no ContextVar)
-            return _call_own(self, cls, *args, **kwargs)
-        capture = _CAPTURE.get()
+        capture = None if torch.compiler.is_compiling() else _CAPTURE.get()  # (dynamo reads no ContextVar)
         index = None if capture is None else capture.positions.get(id(self))
         if index is None:
-            return _own_forward(self)(*args, **kwargs)
+            return _call_own(self, cls, *args, **kwargs)
         capture.store[index] = LayerCall(args, kwargs)
         if capture.first_only:
             raise _Captured
@@ -112,11 +105,9 @@ def _layer_forward_for(cls):
 @functools.cache
 def _query_forward_for(cls):
     def forward(self, x, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            return _call_own(self, cls, x, *args, **kwargs)
-        if _QUERY_SKIP.get() is self:  # a K/V-only pass: the queries are never used
+        if not torch.compiler.is_compiling() and _QUERY_SKIP.get() is self:  # a K/V-only pass: no queries used
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        return _own_forward(self)(x, *args, **kwargs)
+        return _call_own(self, cls, x, *args, **kwargs)
 
     return functools.update_wrapper(forward, cls.forward)
 

@@ -122,10 +122,11 @@ class LosslessSession:
             raise RuntimeError("Tide lossless mode: unexpected verification call.")
         if pending and not torch.equal(input_ids[:, -pending - 1 : -1].to(self.pending_ids.device), self.pending_ids):
             raise RuntimeError("Tide lossless mode: the verified tokens are not the drafted ones.")
-        self.shallow_step(input_ids[:, -1:], cache, self.grown_mask(input_ids.shape[1]))
+        mask = self.grown_mask(input_ids.shape[1])
+        self.shallow_step(input_ids[:, -1:], cache, mask)
         ids, states = self.pending_ids, self.pending_states  # [1, P + 1], [1, P + 1, H]
         deep_length = layer_length(cache, self.parts.num_layers - 1)  # deep layers hold every position before the chunk
-        inputs = new_positions(self.grown_mask(input_ids.shape[1]), deep_length, ids.shape[1])
+        inputs = new_positions(mask, deep_length, ids.shape[1])
         calls = additive_masks(self.parts, capture_layer_calls(self.parts, input_ids=ids, use_cache=True,
                                                                past_key_values=LengthView(cache, deep_length), **inputs))
         with few_row_linears(self.parts), grouped_query_attention_in_place():  # P + 1 positions: the CPU layouts
@@ -149,8 +150,6 @@ class ChainDrafter:
         self.cache = cache
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
-        eos = generation_config.eos_token_id
-        self.eos = set([eos] if isinstance(eos, int) else (eos or []))
         self.drafted = 0
 
     def draft(self, input_ids: torch.LongTensor) -> Draft:
@@ -171,7 +170,7 @@ class ChainDrafter:
                 draft_scores.append(scores)
                 # A draft that would stop generation ends the chain. It is verified like any other (dropping a
                 # draft because of its value would bias sampling); the loop emits nothing after it if accepted.
-                stops = int(token) in self.eos or self.stops(tokens, scores)
+                stops = self.stops(tokens, scores)
                 if stops:
                     break
         self.drafted = len(draft_scores)
@@ -212,5 +211,6 @@ class ChainDrafter:
         return scores.argmax(-1, keepdim=True)
 
     def stops(self, tokens, scores) -> bool:
-        """Whether a stopping criterion of the call (EOS, length, stop strings, the caller's) fires on `tokens`."""
+        """Whether a stopping criterion of the call (EOS, length, stop strings, the caller's) fires on `tokens`
+        (generate builds the EOS criterion from the generation config)."""
         return bool(self.stopping_criteria(tokens, scores).any())

@@ -141,7 +141,7 @@ class TreeDrafter:
         # (a copy: processors may work in place, and transformers applies them to these logits itself)
         target = chain.logits_processor(input_ids, logits[:, 0].to(torch.float32, copy=True)).argmax(-1, keepdim=True)
         hits = (candidates[0] == target[0]).nonzero()
-        stops = int(target) in chain.eos or chain.stops(torch.cat([input_ids, target], 1), logits[:, 0])
+        stops = chain.stops(torch.cat([input_ids, target], 1), logits[:, 0])
         keep = int(hits[0]) if len(hits) and not stops else None  # a stopping token comes from x's logits
         for layer in range(session.parts.num_layers):
             keep_one_of_tail(cache, layer, self.k, keep)

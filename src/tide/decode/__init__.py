@@ -22,7 +22,6 @@ def generate_with_loop(base, session, loop, args: tuple, kwargs: dict):
 
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                **model_kwargs):
-        model_kwargs.pop("streamer", None)
         return loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
 
     return base.generate(*args, custom_generate=decode, **kwargs)

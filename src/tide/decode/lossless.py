@@ -34,7 +34,6 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
                               model_kwargs.get("attention_mask"))
     emitted = Emitted(generation_config, streamer)
     sample = bool(generation_config.do_sample)
-    eos = generation_config._eos_token_tensor
     while True:
         draft = drafter.draft(input_ids)
         start = time.perf_counter()
@@ -42,10 +41,11 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
         raw = raw.to(torch.float32, copy=True)  # [1, k + 1, V]
         scores = _processed(logits_processor, draft.ids, raw)
         verdict = _decide(draft, scores, sample)
+        # Drafts end at a token that stops generation (EOS included) and within the length budget, so the verdict
+        # fits; if the stopping draft is accepted, generation ends there: no bonus token.
         tokens = verdict.tokens
-        if draft.stops and verdict.accepted == draft.count:  # generation stops at the last draft: no bonus token
+        if draft.stops and verdict.accepted == draft.count:
             tokens = tokens[:, : draft.count]
-        tokens = _cut(tokens, generation_config.max_length - input_ids.shape[1], eos)
         accepted = tokens.shape[1] - 1
         if draft.count > accepted:
             cache.crop(-(draft.count - accepted))
@@ -72,13 +72,3 @@ def _decide(draft: Draft, scores: torch.Tensor, sample: bool) -> Verdict:
     if sample:
         return sampling_verdict(drafted, draft.scores, scores)
     return greedy_verdict(drafted, scores)
-
-
-def _cut(tokens: torch.Tensor, budget: int, eos) -> torch.Tensor:
-    """The verdict's tokens within the length budget and up to the first EOS."""
-    tokens = tokens[:, :budget]
-    if eos is not None:
-        hits = torch.isin(tokens[0], eos.to(tokens.device)).nonzero()
-        if hits.numel():
-            tokens = tokens[:, : int(hits[0]) + 1]
-    return tokens

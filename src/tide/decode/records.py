@@ -16,7 +16,7 @@ class Draft:
     `ids` is the sequence with the drafted tokens appended. `scores` holds the processed draft scores the tokens
     were sampled from (sampling only; the speculative-sampling rule needs them). A tree draft verifies its
     candidates in the same pass that drafts them and hands over the full model's logits as `verified`. A draft
-whose last token would stop generation says so (`stops`): if verification accepts it, nothing follows it.
+    whose last token would stop generation says so (`stops`): if verification accepts it, nothing follows it.
     """
 
     ids: torch.Tensor  # [1, n + k]
