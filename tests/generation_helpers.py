@@ -31,3 +31,14 @@ class BoostInPlace(LogitsProcessor):
     def __call__(self, input_ids, scores):
         scores[:, self.token] += self.amount
         return scores
+
+
+def exits_by_sign(layer_dims: dict):
+    """A replacement for `TideForCausalLM.exit_tests` that decides from the state itself (so a row decides the same
+    alone or in a batch, on any cache): at checkpoint k, exit when hidden[:, layer_dims[k]] > 0."""
+    def make(layer):
+        def test(hidden):
+            exits = hidden[:, layer_dims[layer]] > 0
+            return exits.float(), exits, hidden
+        return test
+    return lambda thresholds: {k: make(k) for k in thresholds if k in layer_dims}

@@ -4,27 +4,17 @@ import pytest
 import torch
 
 import tide
+from generation_helpers import exits_by_sign
 from tiny_models import tiny_model, tiny_tokenizer
 
 GREEDY = dict(do_sample=False, max_new_tokens=8)
 PROMPTS = ["The quick brown fox", "Hello", "import os; print(os.getcwd())", "a b c d e f"]
 
 
-def _by_sign(layer_dims):
-    """Exit tests that decide from the state itself (so a row decides the same alone or in a batch):
-    at checkpoint k, exit when hidden[:, layer_dims[k]] > 0."""
-    def make(layer):
-        def test(hidden):
-            exits = hidden[:, layer_dims[layer]] > 0
-            return exits.float(), exits, hidden
-        return test
-    return lambda thresholds: {k: make(k) for k in thresholds}
-
-
 def _model(family, attention="eager"):
     base = tiny_model(family, attention=attention)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_layers=[1, 3]))
-    model.exit_tests = _by_sign({1: 0, 3: 1})
+    model.exit_tests = exits_by_sign({1: 0, 3: 1})
     return model
 
 

@@ -70,6 +70,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timings per prompt and row (the median is kept)")
     parser.add_argument("--schemes", nargs="*", default=[], help="forced lossless schemes, e.g. 0:4 (layer:max_draft) "
                         "or 0:1:k3 (a tree of 3)")
+    parser.add_argument("--compile", action="store_true", help="also time every Tide row with tide_config compile=True "
+                        "(compiled runs of layers on a static cache)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -82,14 +84,21 @@ def main(argv=None):
     greedy = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
     compiled = static_compiled_decoder(base, max(p.shape[1] for p in prompts) + n)
     compile_s, _ = timed(compiled, prompts[0], n)  # the first call compiles
-    rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n),
-            "tide default": lambda ids: model.generate(ids, **greedy)}
+    rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n)}
+    configs = {"tide default": None}
     for scheme in args.schemes:
         layer, draft, *tree = scheme.split(":")
         config = {"mode": "lossless", "draft_layer": int(layer), "max_draft": int(draft)}
         if tree:
             config["draft_topk"] = int(tree[0].lstrip("k"))
-        rows[f"lossless {scheme}"] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
+        configs[f"lossless {scheme}"] = config
+    for name, config in configs.items():
+        rows[name] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
+    compile_s = {"static+compile": compile_s}
+    for name, config in configs.items() if args.compile else ():
+        config = {**(config or {}), "compile": True}
+        rows[f"{name} compiled"] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
+        compile_s[f"{name} compiled"], _ = timed(rows[f"{name} compiled"], prompts[0])  # the first call compiles
     times = {name: [] for name in rows}
     same = {name: 0 for name in rows}
     for ids in prompts:
@@ -102,10 +111,11 @@ def main(argv=None):
                 same[name] += int(torch.equal(out, ref))
     per_prompt = {name: [statistics.median(t[i * args.repeats:(i + 1) * args.repeats]) for i in range(len(prompts))]
                   for name, t in times.items()}
-    result = {"tokens": n, "prompts": len(prompts), "compile_s": round(compile_s, 1), "threads": torch.get_num_threads(),
-              "rows": {}}
-    print(f"{len(prompts)} prompts x {n} tokens, median of {args.repeats}; first compiled call {compile_s:.1f} s")
-    print(f"{'row':<22}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}")
+    result = {"tokens": n, "prompts": len(prompts), "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
+              "threads": torch.get_num_threads(), "rows": {}}
+    print(f"{len(prompts)} prompts x {n} tokens, median of {args.repeats}; first compiled calls (s): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
+    print(f"{'row':<31}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}")
     for name, secs in per_prompt.items():
         row = {"ms_per_token": statistics.median(secs) / n * 1e3, "identical_runs": same[name] / len(times[name])}
         for baseline in ("generate", "static+compile"):
@@ -113,7 +123,7 @@ def main(argv=None):
             row[f"vs {baseline}"] = (statistics.median(ratios), min(ratios), max(ratios))
         result["rows"][name] = row
         cells = [f"x{m:.2f} [{lo:.2f}-{hi:.2f}]" for m, lo, hi in (row["vs generate"], row["vs static+compile"])]
-        print(f"{name:<22}{row['ms_per_token']:>9.2f}{cells[0]:>22}{cells[1]:>24}{row['identical_runs']:>11.2f}")
+        print(f"{name:<31}{row['ms_per_token']:>9.2f}{cells[0]:>22}{cells[1]:>24}{row['identical_runs']:>11.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

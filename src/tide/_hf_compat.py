@@ -25,7 +25,7 @@ from transformers import Cache, DynamicCache
 from transformers.integrations import sdpa_attention
 
 __all__ = ["stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "layer_length",
-           "plain_dynamic_layers", "keep_one_of_tail",
+           "crop_cache", "plain_dynamic_layers", "is_static_layer", "keep_one_of_tail",
            "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of",
            "grouped_query_attention_in_place", "check"]
 
@@ -58,8 +58,27 @@ def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def crop_layer(cache, layer: int, length: int) -> None:
-    """Crop one cache layer (`length` < 0 drops that many newest positions)."""
-    cache.layers[layer].crop(length)
+    """Crop one cache layer (`length` < 0 drops that many newest positions). A static layer only moves its length
+    counter back: positions past it are overwritten before any query can see them (masks are causal)."""
+    entry = cache.layers[layer]
+    if is_static_layer(entry):
+        if length > 0:
+            raise ValueError("a static cache layer is cropped by a negative count of positions")
+        if length and entry.is_initialized:
+            entry.cumulative_length.sub_(-length)
+        return
+    entry.crop(length)
+
+
+def crop_cache(cache, drop: int) -> None:
+    """Drop the `drop` newest positions of every layer of `cache` (static layers too, unlike `Cache.crop`)."""
+    if drop <= 0:
+        return
+    if not any(is_static_layer(layer) for layer in getattr(cache, "layers", ())):
+        cache.crop(-drop)
+        return
+    for i in range(len(cache.layers)):
+        crop_layer(cache, i, -drop)
 
 
 def plain_dynamic_layers(cache) -> bool:
@@ -73,16 +92,23 @@ def keep_one_of_tail(cache, layer: int, tail: int, keep: int | None) -> None:
     """Drop the newest `tail` positions of cache layer `layer`, except the one at index `keep` among them."""
     entry = cache.layers[layer]
     if keep:  # move the kept position to the front of the tail, then crop the rest
-        end = entry.keys.shape[-2] - tail
+        end = layer_length(cache, layer) - tail
         entry.keys[..., end, :] = entry.keys[..., end + keep, :]
         entry.values[..., end, :] = entry.values[..., end + keep, :]
     drop = tail - (keep is not None)
     if drop:
-        entry.crop(-drop)
+        crop_layer(cache, layer, -drop)
 
 
 def layer_length(cache, layer: int) -> int:
-    return cache.layers[layer].get_seq_length()
+    return int(cache.layers[layer].get_seq_length())  # a static layer's is a tensor
+
+
+def is_static_layer(layer) -> bool:
+    """A preallocated (`StaticCache`) full-attention layer: it writes at its length counter and never shrinks."""
+    from transformers.cache_utils import StaticLayer
+
+    return isinstance(layer, StaticLayer) and not layer.is_sliding
 
 
 def has_sliding_layers(cache) -> bool:
@@ -141,6 +167,9 @@ class LengthView(Cache):
         return self._start
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        layer = self._cache.layers[layer_idx] if layer_idx < len(getattr(self._cache, "layers", ())) else None
+        if is_static_layer(layer):  # the masks span the whole preallocated cache
+            return layer.get_mask_sizes(query_length)
         window = sliding_window_of(self._cache, layer_idx)
         if window is None or self._start < window:
             return self._start + query_length, 0

@@ -123,7 +123,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     results["oracle"] = oracle
     results["few_row_layouts"] = fewrows.layouts(model.parts)
     progress(f"costs on {results['machine']}: consulted checkpoint {costs.checkpoint:.2f} layer, skipped layer's K/V "
-             f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer, "
+             f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer "
+             f"({'one per window of positions in' if costs.windowed else 'per pass in'} Tide's passes), "
              f"{verify_extras_text(results['costs'])}, {loop_extras_text(results['costs']) or 'generate not timed'} (linears over "
              f"{fewrows.layouts_text(results['few_row_layouts'])})")
     draft = (model.config.calibration or {}).get("draft_selection")

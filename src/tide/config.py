@@ -29,7 +29,7 @@ MODES = ("exit", "lossless", "auto")
 
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "batch_exits",
-                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size")
+                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "compile")
 MAX_DRAFT_TOPK = 8  # tree drafts: candidates verified together with the token before them
 
 
@@ -78,15 +78,22 @@ class TideGenerationConfig:
             calibration (the head's rows for them: n / V of the head's cost); 0 drafts over the whole
             vocabulary. At most the router repo's `draft_vocabulary` size. A token outside costs a rejected draft,
             never output. Calibration sets it where a restricted draft timed faster.
+        compile (`bool`, *optional*, defaults to `False`):
+            Compile Tide's runs of layers (between checkpoints; drafting's shallow layers; verification's deep
+            layers, padded to the widest draft) with `torch.compile` on a static cache, as transformers compiles a
+            static-cache decode: the call's `compile_config` (`CompileConfig`) gives the options, and on a GPU
+            its default `mode="reduce-overhead"` captures CUDA graphs. Implies `cache_implementation="static"`.
+            The first call compiles (seconds); later calls of the same shapes replay.
     """
 
     def __init__(self, exit_threshold: float | None = None, thresholds: dict | None = None, min_layers: int = 0,
                  kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False, batch_exits: bool = True,
-                 max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1, draft_vocab_size: int = 0):
+                 max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1, draft_vocab_size: int = 0,
+                 compile: bool = False):
         self.exit_threshold, self.min_layers, self.kv_strategy, self.mode = exit_threshold, min_layers, kv_strategy, mode
         self.prefill_exit, self.batch_exits = prefill_exit, batch_exits
         self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
-        self.draft_vocab_size = draft_vocab_size
+        self.draft_vocab_size, self.compile = draft_vocab_size, compile
         self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
         self.validate()
 
@@ -136,7 +143,7 @@ class TideGenerationConfig:
         if 0 < self.draft_vocab_size < MAX_DRAFT_TOPK:
             raise ValueError(f"tide_config.draft_vocab_size must be 0 (the whole vocabulary) or at least {MAX_DRAFT_TOPK} "
                              f"(the most candidates a draft offers), got {self.draft_vocab_size}.")
-        for name in ("prefill_exit", "batch_exits"):
+        for name in ("prefill_exit", "batch_exits", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"tide_config.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.exit_threshold is not None:

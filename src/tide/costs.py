@@ -26,6 +26,7 @@ from ._hf_compat import grouped_query_attention_in_place
 from .config import MAX_DRAFT_TOPK
 from .fewrows import few_row_linears
 from .kvfill import fill_kv
+from .layerargs import LayerArgs
 from .layercalls import additive_masks, capture_layer_calls
 from .speculative import LosslessUnavailable, next_cap
 
@@ -62,6 +63,9 @@ class StepCosts:
     # x1.01 timed on the shipped model; docs/benchmarks.md).
     step_extra_s: float = 0.0
     cycle_extra_s: float = 0.0
+    # Tide's own passes take their layer arguments from one capture per window of positions (`layerargs.py`),
+    # not one per pass; False where that does not hold for this model (each draft and verification pays one)
+    windowed: bool = False
 
     @property
     def step_extra(self) -> float:
@@ -101,6 +105,11 @@ class StepCosts:
     @property
     def capture(self) -> float:
         return self.capture_s / self.layer_s
+
+    @property
+    def pass_capture(self) -> float:
+        """What one of Tide's own passes (a draft, a verification) pays for its layer arguments, in layers."""
+        return 0.0 if self.windowed else self.capture
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -172,6 +181,8 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
     step = dict(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
     calls = capture_layer_calls(parts, **step)
     hidden = calls[0].hidden
+    windows = LayerArgs(parts)
+    windows.calls(ids[:, -1:], cache)
     num_layers = parts.num_layers
 
     checkpoints = set(model.checkpoints)
@@ -209,6 +220,7 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
         head_s=_median_extra(layers(), layers(head=True), repeats),
         capture_s=_median_time(lambda: capture_layer_calls(parts, **step), repeats),
         device=str(device),
+        windowed=windows.off_reason is None,
         verify_extra_s={p: _median_extra(layers(head=True), layers(head=True, step_calls=chunks[p]), max(repeats // 3, 5))
                         for p in points},
     )
@@ -231,7 +243,8 @@ def _loop_extras(model, ids: torch.Tensor, costs: StepCosts, repeats: int = 3) -
     config = {"mode": "lossless", "draft_layer": model.checkpoints[0], "max_draft": 1, "draft_topk": 1,
               "draft_vocab_size": 0}
     step = model.parts.num_layers + costs.head + costs.capture  # a base step's pieces, in layers
-    draft = config["draft_layer"] + 1 + costs.head + costs.capture
+    verify = model.parts.num_layers + costs.head + costs.pass_capture
+    draft = config["draft_layer"] + 1 + costs.head + costs.pass_capture
 
     def run(n: int, lossless: bool):
         start = time.perf_counter()
@@ -256,7 +269,7 @@ def _loop_extras(model, ids: torch.Tensor, costs: StepCosts, repeats: int = 3) -
         if cycles <= 0:
             continue
         pieces = _chain_cost(Counter({1: drafted, 0: cycles - drafted}), draft,
-                             lambda positions: step + costs.verify_extra_at(positions)) * costs.layer_s
+                             lambda positions: verify + costs.verify_extra_at(positions)) * costs.layer_s
         per_cycle.append((tide_long - tide_short - pieces) / cycles)
     return max(statistics.median(per_token), 0.0), max(statistics.median(per_cycle), 0.0) if per_cycle else 0.0
 
@@ -327,8 +340,8 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
     ranks: {layer: [N]} in text order, where the full model's next token ranks among the draft's logits
     (0: its top-1), for a draft that reads a verified context (a chain's first draft, a tree's).
     chain_ranks: the same for a chain's later drafts, whose draft head reads the previous draft's own state
-    (default: `ranks`; equal where there is no draft head). A draft step from layer E costs E + 1 layers, the head and a capture; a verification
-    costs the whole stack, the head and a capture, plus what a pass over p positions costs more than a pass
+    (default: `ranks`; equal where there is no draft head). A draft step from layer E costs E + 1 layers and the head; a verification costs the
+    whole stack and the head (each plus a capture where layer arguments are not windowed, `costs.pass_capture`), plus what a pass over p positions costs more than a pass
     over one (`costs.verify_extra_at(p)`, measured at `VERIFY_POINTS`; speculative decoding assumes it
     small, and on a CPU it can be a third of a step). A chain cycle emits the run of drafts that agree with
     the full model, plus one, and drafts as many as generation's adaptive cap allows (`chain_cycles` walks the
@@ -341,25 +354,27 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: Ste
     restricted: {n: (ranks, chain_ranks)} for drafts that rank only the n most-predicted tokens (a token outside
     them ranks last), whose head costs n / `head_rows` of the whole head.
     """
-    step = num_layers + costs.head + costs.capture
+    step = num_layers + costs.head + costs.capture  # a base step
+    passes = num_layers + costs.head + costs.pass_capture
 
     def verify(positions: int) -> float:  # a verification, and the cycle's work beyond its pieces
-        return step + costs.verify_extra_at(positions) + costs.cycle_extra
+        return passes + costs.verify_extra_at(positions) + costs.cycle_extra
 
     variants = [(0, ranks, chain_ranks or ranks)]
     variants += [(n, r, c) for n, (r, c) in sorted((restricted or {}).items()) if head_rows and n < head_rows]
     out = []
     for vocab, layer_ranks, layer_chain_ranks in variants:
         head = costs.head * (vocab / head_rows if vocab else 1.0)
-        out += _schemes(layer_ranks, layer_chain_ranks, head + costs.capture, verify, step + costs.step_extra,
-                        max_draft, max_topk, vocab)
+        out += _schemes(layer_ranks, layer_chain_ranks, head + costs.pass_capture, verify, step + costs.step_extra,
+                        max_draft, max_topk, vocab, tree_extra=2 * (costs.capture - costs.pass_capture))
     return sorted(out, key=lambda c: -c.estimate)
 
 
 def _schemes(ranks, chain_ranks, draft_overhead: float, verify, base: float, max_draft: int, max_topk: int,
-             vocab: int) -> list:
+             vocab: int, tree_extra: float = 0.0) -> list:
     """`draft_candidates`' schemes for one draft vocabulary (a draft step costs E + 1 layers + `draft_overhead`;
-    a cycle's verification `verify(positions)`; a base token `base`)."""
+    a cycle's verification `verify(positions)`; a base token `base`; a tree cycle also `tree_extra`: its tree
+    masks' two captures, where the chain's passes take windowed arguments)."""
     out = []
     for layer, rank in ranks.items():
         later = chain_ranks[layer]
@@ -375,7 +390,7 @@ def _schemes(ranks, chain_ranks, draft_overhead: float, verify, base: float, max
         if max_draft:
             for k in range(2, max_topk + 1):
                 hit = float((rank.long() < k).double().mean())
-                out.append(DraftScheme(layer, 1, k, (1 + hit) / (draft + verify(k + 1)) * base, vocab))
+                out.append(DraftScheme(layer, 1, k, (1 + hit) / (draft + verify(k + 1) + tree_extra) * base, vocab))
     return out
 
 

@@ -21,6 +21,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .config import TideGenerationConfig
 from .dispatch import base_forward
 from .kvfill import fill_kv
+from .decode.spans import SpanRunner
+from .layerargs import LayerArgs
 from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
 from .recompute import RecomputeState
 from .rowsplit import RowSplitCache, can_slice, sliced_call
@@ -34,8 +36,9 @@ BACKBONE_KEYS = ("input_ids", "attention_mask", "position_ids", "past_key_values
 class ExitSession:
     """One `generate` call in exit mode: the decode step plus its counters."""
 
-    def __init__(self, model, config: TideGenerationConfig):
+    def __init__(self, model, config: TideGenerationConfig, spans: SpanRunner | None = None):
         self.model, self.base, self.config, self.parts = model, model.base, config, model.parts
+        self.spans = spans or SpanRunner(self.parts)  # runs of layers between checkpoints (compiled or eager)
         # The checkpoints consulted, with the threshold in force at each: those past `min_layers` whose
         # threshold can fire (>= 1.0 never does, scores being sigmoids). The stats name these.
         self.consulted = {k: t for k in config.consulted_checkpoints(model.checkpoints)
@@ -45,6 +48,7 @@ class ExitSession:
         self.norm_device = norm_param.device if norm_param is not None else None
         self.stats = GenerationStats(self.parts.num_layers, sorted(self.consulted), kv_strategy=config.kv_strategy)
         self.recompute = RecomputeState(self.parts) if config.kv_strategy == "recompute" else None
+        self.layer_args = LayerArgs(self.parts, stats=self.stats)  # the decode steps' layer arguments, one capture per window
         self.original_forward = base_forward(model.base)
 
     # ------------------------------------------------------------------ the forward generate sees
@@ -77,7 +81,7 @@ class ExitSession:
         if self.recompute is not None:
             steps = self.recompute.steps(input_ids, cache, inputs)
         else:
-            steps = PropagateSteps(self.parts, input_ids, cache, inputs)
+            steps = PropagateSteps(self.parts, input_ids, cache, inputs, self.layer_args, self.spans)
         walk = walk_layers(self.parts, steps, self.exit_tests)
         if self.recompute is not None:
             self.recompute.after_step(steps, walk)
@@ -121,11 +125,17 @@ class PropagateSteps:
 
     recomputed = 0
 
-    def __init__(self, parts, input_ids, cache, inputs: dict):
+    def __init__(self, parts, input_ids, cache, inputs: dict, layer_args: LayerArgs | None = None,
+                 spans: SpanRunner | None = None):
         self.parts, self.cache = parts, cache
-        self.calls: list[LayerCall] = additive_masks(parts, capture_layer_calls(
-            parts, input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs))  # (padded batches' masks)
-        self.hidden = self.calls[0].hidden  # [B, T, H]: the input of the first layer
+        self.spans = spans or SpanRunner(parts)
+        if layer_args is not None and set(inputs) <= {"attention_mask", "position_ids"}:
+            self.hidden, self.calls = layer_args.calls(input_ids, cache, inputs.get("attention_mask"),
+                                                       inputs.get("position_ids"))
+        else:
+            self.calls = additive_masks(parts, capture_layer_calls(
+                parts, input_ids=input_ids, past_key_values=cache, use_cache=True, **inputs))  # (padded batches' masks)
+            self.hidden = self.calls[0].hidden  # [B, T, H]: the input of the first layer
         batch, length = self.hidden.shape[:2]
         self.split = None  # RowSplitCache once a row has left, when rows can leave the batch
         self.row_skipping = (batch > 1 and length == 1 and os.environ.get("TIDE_ROW_SKIPPING", "on").lower() != "off"
@@ -142,6 +152,10 @@ class PropagateSteps:
             return hidden.to(out.device).index_copy(0, running.to(out.device), out)
         out = self.calls[i].run(self.parts, i, hidden)
         return torch.where(exited.to(out.device)[..., None], hidden.to(out.device), out)
+
+    def run_span(self, start: int, stop: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Layers start..stop-1 while no token has left (one compiled graph where compiling)."""
+        return self.spans.run(start, stop, hidden, self.calls)
 
     def rows_left(self, layer: int, leaving: torch.Tensor, hidden: torch.Tensor) -> None:
         """Rows `leaving` (bool [B, T]) exited after `layer`: with row skipping, fill their K/V for every later
@@ -178,12 +192,20 @@ def walk_layers(parts, steps, exit_tests: dict) -> WalkResult:
     exited = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
     exit_states = hidden
     num_exited, full_passes = 0, 0  # num_exited: tokens that have left, as of the last checkpoint
-    for i in range(num_layers):
+    run_span = getattr(steps, "run_span", None)
+    i = 0
+    while i < num_layers:
         if num_exited == exited.numel():
             steps.fill_kv(list(range(i, num_layers)), hidden)
             return WalkResult(exit_states, exit_layer, full_passes, num_layers - i, int(steps.recomputed))
-        hidden = steps.run(i, hidden, exited if num_exited else None)
-        full_passes += 1
+        if num_exited == 0 and run_span is not None:  # up to the next checkpoint in one run
+            stop = min([k for k in exit_tests if k >= i] + [num_layers - 1]) + 1
+            hidden = run_span(i, stop, hidden)
+            full_passes += stop - i
+            i = stop - 1
+        else:
+            hidden = steps.run(i, hidden, exited if num_exited else None)
+            full_passes += 1
         if i in exit_tests:
             _, exits, state = exit_tests[i](hidden.reshape(-1, hidden.shape[-1]))
             exits, state = exits.view(hidden.shape[:-1]), state.view(hidden.shape)
@@ -195,6 +217,7 @@ def walk_layers(parts, steps, exit_tests: dict) -> WalkResult:
                 exited = exited | leaving
                 num_exited = int(exited.sum())
                 steps.rows_left(i, leaving, hidden)
+        i += 1
     if num_exited:
         hidden = torch.where(exited[..., None], exit_states.to(hidden.device), hidden)
     steps.fill_kv([], hidden)

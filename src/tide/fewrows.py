@@ -54,6 +54,7 @@ PACK_ROWS = 4  # the row count MKL packs a weight for (the packed copy serves an
 # Inside `few_row_linears`: the layout for each row count 0..MAX_ROWS (None below 2 rows); outside: None.
 _ACTIVE: ContextVar = ContextVar("tide_few_row_linears", default=None)
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # parts.layers -> choice, once per process
+_INSTALLED: weakref.WeakSet = weakref.WeakSet()  # modules whose linears were walked (a copy is walked again)
 _PACKED: dict = {}  # id(weight) -> (weakref to it, its copy_key, packed copy); dropped with the weight
 
 
@@ -90,6 +91,9 @@ def _by_rows(choice: dict) -> tuple:
 def install(modules) -> None:
     """Give every plain `nn.Linear` in `modules` (once for its lifetime) the dispatching forward."""
     for module in modules:
+        if module in _INSTALLED:  # (walking a model's modules costs ~0.4 ms a pass)
+            continue
+        _INSTALLED.add(module)
         for linear in module.modules():
             own = linear.__dict__.get("forward")  # e.g. accelerate's hooks, or ours: kept
             # (an unpickled copy holds the class's forward, which may be replaced)

@@ -16,7 +16,9 @@ import warnings
 
 import torch
 
+from ._hf_compat import is_static_layer
 from .config import TideConfig, TideGenerationConfig
+from .decode.spans import SpanRunner, compile_options
 from .decode import exit_decode, generate_with_loop, lossless_decode
 from .dispatch import activated, install
 from .engine import ExitSession
@@ -89,12 +91,12 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
             raise LosslessUnavailable(problem)
         if run.max_draft == 0:  # calibration found that no drafting scheme pays on this model and machine
             return model.base.generate(*args, **kwargs)
-        session, loop = LosslessSession(model, run), lossless_decode
+        session, loop = LosslessSession(model, run, _spans(model, run, kwargs)), lossless_decode
     else:
         if kwargs.get("use_cache") is False:
             raise ValueError("Tide's exit mode decodes on the KV cache (skipped layers still get their K/V); drop "
                              "use_cache=False, or pass tide_config=False to run the base model without exits.")
-        session, loop = ExitSession(model, run), exit_decode
+        session, loop = ExitSession(model, run, _spans(model, run, kwargs)), exit_decode
     start = time.perf_counter()
     if loop is exit_decode and (_option(model, kwargs, "num_beams") or 1) > 1:
         install(model.base)  # beams: transformers' beam loop, with this session's forward in this context
@@ -105,6 +107,30 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     session.stats.wall_time_s = time.perf_counter() - start
     model.last_stats = session.stats
     return attach_stats(output, session.stats)
+
+
+def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
+    """How the call's sessions run spans of layers: compiled (on a static cache, which `kwargs` then asks generate
+    for) with `compile=True`, else eagerly. Compiled spans are kept on the model for later calls."""
+    if not run.compile:
+        return SpanRunner(model.parts)
+    cache = kwargs.get("past_key_values")
+    if cache is not None and not all(is_static_layer(layer) for layer in cache.layers):
+        raise ValueError("tide_config compile=True runs compiled passes on a static cache; pass a StaticCache as "
+                         "past_key_values, or none (Tide asks generate for cache_implementation='static').")
+    if cache is None:
+        implementation = kwargs.get("cache_implementation") or getattr(kwargs.get("generation_config"),
+                                                                       "cache_implementation", None)
+        if implementation not in (None, "static"):
+            raise ValueError(f"tide_config compile=True runs on a static cache, but the call asks for "
+                             f"cache_implementation={implementation!r}; drop it or pass 'static'.")
+        kwargs["cache_implementation"] = "static"
+    config = kwargs.get("generation_config") or model.base.generation_config
+    options = compile_options(kwargs.get("compile_config") or getattr(config, "compile_config", None))
+    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    if key not in model.span_runners:
+        model.span_runners[key] = SpanRunner(model.parts, options)
+    return model.span_runners[key]
 
 
 def attach_stats(output, stats: GenerationStats):

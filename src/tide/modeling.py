@@ -54,6 +54,7 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         )
         self.generation_config = base_model.generation_config
         self.last_stats = None
+        self.span_runners: dict = {}  # compile options -> decode.spans.SpanRunner: compiled runs of layers, kept
         # token ids [n] the full model predicted most in calibration, most frequent first (draftvocab.py); None: none
         self.draft_vocabulary: torch.Tensor | None = None
         self.align_routers()

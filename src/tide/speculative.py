@@ -19,12 +19,15 @@ from __future__ import annotations
 import time
 
 import torch
-from ._hf_compat import (LengthView, grouped_query_attention_in_place, layer_length,
+from ._hf_compat import (crop_layer, grouped_query_attention_in_place, layer_length,
                          unrecoverable_sliding_layers)
+from .decode.processors import process
 from .decode.records import Draft
+from .decode.spans import SpanRunner
 from .dispatch import base_forward
 from .fewrows import few_row_linears
-from .layercalls import additive_masks, capture_layer_calls, capture_outputs
+from .layerargs import LayerArgs
+from .layercalls import capture_outputs
 from .stats import GenerationStats
 from .treedraft import TreeDrafter, grown_mask, new_positions
 
@@ -58,8 +61,9 @@ def check_rollback(cache) -> None:
 class LosslessSession:
     """One lossless `generate` call: drafted states between drafting and verification, and the counters."""
 
-    def __init__(self, model, config):
+    def __init__(self, model, config, spans: SpanRunner | None = None):
         self.model, self.base, self.parts = model, model.base, model.parts
+        self.spans = spans or SpanRunner(self.parts)  # the shallow and the deep layers' runs (compiled or eager)
         self.draft_layer = config.resolve_draft_layer(model.checkpoints, self.parts.num_layers)
         self.max_draft = config.max_draft
         self.cap = config.max_draft
@@ -73,6 +77,7 @@ class LosslessSession:
         self.context = None  # [1, H] the full model's final normed state before the next drafted token
         self.verified_contexts = None  # [1, P + 1, H] the same for each position the last verification checked
         self.original_forward = base_forward(model.base)
+        self.layer_args = LayerArgs(self.parts, stats=self.stats)  # drafted tokens' and verification's layer arguments
 
     @property
     def pending(self) -> int:
@@ -93,11 +98,9 @@ class LosslessSession:
     # ------------------------------------------------------------------ the shallow step (drafting)
     def shallow_step(self, token: torch.Tensor, cache, mask) -> torch.Tensor:
         """Run token [1, 1] through layers 0..E on the real cache; keep and return its layer-E state [1, 1, H]."""
-        inputs = new_positions(mask, cache.get_seq_length(), 1)
-        calls = capture_layer_calls(self.parts, input_ids=token, past_key_values=cache, use_cache=True, **inputs)
-        hidden = calls[0].hidden
-        for i in range(self.draft_layer + 1):
-            hidden = calls[i].run(self.parts, i, hidden)
+        inputs = new_positions(mask, layer_length(cache, 0), 1)
+        hidden, calls = self.layer_args.calls(token, cache, inputs.get("attention_mask"), inputs["position_ids"])
+        hidden = self.spans.run(0, self.draft_layer + 1, hidden, calls)
         self.stats.layer_passes += self.draft_layer + 1
         if self.pending_ids is None:
             self.pending_ids, self.pending_states = token, hidden
@@ -125,13 +128,25 @@ class LosslessSession:
         mask = self.grown_mask(input_ids.shape[1])
         self.shallow_step(input_ids[:, -1:], cache, mask)
         ids, states = self.pending_ids, self.pending_states  # [1, P + 1], [1, P + 1, H]
+        positions = ids.shape[1]
         deep_length = layer_length(cache, self.parts.num_layers - 1)  # deep layers hold every position before the chunk
+        pad = self._padding(cache, positions, deep_length)
+        if pad is None:  # no room left to pad to the compiled width: the last few verifications run eagerly
+            pad, eager = 0, True
+        else:
+            eager = False
+        if pad:  # compiled on a static cache: one width for every verification (one graph)
+            ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
+            states = torch.cat([states, states.new_zeros(1, pad, states.shape[-1])], 1)
         inputs = new_positions(mask, deep_length, ids.shape[1])
-        calls = additive_masks(self.parts, capture_layer_calls(self.parts, input_ids=ids, use_cache=True,
-                                                               past_key_values=LengthView(cache, deep_length), **inputs))
+        _, calls = self.layer_args.calls(ids, cache, inputs.get("attention_mask"), inputs["position_ids"], past=deep_length)
+        deep = range(self.draft_layer + 1, self.parts.num_layers)
         with few_row_linears(self.parts), grouped_query_attention_in_place():  # P + 1 positions: the CPU layouts
-            for i in range(self.draft_layer + 1, self.parts.num_layers):
-                states = calls[i].run(self.parts, i, states)
+            states = self.spans.run(deep.start, deep.stop, states, calls, eager=eager)
+            if pad:  # the padding's K/V lie past the deep layers' length, where the next chunk overwrites them
+                states = states[:, :positions]
+                for i in deep:
+                    crop_layer(cache, i, -pad)
             normed = self.parts.final_norm(states)
             logits = self.parts.logits_from_normed(normed)
         self.verified_contexts = normed
@@ -140,6 +155,16 @@ class LosslessSession:
         self.stats.verify_passes += 1
         self.stats.decode_steps += 1
         return logits
+
+    def _padding(self, cache, positions: int, deep_length: int) -> int | None:
+        """Positions to add to a verification so that compiled passes see one width (the widest a draft makes),
+        on a static cache (where positions past a layer's length are free to overwrite); 0 where nothing is
+        compiled; None where the cache has no room left for the widest."""
+        if not self.spans.compiled:
+            return 0
+        widest = self.max_draft + 1
+        room = min(getattr(layer, "max_cache_len", 0) for layer in cache.layers) - deep_length
+        return widest - positions if room >= widest else None
 
 
 class ChainDrafter:
@@ -164,7 +189,7 @@ class ChainDrafter:
                 state = session.shallow_step(token, self.cache, self._mask(tokens))
                 logits, context = session.model.draft_logits(session.draft_layer, state[:, -1], context,
                                                              session.draft_vocab_size)
-                scores = self.logits_processor(tokens, logits.float())
+                scores = process(self.logits_processor, tokens, logits.float())
                 token = self._choose(scores)
                 tokens = torch.cat([tokens, token], 1)
                 draft_scores.append(scores)
@@ -190,7 +215,7 @@ class ChainDrafter:
     # ------------------------------------------------------------------ helpers
     def _prefill(self, input_ids) -> None:
         """Make the cache hold the exact K/V of everything but the last token (the first call only)."""
-        have = self.cache.get_seq_length()
+        have = layer_length(self.cache, 0)
         if have == 0:
             check_rollback(self.cache)
         if have < input_ids.shape[1] - 1:

@@ -30,6 +30,10 @@ class GenerationStats:
     verify_passes: int = 0
     draft_topk: int = 1  # 1: chain drafts; k > 1: one-level tree drafts of k candidates
     draft_vocab_size: int = 0  # > 0: drafts ranked only that many most-predicted tokens (0: the whole vocabulary)
+    # layer arguments: backbone captures Tide's passes ran (`layerargs.py`: one per window of positions where
+    # windows hold, else one per pass), and why windows did not hold (None: they did, or were never asked)
+    arg_captures: int = 0
+    arg_windows_off: str | None = None
 
     def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0) -> None:
         """Count one exit-mode decode step: where its tokens left and the layer work it ran."""

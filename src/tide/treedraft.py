@@ -26,6 +26,7 @@ import time
 import torch
 from ._hf_compat import (LengthView, grouped_query_attention_in_place, keep_one_of_tail, layer_length,
                          plain_dynamic_layers)
+from .decode.processors import process
 from .decode.records import Draft
 from .fewrows import few_row_linears
 from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
@@ -128,7 +129,7 @@ class TreeDrafter:
             state = session.shallow_step(x, cache, session.grown_mask(input_ids.shape[1]))
             logits, _ = session.model.draft_logits(session.draft_layer, state[:, -1], session.context,
                                                    session.draft_vocab_size)
-            draft_scores = chain.logits_processor(input_ids, logits.float())
+            draft_scores = process(chain.logits_processor, input_ids, logits.float())
             candidates = draft_scores.topk(self.k, dim=-1).indices  # [1, k]
             logits = self._verify(candidates, cache, session.grown_mask(input_ids.shape[1]))
         chain.drafted = 1
@@ -139,7 +140,7 @@ class TreeDrafter:
             stats.decode_time_s += time.perf_counter() - start
             return Draft(torch.cat([input_ids, candidates[:, :1]], 1), 1)
         # (a copy: processors may work in place, and transformers applies them to these logits itself)
-        target = chain.logits_processor(input_ids, logits[:, 0].to(torch.float32, copy=True)).argmax(-1, keepdim=True)
+        target = process(chain.logits_processor, input_ids, logits[:, 0].to(torch.float32, copy=True)).argmax(-1, keepdim=True)
         hits = (candidates[0] == target[0]).nonzero()
         stops = chain.stops(torch.cat([input_ids, target], 1), logits[:, 0])
         keep = int(hits[0]) if len(hits) and not stops else None  # a stopping token comes from x's logits

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .emit import Emitted
+from .processors import process
 
 __all__ = ["exit_decode"]
 
@@ -29,7 +30,7 @@ def exit_decode(session, input_ids, logits_processor, stopping_criteria, generat
     mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
     while True:
         raw = logits.to(torch.float32, copy=True).to(input_ids.device)  # [B, V]
-        scores = logits_processor(input_ids, raw)
+        scores = process(logits_processor, input_ids, raw)
         if generation_config.do_sample:
             tokens = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
         else:

@@ -14,8 +14,10 @@ import time
 
 import torch
 
+from .._hf_compat import crop_cache
 from .accept import greedy_verdict, sampling_verdict
 from .emit import Emitted
+from .processors import process
 from .records import Draft, Verdict
 
 __all__ = ["lossless_decode"]
@@ -48,7 +50,7 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
             tokens = tokens[:, : draft.count]
         accepted = tokens.shape[1] - 1
         if draft.count > accepted:
-            cache.crop(-(draft.count - accepted))
+            crop_cache(cache, draft.count - accepted)
         input_ids = torch.cat([input_ids, tokens.to(input_ids.device)], 1)
         emitted.add(tokens, scores, raw)
         drafter.verified(accepted)
@@ -63,7 +65,7 @@ def _processed(logits_processor, ids: torch.Tensor, raw: torch.Tensor) -> torch.
         return raw
     scores, n, k1 = raw.clone(), ids.shape[1], raw.shape[1]
     for i in range(k1):
-        scores[:, i] = logits_processor(ids[:, : n - k1 + 1 + i], scores[:, i])
+        scores[:, i] = process(logits_processor, ids[:, : n - k1 + 1 + i], scores[:, i])
     return scores
 
 

@@ -1,0 +1,76 @@
+"""Runs of consecutive decoder layers, eager or compiled (`tide_config={"compile": True}`).
+
+Between two decisions (a checkpoint's exit test, a draft, a verification) Tide runs a span of layers on
+the same arguments. Eagerly that is a Python loop over the layers. Compiled, each span is one graph
+(`torch.compile(fullgraph=True, dynamic=False)`, the options of the call's `generation_config.compile_config`,
+transformers' `CompileConfig`, where it gives them): a span runs on a static cache with static shapes, so a
+graph is made once per span and width and then replayed; on a GPU `mode="reduce-overhead"` captures it in a
+CUDA graph. Each span gets a code object of its own, so that its graphs never count against another span's
+recompile limit. Layers whose calls differ (per-layer-type masks), and layers called with another cache
+object (row splitting), run eagerly.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from ..architectures import ModelParts
+
+__all__ = ["SpanRunner", "compile_options"]
+
+
+def _run_span(layers, returns_tuple: bool, hidden, args, kwargs):
+    for layer in layers:
+        out = layer(hidden, *args, **kwargs)
+        hidden = out[0] if returns_tuple or isinstance(out, tuple) else out
+    return hidden
+
+
+def compile_options(compile_config=None) -> dict:
+    """torch.compile keyword arguments from a call's `compile_config` (transformers' `CompileConfig`; None: its
+    defaults)."""
+    from transformers import CompileConfig
+
+    config = compile_config or CompileConfig()
+    options = {"fullgraph": config.fullgraph, "dynamic": config.dynamic, "backend": config.backend,
+               "mode": config.mode, "options": config.options}
+    if not torch.cuda.is_available():  # CUDA graphs need a GPU; inductor's default mode elsewhere
+        options["mode"] = None if options["mode"] == "reduce-overhead" else options["mode"]
+    return options
+
+
+class SpanRunner:
+    """Runs layers start..stop-1 of `parts` with one layer call's arguments; compiled when `options` are given."""
+
+    def __init__(self, parts: ModelParts, options: dict | None = None):
+        self.parts, self.options = parts, options
+        self._compiled: dict[tuple[int, int], object] = {}
+
+    @property
+    def compiled(self) -> bool:
+        return self.options is not None
+
+    def run(self, start: int, stop: int, hidden: torch.Tensor, calls, eager: bool = False) -> torch.Tensor:
+        """Layers start..stop-1 on `hidden`, each with its call in `calls` (a list over all layers); `eager`: not
+        compiled, e.g. for a width that would need a graph of its own."""
+        span = calls[start:stop]
+        if not span:
+            return hidden
+        call = span[0]
+        if eager or self.options is None or any(c is not call for c in span) or not call.args:
+            for i in range(start, stop):
+                hidden = calls[i].run(self.parts, i, hidden)
+            return hidden
+        return self._span(start, stop)(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple,
+                                       hidden, call.args[1:], call.kwargs)
+
+    def _span(self, start: int, stop: int):
+        fn = self._compiled.get((start, stop))
+        if fn is None:
+            name = f"tide_layers_{start}_to_{stop - 1}"
+            code = _run_span.__code__.replace(co_name=name, co_qualname=name)
+            fn = torch.compile(types.FunctionType(code, _run_span.__globals__, name), **self.options)
+            self._compiled[(start, stop)] = fn
+        return fn

@@ -1,0 +1,331 @@
+"""The decoder layers' arguments for the next positions of a decode, made once per window of positions.
+
+Tide drives decoder layers one at a time, and each wants the arguments the backbone would pass it: masks per
+layer type, rotary embeddings, positions, the cache. `layercalls.capture_layer_calls` gets them by running the
+backbone's prelude, about a layer's worth of host work, which a decode step or a drafted token cannot afford.
+`LayerArgs` captures them once for a window of the next `width` positions and hands every request (T tokens
+at positions past..past+T-1) a slice of them: axes of the window's length cut to the request's rows, a mask's
+key axis cut to the request's key length. A one-query mask row that sees every key becomes None, as the
+backbone itself passes it. The layer-0 input is the model's input embedding of the tokens, plus the positional
+part the backbone adds to it (learned positions), read from a capture on zero embeddings.
+
+Every shortcut is checked against the backbone, never assumed: the embedding form once per session, and each
+request length's first slice against a fresh capture. Where something does not hold (sliding-window layers,
+a backbone that transforms its embeddings, an argument whose axes cannot be told apart, a slice that differs),
+requests get a fresh capture each, as before. Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Cache
+
+from ._hf_compat import LengthView, has_sliding_layers
+from .architectures import ModelParts
+from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
+from .treedraft import grown_mask
+
+__all__ = ["LayerArgs"]
+
+DEFAULT_WIDTH = 31  # odd, so that it is unlikely to match a batch, head or hidden size (checked anyway)
+
+
+@dataclass
+class _Window:
+    cache_id: int
+    start: int
+    width: int
+    batch: int
+    masked: bool  # an attention mask was given
+    calls: list[LayerCall]
+    plans: dict  # id(call) -> the slicing plan of its (args, kwargs)
+    key_length: int  # the cache's key length for the whole window (kv length of its masks)
+    positional: torch.Tensor | None  # [B, W, H] what the backbone adds to the embeddings (None: nothing)
+    visible: dict = field(default_factory=dict)  # id(mask) -> (fewest, most) keys each query row sees
+
+
+class LayerArgs:
+    """Layer calls for the requests of one decode (one `generate` call), one backbone capture per window."""
+
+    def __init__(self, parts: ModelParts, width: int = DEFAULT_WIDTH, stats=None):
+        self.parts, self.width, self.stats = parts, width, stats  # stats: a GenerationStats to count captures in
+        self.window: _Window | None = None
+        self.checked: set[int] = set()  # request lengths whose first slice matched a fresh capture
+        self.embedding_form: str | None = None  # "exact", "positional" or "other" once read
+        self._off: str | None = None
+        self.captures = 0
+
+    @property
+    def captures(self) -> int:
+        """Backbone captures run so far (windows, checks and fresh requests)."""
+        return self._captures
+
+    @captures.setter
+    def captures(self, value: int) -> None:
+        if self.stats is not None:
+            self.stats.arg_captures += value - getattr(self, "_captures", 0)
+        self._captures = value
+
+    @property
+    def off_reason(self) -> str | None:
+        """Why requests get fresh captures (None: windows serve them, or nothing was asked yet)."""
+        return self._off
+
+    @off_reason.setter
+    def off_reason(self, reason: str | None) -> None:
+        self._off = reason
+        if self.stats is not None:
+            self.stats.arg_windows_off = reason
+
+    # ------------------------------------------------------------------ the request
+    @torch.no_grad()
+    def calls(self, input_ids: torch.Tensor, cache, attention_mask=None, position_ids=None,
+              past: int | None = None) -> tuple[torch.Tensor, list[LayerCall]]:
+        """(layer-0 input [B, T, H], every layer's call) for `input_ids` [B, T] at positions past..past+T-1.
+
+        `past` defaults to the cache's length; a chunk behind shallower layers names its own. `attention_mask`
+        [B, past + T] and `position_ids` [B, T] are what the backbone would be given; 4-D masks come additive
+        where attention is SDPA (`layercalls.additive_masks`)."""
+        past = _length(cache) if past is None else int(past)
+        batch, length = input_ids.shape
+        if self.off_reason is None and not self._fits(cache, past, length, batch, attention_mask):
+            self._open(input_ids, cache, attention_mask, position_ids, past, length)
+        if self.off_reason is not None:
+            return self._fresh(input_ids, cache, attention_mask, position_ids, past)
+        hidden, calls = self._slice(input_ids, cache, past, length)
+        if calls is None:
+            return self._fresh(input_ids, cache, attention_mask, position_ids, past)
+        if length not in self.checked:
+            fresh_hidden, fresh = self._fresh(input_ids, cache, attention_mask, position_ids, past)
+            if not (torch.equal(hidden, fresh_hidden) and all(map(_same_call, calls, fresh))):
+                self.off_reason = f"a slice of the window's layer arguments differed from the backbone's ({length} tokens)"
+                return fresh_hidden, fresh
+            self.checked.add(length)
+        return hidden, calls
+
+    def _fresh(self, input_ids, cache, attention_mask, position_ids, past):
+        self.captures += 1
+        inputs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        view = cache if past == _length(cache) else LengthView(cache, past)
+        calls = additive_masks(self.parts, capture_layer_calls(
+            self.parts, input_ids=input_ids, past_key_values=view, use_cache=True,
+            **{k: v for k, v in inputs.items() if v is not None}))
+        return calls[0].hidden, calls
+
+    # ------------------------------------------------------------------ windows
+    def _fits(self, cache, past, length, batch, attention_mask) -> bool:
+        w = self.window
+        return (w is not None and w.cache_id == id(cache) and w.batch == batch and w.masked == (attention_mask is not None)
+                and w.start <= past and past + length <= w.start + w.width)
+
+    def _open(self, input_ids, cache, attention_mask, position_ids, past, length) -> None:
+        """Capture the layer arguments for positions past..past+W-1 (W: the width, or the request's length)."""
+        self.window = None
+        if has_sliding_layers(cache):
+            self.off_reason = "sliding-window cache layers (their masks are relative to the kept keys)"
+            return
+        if self.embedding_form is None:
+            self.embedding_form = self._read_embedding_form(input_ids, cache, attention_mask, position_ids, past)
+        if self.embedding_form == "other":
+            self.off_reason = "the backbone transforms its input embeddings"
+            return
+        width = max(self.width, length | 1)
+        batch = input_ids.shape[0]
+        inputs = {"position_ids": None if position_ids is None else position_ids[:, :1] + torch.arange(
+            width, device=position_ids.device)}
+        if attention_mask is not None:
+            inputs["attention_mask"] = grown_mask(attention_mask, past + width)
+        view = LengthView(cache, past)
+        embeds = self._zero_embeddings(batch, width, input_ids.device)
+        self.captures += 1
+        calls = additive_masks(self.parts, capture_layer_calls(
+            self.parts, inputs_embeds=embeds, past_key_values=view, use_cache=True,
+            **{k: v for k, v in inputs.items() if v is not None}))
+        key_length = view.get_mask_sizes(width, 0)[0]
+        plans = {}
+        for call in {id(c): c for c in calls}.values():
+            plan = _plan((call.args[1:], {k: v for k, v in call.kwargs.items() if k != "hidden_states"}), width, key_length)
+            if plan is _AMBIGUOUS:
+                self.off_reason = "a layer argument's axes cannot be told apart at this window width"
+                return
+            plans[id(call)] = plan
+        hidden = calls[0].hidden
+        positional = None if self.embedding_form == "exact" else hidden
+        self.window = _Window(id(cache), past, width, batch, attention_mask is not None, calls, plans, key_length,
+                              positional)
+        for call in calls:
+            for mask, plan in _masks(call, plans[id(call)]):
+                if id(mask) not in self.window.visible:
+                    self.window.visible[id(mask)] = _visible_counts(mask, plan)
+
+    def _zero_embeddings(self, batch, width, device) -> torch.Tensor:
+        weight = self.parts.backbone.get_input_embeddings().weight
+        return torch.zeros(batch, width, weight.shape[1], dtype=weight.dtype, device=device)
+
+    def _read_embedding_form(self, input_ids, cache, attention_mask, position_ids, past) -> str:
+        """"exact": the layer-0 input is the input embedding; "positional": the embedding plus a part the backbone
+        adds per position (read from a capture on zero embeddings); "other": neither reproduces the backbone."""
+        backbone = self.parts.backbone
+        try:
+            embedding = backbone.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            return "other"
+        if embedding is None or "inputs_embeds" not in inspect.signature(backbone.forward).parameters:
+            return "other"
+        hidden, _ = self._fresh(input_ids, cache, attention_mask, position_ids, past)
+        embedded = embedding(input_ids.to(embedding.weight.device))
+        if embedded.shape != hidden.shape or embedded.dtype != hidden.dtype:  # e.g. OPT's project_in
+            return "other"
+        if torch.equal(embedded, hidden):
+            return "exact"
+        inputs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        self.captures += 1
+        zero = capture_layer_calls(self.parts, inputs_embeds=torch.zeros_like(embedded), use_cache=True,
+                                   past_key_values=LengthView(cache, past),
+                                   **{k: v for k, v in inputs.items() if v is not None})[0].hidden
+        return "positional" if torch.equal(embedded + zero, hidden) else "other"
+
+    # ------------------------------------------------------------------ slicing
+    def _slice(self, input_ids, cache, past, length):
+        w = self.window
+        first = past - w.start
+        key_length = LengthView(cache, past).get_mask_sizes(length, 0)[0]  # a static cache's stays the whole cache
+        embedding = self.parts.backbone.get_input_embeddings()
+        hidden = embedding(input_ids.to(embedding.weight.device))
+        if w.positional is not None:
+            hidden = hidden + w.positional[:, first:first + length]
+
+        def one(call: LayerCall) -> LayerCall:
+            args, kwargs = _apply((call.args[1:], {k: v for k, v in call.kwargs.items() if k != "hidden_states"}),
+                                  w.plans[id(call)], _Cut(first, length, None if key_length == w.key_length else key_length, cache, w.visible,
+                                       not getattr(cache, "is_compileable", False)))
+            if call.args:
+                return LayerCall((hidden, *args), kwargs)
+            return LayerCall((), {**kwargs, "hidden_states": hidden})
+
+        return hidden, map_calls(w.calls, one)
+
+
+# ---------------------------------------------------------------------- plans: which axes are positions
+_AMBIGUOUS = object()
+
+
+@dataclass(frozen=True)
+class _TensorPlan:
+    query: int | None  # the axis over the window's positions
+    key: int | None  # the mask's key axis (the last), cut to the request's key length
+
+
+@dataclass
+class _Cut:
+    first: int  # the request's first position, relative to the window's start
+    length: int
+    key_length: int | None  # None: keys are not cut (a static cache's masks span the whole cache)
+    cache: object
+    visible: dict
+    none_when_full: bool  # a one-query mask that sees every key becomes None (not on compileable, static caches,
+    # whose backbone always passes the mask, so that compiled layers see one kind of argument)
+
+
+def _plan(value, width: int, key_length: int):
+    if isinstance(value, torch.Tensor):
+        query = [a for a, n in enumerate(value.shape) if n == width]
+        key = value.dim() - 1 if value.dim() >= 2 and value.shape[-1] == key_length else None
+        if len(query) > 1 or (key is not None and key in query) or (key_length == width and query):
+            return _AMBIGUOUS
+        return _TensorPlan(query[0] if query else None, key) if (query or key is not None) else None
+    if isinstance(value, (tuple, list)):
+        plans = [_plan(v, width, key_length) for v in value]
+        return _AMBIGUOUS if any(p is _AMBIGUOUS for p in plans) else (type(value), plans)
+    if isinstance(value, dict):
+        plans = {k: _plan(v, width, key_length) for k, v in value.items()}
+        return _AMBIGUOUS if any(p is _AMBIGUOUS for p in plans.values()) else (dict, plans)
+    return None
+
+
+def _apply(value, plan, cut: _Cut):
+    if isinstance(value, Cache):
+        return cut.cache
+    if plan is None:
+        return value
+    if isinstance(plan, _TensorPlan):
+        out = value
+        if plan.key is not None and cut.key_length is not None:
+            out = out.narrow(plan.key, 0, cut.key_length)
+        if plan.query is not None:
+            out = out.narrow(plan.query, cut.first, cut.length)
+            if plan.key is not None and cut.length == 1 and cut.none_when_full:
+                fewest, most = cut.visible[id(value)]
+                keys = out.shape[plan.key]
+                if fewest[cut.first] == most[cut.first] == keys:  # sees every key: what the backbone passes is None
+                    return None
+        return out
+    kind, plans = plan
+    if kind is dict:
+        return {k: _apply(v, plans[k], cut) for k, v in value.items()}
+    return kind(_apply(v, p, cut) for v, p in zip(value, plans))
+
+
+def _masks(call: LayerCall, plan) -> list[tuple[torch.Tensor, _TensorPlan]]:
+    """The arguments of `call` that have both a query and a key axis (attention masks)."""
+    found = []
+
+    def walk(value, plan):
+        if isinstance(plan, _TensorPlan):
+            if plan.query is not None and plan.key is not None:
+                found.append((value, plan))
+        elif plan is not None:
+            kind, plans = plan
+            items = zip(value.values(), plans.values()) if kind is dict else zip(value, plans)
+            for v, p in items:
+                walk(v, p)
+
+    walk((call.args[1:], {k: v for k, v in call.kwargs.items() if k != "hidden_states"}), plan)
+    return found
+
+
+def _visible_counts(mask: torch.Tensor, plan: _TensorPlan) -> tuple[list[int], list[int]]:
+    """For each query row of a mask (boolean, or additive with 0 where a key is seen): the fewest and the most
+    keys it sees over the other axes (one host sync per window)."""
+    seen = mask if mask.dtype == torch.bool else mask == 0
+    counts = seen.sum(plan.key).movedim(plan.query, -1)  # the key axis is the last, after the query axis
+    counts = counts.reshape(-1, counts.shape[-1])
+    return counts.amin(0).tolist(), counts.amax(0).tolist()
+
+
+def _same_call(a: LayerCall, b: LayerCall) -> bool:
+    return _same(a.args[1:], b.args[1:]) and _same({k: v for k, v in a.kwargs.items() if k != "hidden_states"},
+                                                   {k: v for k, v in b.kwargs.items() if k != "hidden_states"})
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, Cache) and isinstance(b, Cache):
+        return True
+    if a is None or b is None:
+        other = b if a is None else a
+        return other is None or (isinstance(other, torch.Tensor) and _sees_all(other))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a plain equality
+        return a is b
+
+
+def _sees_all(mask: torch.Tensor) -> bool:
+    """A mask with one query row that sees every key (what the backbone would pass as None)."""
+    if mask.dim() < 2 or mask.shape[-2] != 1:
+        return False
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
+
+
+def _length(cache) -> int:
+    return int(cache.get_seq_length())

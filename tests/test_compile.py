@@ -1,0 +1,61 @@
+"""`tide_config={"compile": True}`: compiled runs of layers on a static cache, token for token as eager ones."""
+
+import pytest
+import torch
+from transformers import CompileConfig, DynamicCache
+
+from generation_helpers import exits_by_sign
+from tiny_models import noisy_tide, prompt_ids
+
+EAGER_BACKEND = CompileConfig(backend="eager")  # dynamo's graph capture without inductor's code generation: fast
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+def test_compiled_graphs_are_token_identical(family):
+    model, base = noisy_tide(family)
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=20)
+    compiled = dict(do_sample=False, max_new_tokens=20, compile_config=EAGER_BACKEND)
+    for scheme in ({"max_draft": 1}, {"max_draft": 4}):
+        out = model.generate(ids, tide_config={"mode": "lossless", "compile": True, **scheme}, **compiled)
+        assert torch.equal(out, ref), scheme
+    assert torch.equal(model.generate(ids, tide_config={"exit_threshold": 1.0, "compile": True}, **compiled), ref)
+    model.exit_tests = exits_by_sign({1: 0, 3: 1})
+    eager = model.generate(ids, do_sample=False, max_new_tokens=20, tide_config={"exit_threshold": 0.5})
+    assert set(model.last_stats.exits) - {"full"}
+    assert torch.equal(model.generate(ids, tide_config={"exit_threshold": 0.5, "compile": True}, **compiled), eager)
+    assert len(model.span_runners) == 1  # one set of graphs for these compile options
+
+
+def test_later_calls_replay_without_recompiling():
+    model, base = noisy_tide("llama")
+    ids = prompt_ids()
+    config = {"mode": "lossless", "max_draft": 3, "compile": True}
+    model.generate(ids, do_sample=False, max_new_tokens=24, tide_config=config, compile_config=EAGER_BACKEND)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = model.generate(ids, do_sample=False, max_new_tokens=24, tide_config=config, compile_config=EAGER_BACKEND)
+    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
+
+
+def test_inductor_lossless_and_exit_equal_the_base_model():
+    """The default backend (inductor, CPU code generation) on a tiny model: lossless = base, no exits = base."""
+    model, base = noisy_tide("llama")
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=16,
+                                      tide_config={"mode": "lossless", "max_draft": 2, "compile": True}), ref)
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=16,
+                                      tide_config={"exit_threshold": 1.0, "compile": True}), ref)
+
+
+def test_compile_needs_a_static_cache():
+    model, base = noisy_tide("llama")
+    ids = prompt_ids()
+    with pytest.raises(ValueError, match="static cache"):
+        model.generate(ids, max_new_tokens=4, past_key_values=DynamicCache(config=base.config),
+                       tide_config={"mode": "lossless", "compile": True})
+    with pytest.raises(ValueError, match="cache_implementation='dynamic'"):
+        model.generate(ids, max_new_tokens=4, cache_implementation="dynamic",
+                       tide_config={"mode": "lossless", "compile": True})
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        model.generate(ids, max_new_tokens=4, tide_config={"mode": "lossless", "compile": "yes"})

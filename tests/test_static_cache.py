@@ -1,0 +1,50 @@
+"""`cache_implementation="static"`: exit and lossless modes on a preallocated cache, token for token as on a dynamic one."""
+
+import pytest
+import torch
+
+from generation_helpers import exits_by_sign
+from tiny_models import noisy_tide, prompt_ids
+
+STATIC = {"cache_implementation": "static"}
+FAMILIES = ["llama", "qwen3", "gpt2", "phi3", "gemma"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exit_mode_on_a_static_cache_equals_a_dynamic_one(family):
+    model, base = noisy_tide(family)
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=20)
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=20, tide_config={"exit_threshold": 1.0},
+                                      **STATIC), ref)
+    config = {"exit_threshold": 0.5}
+    model.exit_tests = exits_by_sign({1: 0, 3: 1})
+    dynamic = model.generate(ids, do_sample=False, max_new_tokens=20, tide_config=config)
+    exits = dict(model.last_stats.exits)
+    assert set(exits) - {"full"}, "some tokens should exit"
+    static = model.generate(ids, do_sample=False, max_new_tokens=20, tide_config=config, **STATIC)
+    assert torch.equal(static, dynamic) and model.last_stats.exits == exits
+    assert model.last_stats.arg_windows_off is None
+
+
+@pytest.mark.parametrize("scheme", [{"max_draft": 1}, {"max_draft": 4}, {"draft_layer": 3, "max_draft": 8}])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lossless_on_a_static_cache_is_token_identical(family, scheme):
+    model, base = noisy_tide(family)
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=24)
+    out = model.generate(ids, do_sample=False, max_new_tokens=24, tide_config={"mode": "lossless", **scheme}, **STATIC)
+    assert torch.equal(out, ref)
+    stats = model.last_stats
+    assert stats.drafted > 0
+    if family == "llama":
+        assert stats.drafted > stats.accepted  # drafts were rejected, and the cache rolled back
+    assert stats.arg_windows_off is None
+
+
+def test_lossless_sampling_on_a_static_cache_runs_and_stops_at_the_budget():
+    model, _ = noisy_tide("llama")
+    torch.manual_seed(0)
+    out = model.generate(prompt_ids(), do_sample=True, max_new_tokens=16, min_new_tokens=16,
+                         tide_config={"mode": "lossless", "max_draft": 4}, **STATIC)
+    assert out.shape[1] == prompt_ids().shape[1] + 16
