@@ -27,6 +27,17 @@ def test_compiled_graphs_are_token_identical(family):
     assert len(model.span_runners) == 1  # one set of graphs for these compile options
 
 
+def test_grouped_query_sdpa_verification_compiles():
+    """Multi-position passes on CPU attend grouped K/V heads in place (a ContextVar-driven choice) when eager; under
+    dynamo transformers' own choice stands, so the compiled verification traces."""
+    model, base = noisy_tide("llama", attention="sdpa")  # 4 query heads, 2 K/V heads
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    out = model.generate(ids, do_sample=False, max_new_tokens=16, compile_config=EAGER_BACKEND,
+                         tide_config={"mode": "lossless", "max_draft": 3, "compile": True})
+    assert torch.equal(out, ref)
+
+
 def test_later_calls_replay_without_recompiling():
     model, base = noisy_tide("llama")
     ids = prompt_ids()

@@ -23,42 +23,42 @@ import statistics
 import time
 
 import torch
-from transformers import StaticCache
 
 import tide
 from tide.demo import _load_base
+from tide.decode.baseline import compiled_static_decoder
 from tide.demo_corpus import split_corpus
 
 
-def static_compiled_decoder(base, cache_len: int):
-    """A greedy decode loop over `base` on a StaticCache of `cache_len` positions (one shape for every prompt, so
-    one compilation) with a compiled single-token forward."""
-    step = torch.compile(base.forward, fullgraph=True, dynamic=False)
-    eos = base.generation_config.eos_token_id
-    eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long)
+# Random-weight shapes for costs and overheads on a GPU (drafts from fresh heads on random weights are
+# rejected, so lossless rows there price a cycle, not a speed-up)
+SHAPES = {
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=4096),  # a smoke test of this path on any machine
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+}
 
-    def pick(logits):  # greedy with end-of-sequence suppressed, as generate's min_new_tokens does
-        return logits.index_fill(-1, eos, float("-inf")).argmax(-1, keepdim=True)
 
-    @torch.no_grad()
-    def decode(ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        cache = StaticCache(config=base.config, max_cache_len=cache_len)
-        n = ids.shape[1]
-        logits = base(input_ids=ids, past_key_values=cache, use_cache=True,
-                      position_ids=torch.arange(n)[None]).logits[:, -1]
-        out = [pick(logits)]
-        for i in range(new_tokens - 1):
-            logits = step(input_ids=out[-1], past_key_values=cache, use_cache=True,
-                          position_ids=torch.tensor([[n + i]])).logits[:, -1]
-            out.append(pick(logits))
-        return torch.cat([ids, *out], 1)
+def random_model(shape: str, device: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    return decode
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, eos_token_id=1, bos_token_id=2)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
 
 
 def timed(fn, *args):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start = time.perf_counter()
     out = fn(*args)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start, out
 
 
@@ -72,17 +72,33 @@ def main(argv=None):
                         "or 0:1:k3 (a tree of 3)")
     parser.add_argument("--compile", action="store_true", help="also time every Tide row with tide_config compile=True "
                         "(compiled runs of layers on a static cache)")
+    parser.add_argument("--exit", type=float, nargs="*", default=[], help="exit-mode rows at these exit_threshold values")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--random-shape", choices=sorted(SHAPES), help="a random-weight Llama of this shape instead of "
+                        "the shipped model (costs and overheads; fresh heads)")
+    parser.add_argument("--costs", action="store_true", help="also print Tide's cost table (tide.costs.measure_costs)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    base, tok = _load_base()
+    if args.random_shape:
+        base = random_model(args.random_shape, args.device)
+        prompts = [torch.randint(3, base.config.vocab_size, (1, 64), device=args.device) for _ in range(args.prompts)]
+    else:
+        base, tok = _load_base()
+        base.to(args.device)
+        _, heldout = split_corpus()
+        prompts = [tok(text[:160], return_tensors="pt").input_ids.to(args.device) for text in heldout[: args.prompts]]
     model = (tide.TideForCausalLM.from_pretrained(args.routers, base_model=base) if args.routers
              else tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=1)))
-    _, heldout = split_corpus()
-    prompts = [tok(text[:160], return_tensors="pt").input_ids for text in heldout[: args.prompts]]
+    if args.costs:
+        from tide.costs import measure_costs
+
+        costs = measure_costs(model)
+        print("cost table (layers):", {k: round(v, 3) for k, v in costs.as_dict().items() if isinstance(v, float)
+                                       and not k.endswith("_s")})
     n = args.tokens
     greedy = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    compiled = static_compiled_decoder(base, max(p.shape[1] for p in prompts) + n)
+    compiled = compiled_static_decoder(base, max(p.shape[1] for p in prompts) + n)
     compile_s, _ = timed(compiled, prompts[0], n)  # the first call compiles
     rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n)}
     configs = {"tide default": None}
@@ -92,6 +108,8 @@ def main(argv=None):
         if tree:
             config["draft_topk"] = int(tree[0].lstrip("k"))
         configs[f"lossless {scheme}"] = config
+    for threshold in args.exit:
+        configs[f"exit {threshold:g}"] = {"exit_threshold": threshold}
     for name, config in configs.items():
         rows[name] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
     compile_s = {"static+compile": compile_s}

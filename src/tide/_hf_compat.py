@@ -190,8 +190,8 @@ _TORCH_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split("
 
 
 def _use_gqa_in_sdpa_for(original):
-    def use_gqa_in_sdpa(attention_mask, key, value):
-        if (_GQA_IN_PLACE.get() and attention_mask is not None and attention_mask.dim() == 4
+    def use_gqa_in_sdpa(attention_mask, key, value):  # compiled: transformers' own decision (dynamo reads no ContextVar)
+        if (not torch.compiler.is_compiling() and _GQA_IN_PLACE.get() and attention_mask is not None and attention_mask.dim() == 4
                 and attention_mask.shape[-2] > 1 and key.device.type == "cpu" and key.shape[-1] == value.shape[-1] <= 256):
             return True
         return original(attention_mask, key, value)

@@ -21,6 +21,7 @@ from . import fewrows
 from .calibrate import operating_point
 from .config import batches_text, draft_scheme_text, exit_timing_text, timings_text
 from .costs import loop_extras_text, measure_costs, verify_extras_text
+from .decode.baseline import compiled_static_decoder
 from .evaluate import oracle_depths, teacher_forced
 
 __all__ = ["run_bench", "plot_bench"]
@@ -85,9 +86,15 @@ def _decode_seconds(fn, ids, new_tokens: int) -> float:
     return time.perf_counter() - start - one
 
 
+COMPILED_BASE = "base static+compile"  # the second baseline: the base model's compiled static-cache decode
+
+
 def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep=DEFAULT_SWEEP, new_tokens: int = 48,
-              repeats: int = 3, max_eval_tokens: int = 128, batch_size: int = 16, progress=print) -> dict:
-    """Measure every variant; returns the results as a JSON-ready dict."""
+              repeats: int = 3, max_eval_tokens: int = 128, batch_size: int = 16, compiled_baseline: bool = True,
+              progress=print) -> dict:
+    """Measure every variant; returns the results as a JSON-ready dict. Each row's speed is a ratio to base
+    `generate` and, with `compiled_baseline`, to the base model's compiled static-cache decode (what a speed-minded
+    user runs; `decode.baseline`), whose first call's compile time is reported."""
     base = model.base
     variants, chosen = _variants(model, sweep)
     token_lists = [tokenizer(t)["input_ids"][:max_eval_tokens] for t in heldout]
@@ -99,7 +106,14 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
             return cfg
         return model.config.resolve_generation(cfg)
 
-    def generate(cfg):
+    compiled_decode = None
+    if compiled_baseline:
+        compiled_decode = compiled_static_decoder(base, max(p.shape[1] for p in prompt_ids) + new_tokens + 1)
+        variants = {"base": None, COMPILED_BASE: None, **{k: v for k, v in variants.items() if k != "base"}}
+
+    def generate(cfg, name=None):
+        if name == COMPILED_BASE:
+            return compiled_decode
         if cfg is None:
             return lambda ids, n: base.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen_kwargs)
         return lambda ids, n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, tide_config=run_config(cfg),
@@ -141,15 +155,20 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     extra: dict[str, dict] = {name: {} for name in variants}
     outputs: dict[str, list] = {}
     with torch.inference_mode():
+        if compiled_decode is not None:
+            start = time.perf_counter()
+            compiled_decode(prompt_ids[0], 2)
+            results["compile_s"] = time.perf_counter() - start
+            progress(f"{COMPILED_BASE}: first call (compiling) {results['compile_s']:.1f} s")
         for name, cfg in variants.items():
-            outputs[name] = [generate(cfg)(ids, new_tokens + 1)[0, ids.shape[1]:] for ids in prompt_ids]
+            outputs[name] = [generate(cfg, name)(ids, new_tokens + 1)[0, ids.shape[1]:] for ids in prompt_ids]
         names = list(variants)
         for repeat in range(repeats):
             # The order turns each repeat: the variant timed first in a repeat ran about 0.7% slower (measured
             # with four variants that all ran the base model).
             for name in names[repeat % len(names):] + names[: repeat % len(names)]:
                 cfg = variants[name]
-                times[name].append(sum(_decode_seconds(generate(cfg), ids, new_tokens) for ids in prompt_ids))
+                times[name].append(sum(_decode_seconds(generate(cfg, name), ids, new_tokens) for ids in prompt_ids))
                 if cfg is not None and model.last_stats is not None:
                     s = model.last_stats
                     layers = s.layer_passes_per_token if s.mode == "lossless" else s.mean_layers
@@ -166,6 +185,10 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
         ratios = [b / t for b, t in zip(times["base"], times[name])]
         row = {"tide_config": cfg, "decode_tokens_per_s": tps, "ratio_to_base": statistics.median(ratios),
                "ratio_range": [min(ratios), max(ratios)], **extra[name]}
+        if compiled_decode is not None:
+            compiled_ratios = [c / t for c, t in zip(times[COMPILED_BASE], times[name])]
+            row.update(ratio_to_compiled=statistics.median(compiled_ratios),
+                       ratio_to_compiled_range=[min(compiled_ratios), max(compiled_ratios)])
         same = [bool(torch.equal(a, b)) for a, b in zip(outputs[name], outputs["base"])]
         matched = sum(int((a == b).sum()) for a, b in zip(outputs[name], outputs["base"]))
         row.update(greedy_identical=all(same), greedy_token_match=matched / sum(len(b) for b in outputs["base"]))
@@ -176,7 +199,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                              "max_draft": scheme.max_draft, "draft_topk": ran,
                              "draft_vocab_size": scheme.draft_vocab_size}
                             if scheme.max_draft else None)  # None: base generate
-        if cfg is None or cfg.get("mode") != "lossless":
+        if name != COMPILED_BASE and (cfg is None or cfg.get("mode") != "lossless"):
             with torch.inference_mode():
                 q = teacher_forced(model, token_lists, run_config(cfg) if cfg is not None else {"exit_threshold": 1.0})
             row.update(agreement=q.agreement, ppl=q.ppl_tide, ppl_base=q.ppl_base, ppl_delta=q.ppl_delta,
@@ -253,8 +276,12 @@ def _prefill_effect(model, token_lists) -> dict:
 
 def _line(name: str, row: dict) -> str:
     low, high = row["ratio_range"]
-    parts = [f"{name:30s} {row['decode_tokens_per_s']:8.1f} tok/s  x{row['ratio_to_base']:.3f} [{low:.2f}-{high:.2f}]",
-             "greedy output = base" if row["greedy_identical"] else f"greedy tokens = base {row['greedy_token_match']:.0%}"]
+    parts = [f"{name:30s} {row['decode_tokens_per_s']:8.1f} tok/s  x{row['ratio_to_base']:.3f} [{low:.2f}-{high:.2f}]"]
+    if "ratio_to_compiled" in row:
+        low, high = row["ratio_to_compiled_range"]
+        parts[0] += f" (compiled base: x{row['ratio_to_compiled']:.3f} [{low:.2f}-{high:.2f}])"
+    parts += [
+              "greedy output = base" if row["greedy_identical"] else f"greedy tokens = base {row['greedy_token_match']:.0%}"]
     if "mean_layers" in row:
         parts.append(f"layers {row['mean_layers']:.2f}")
     if "agreement" in row:

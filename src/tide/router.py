@@ -153,19 +153,55 @@ class CheckpointTest:
         self.layer_norm, self.eps, self.threshold = kind == LAYER_NORM, eps, float(threshold)
 
     def __call__(self, hidden: torch.Tensor):
-        """hidden [N, H] -> (scores fp32 [N], exits bool [N], exit states [N, H] in hidden's dtype)."""
-        x = hidden.float()
-        if isinstance(self.translate, tuple):
-            x = torch.addmm(self.translate[1], x, self.translate[0])
-        elif self.translate is not None:
-            x = self.translate(x)
-        state = x.to(hidden.dtype)
-        if self.layer_norm:
-            x = x - x.mean(-1, keepdim=True)
-        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [N, 1]
-        z = torch.nn.functional.silu(torch.addcmul(self.down[0], x @ self.down[1], inv_rms))  # [N, R]
-        scores = torch.sigmoid(torch.addmm(self.up[0], z, self.up[1])).squeeze(-1)  # [N]
-        return scores, exit_decision(scores, self.threshold), state
+        """hidden [N, H] -> (scores fp32 [N], exits bool [N], exit states [N, H] in hidden's dtype).
+
+        Under `torch.compile` (and wherever an opaque op is wanted) the same computation runs as the custom op
+        `tide::checkpoint_test`, which compiled graphs call as one node."""
+        if isinstance(self.translate, nn.Module):  # a low-rank exit head: two small projections, as a module
+            return _checkpoint_test(hidden, self.translate(hidden.float()), None, *self.down, *self.up,
+                                    self.layer_norm, self.eps, self.threshold)
+        translate = self.translate or (None, None)
+        if torch.compiler.is_compiling():
+            return checkpoint_test(hidden, translate[0], translate[1], *self.down, *self.up, self.layer_norm,
+                                   self.eps, self.threshold)
+        return _checkpoint_test(hidden, translate[0], translate[1], *self.down, *self.up, self.layer_norm, self.eps,
+                                self.threshold)
+
+
+def _checkpoint_test(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias, up_weight,
+                     layer_norm: bool, eps: float, threshold: float):
+    """The exit test's arithmetic (`CheckpointTest`): hidden [N, H]; translate_weight [H, H] (transposed) and bias
+    [H], or a translated fp32 state [N, H] in `translate_weight`'s place with no bias, or None; the router's first
+    projection with the norm folded in, down_bias [R] and down_weight [H, R]; up_bias [1], up_weight [R, 1]."""
+    x = hidden.float()
+    if translate_bias is not None:
+        x = torch.addmm(translate_bias, x, translate_weight)
+    elif translate_weight is not None:
+        x = translate_weight
+    state = x.to(hidden.dtype)
+    if layer_norm:
+        x = x - x.mean(-1, keepdim=True)
+    inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [N, 1]
+    z = torch.nn.functional.silu(torch.addcmul(down_bias, x @ down_weight, inv_rms))  # [N, R]
+    scores = torch.sigmoid(torch.addmm(up_bias, z, up_weight)).squeeze(-1)  # [N]
+    return scores, exit_decision(scores, threshold), state
+
+
+@torch.library.custom_op("tide::checkpoint_test", mutates_args=())
+def checkpoint_test(hidden: torch.Tensor, translate_weight: torch.Tensor | None, translate_bias: torch.Tensor | None,
+                    down_bias: torch.Tensor, down_weight: torch.Tensor, up_bias: torch.Tensor, up_weight: torch.Tensor,
+                    layer_norm: bool, eps: float, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`CheckpointTest` as one op: (scores fp32 [N], exits bool [N], exit states [N, H]); see `_checkpoint_test`."""
+    scores, exits, state = _checkpoint_test(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias,
+                                            up_weight, layer_norm, eps, threshold)
+    return scores, exits, state.clone() if state.data_ptr() == hidden.data_ptr() else state  # no output aliases
+
+
+@checkpoint_test.register_fake
+def _(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias, up_weight, layer_norm, eps, threshold):
+    rows = hidden.shape[0]
+    return (hidden.new_empty(rows, dtype=torch.float32), hidden.new_empty(rows, dtype=torch.bool),
+            hidden.new_empty(hidden.shape))
 
 
 # the fused op's norm kinds (kernels.py re-exports them)
