@@ -74,6 +74,7 @@ def main(argv=None):
                         "(compiled runs of layers on a static cache)")
     parser.add_argument("--exit", type=float, nargs="*", default=[], help="exit-mode rows at these exit_threshold values")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--model", help="a local causal LM folder (with its tokenizer) instead of the shipped model")
     parser.add_argument("--random-shape", choices=sorted(SHAPES), help="a random-weight Llama of this shape instead of "
                         "the shipped model (costs and overheads; fresh heads)")
     parser.add_argument("--costs", action="store_true", help="also print Tide's cost table (tide.costs.measure_costs)")
@@ -84,7 +85,12 @@ def main(argv=None):
         base = random_model(args.random_shape, args.device)
         prompts = [torch.randint(3, base.config.vocab_size, (1, 64), device=args.device) for _ in range(args.prompts)]
     else:
-        base, tok = _load_base()
+        if args.model:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            base, tok = AutoModelForCausalLM.from_pretrained(args.model).eval(), AutoTokenizer.from_pretrained(args.model)
+        else:
+            base, tok = _load_base()
         base.to(args.device)
         _, heldout = split_corpus()
         prompts = [tok(text[:160], return_tensors="pt").input_ids.to(args.device) for text in heldout[: args.prompts]]

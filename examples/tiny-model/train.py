@@ -35,13 +35,34 @@ from tide.demo_corpus import split_corpus  # noqa: E402  (before torch: imports 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast,  # noqa: E402
+from transformers import (AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig, PreTrainedTokenizerFast,  # noqa: E402
                           Qwen3Config)
 
 EOS, PAD = "<|endoftext|>", "<pad>"
 DEFAULT_OUT = REPO / "src" / "tide" / "assets" / "tiny-llama"
 PROMPTS = ["The list type", "A function is", "To open a file,"]
-ARCHITECTURES = {"llama": LlamaConfig, "qwen3": Qwen3Config}  # both: model.model.layers, .norm, .self_attn, .mlp
+ARCHITECTURES = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gpt2": GPT2Config}
+
+
+def stack(model):
+    """(decoder layers, final norm) of a model built here."""
+    if model.config.model_type == "gpt2":
+        return model.transformer.h, model.transformer.ln_f
+    return model.model.layers, model.model.norm
+
+
+def model_config(args, vocab_size: int, eos: int, pad: int):
+    if args.arch == "gpt2":  # learned positions, LayerNorm, fused qkv; its own dropout stands in for the hooks
+        return GPT2Config(vocab_size=vocab_size, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+                          n_inner=args.intermediate, n_positions=args.max_positions, tie_word_embeddings=True,
+                          resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=0.0,
+                          bos_token_id=eos, eos_token_id=eos, pad_token_id=pad, use_cache=True)
+    return ARCHITECTURES[args.arch](
+        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_positions, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=pad, use_cache=True,
+        **({"head_dim": args.hidden // args.heads} if args.arch == "qwen3" else {}))
 
 
 def parse_args(argv=None):
@@ -128,7 +149,7 @@ def evaluate(model, rows, tail, per_layer=False, batch=16):
     """Held-out NLL of the full model; optionally per-layer early-exit NLL and top-1 agreement."""
     model.eval()
     chunks = [rows[i: i + batch] for i in range(0, len(rows), batch)] + ([tail[None]] if len(tail) > 1 else [])
-    layers, norm, head = model.model.layers, model.model.norm, model.lm_head
+    (layers, norm), head = stack(model), model.lm_head
     captured = []
     hooks = [layer.register_forward_hook(lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
              for layer in layers] if per_layer else []
@@ -167,6 +188,8 @@ def add_train_dropout(model, p):
         if isinstance(output, tuple):
             return (torch.nn.functional.dropout(output[0], p, True),) + output[1:]
         return torch.nn.functional.dropout(output, p, True)
+    if model.config.model_type == "gpt2":
+        return []
     return [m.register_forward_hook(hook) for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
 
 
@@ -200,12 +223,7 @@ def main(argv=None):
           f"prepared in {time.time() - t_start:.0f}s", flush=True)
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    config = ARCHITECTURES[args.arch](
-        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.max_positions, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=pad, use_cache=True,
-        **({"head_dim": args.hidden // args.heads} if args.arch == "qwen3" else {}))
+    config = model_config(args, len(tokenizer), eos, pad)
     model = AutoModelForCausalLM.from_config(config)
     dropout_hooks = add_train_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())

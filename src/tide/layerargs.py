@@ -9,8 +9,8 @@ key axis cut to the request's key length. A one-query mask row that sees every k
 backbone itself passes it. The layer-0 input is the model's input embedding of the tokens, plus the positional
 part the backbone adds to it (learned positions), read from a capture on zero embeddings.
 
-Every shortcut is checked against the backbone, never assumed: the embedding form once per session, and each
-request length's first slice against a fresh capture. Where something does not hold (sliding-window layers,
+Every shortcut is checked against the backbone, never assumed: the embedding form once per model, and the first
+slice of each request length (per cache type) against a fresh capture; what the checks found is kept per model. Where something does not hold (sliding-window layers,
 a backbone that transforms its embeddings, an argument whose axes cannot be told apart, a slice that differs),
 requests get a fresh capture each, as before. Nothing here decides anything.
 """
@@ -18,6 +18,7 @@ requests get a fresh capture each, as before. Nothing here decides anything.
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,8 @@ from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_call
 from .treedraft import grown_mask
 
 __all__ = ["LayerArgs"]
+
+_KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backbone -> what its checks found
 
 DEFAULT_WIDTH = 31  # odd, so that it is unlikely to match a batch, head or hidden size (checked anyway)
 
@@ -53,8 +56,10 @@ class LayerArgs:
     def __init__(self, parts: ModelParts, width: int = DEFAULT_WIDTH, stats=None):
         self.parts, self.width, self.stats = parts, width, stats  # stats: a GenerationStats to count captures in
         self.window: _Window | None = None
-        self.checked: set[int] = set()  # request lengths whose first slice matched a fresh capture
-        self.embedding_form: str | None = None  # "exact", "positional" or "other" once read
+        # what was checked against the backbone holds for the model, not one call: kept per backbone
+        known = _KNOWN.setdefault(parts.backbone, {"checked": set(), "form": None})
+        self._known = known
+        self.checked: set = known["checked"]  # (cache type, masked, request length) whose slice matched a capture
         self._off: str | None = None
         self.captures = 0
 
@@ -98,12 +103,13 @@ class LayerArgs:
         hidden, calls = self._slice(input_ids, cache, past, length)
         if calls is None:
             return self._fresh(input_ids, cache, attention_mask, position_ids, past)
-        if length not in self.checked:
+        key = (type(cache).__name__, attention_mask is not None, length)
+        if key not in self.checked:
             fresh_hidden, fresh = self._fresh(input_ids, cache, attention_mask, position_ids, past)
             if not (torch.equal(hidden, fresh_hidden) and all(map(_same_call, calls, fresh))):
                 self.off_reason = f"a slice of the window's layer arguments differed from the backbone's ({length} tokens)"
                 return fresh_hidden, fresh
-            self.checked.add(length)
+            self.checked.add(key)
         return hidden, calls
 
     def _fresh(self, input_ids, cache, attention_mask, position_ids, past):
@@ -114,6 +120,11 @@ class LayerArgs:
             self.parts, input_ids=input_ids, past_key_values=view, use_cache=True,
             **{k: v for k, v in inputs.items() if v is not None}))
         return calls[0].hidden, calls
+
+    @property
+    def embedding_form(self) -> str | None:
+        """"exact", "positional" or "other" once read (per backbone)."""
+        return self._known["form"]
 
     # ------------------------------------------------------------------ windows
     def _fits(self, cache, past, length, batch, attention_mask) -> bool:
@@ -128,7 +139,7 @@ class LayerArgs:
             self.off_reason = "sliding-window cache layers (their masks are relative to the kept keys)"
             return
         if self.embedding_form is None:
-            self.embedding_form = self._read_embedding_form(input_ids, cache, attention_mask, position_ids, past)
+            self._known["form"] = self._read_embedding_form(input_ids, cache, attention_mask, position_ids, past)
         if self.embedding_form == "other":
             self.off_reason = "the backbone transforms its input embeddings"
             return
