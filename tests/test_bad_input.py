@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 import tide
@@ -218,3 +219,121 @@ def test_cli_expected_failures_are_one_line_with_exit_code_2(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         lines = [line for line in err.replace("\r", "\n").splitlines() if "error" in line.lower()]
         assert len(lines) == 1 and lines[0].startswith(f"tide {argv[0]}: error: ") and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------- repos: saving and loading
+def _failing_save_file(*args, **kwargs):
+    raise OSError("disk full (injected)")
+
+
+@pytest.mark.parametrize("failure", ["weights", "card"])
+def test_a_save_that_fails_part_way_leaves_the_previous_repo(tmp_path, monkeypatch, failure):
+    repo = tmp_path / "repo"
+    old = _model()
+    old.save_pretrained(repo)
+    before = {p.name: p.read_bytes() for p in repo.iterdir()}
+    new = tide.TideForCausalLM.from_base(tiny_model("llama"), TideConfig(checkpoint_layers=[2], router_hidden_size=16))
+    if failure == "weights":  # after config.json is written, before routers.safetensors
+        monkeypatch.setattr(tide.hub, "save_file", _failing_save_file)
+        with pytest.raises(OSError, match="injected"):
+            new.save_pretrained(repo)
+    else:  # an edited calibration record: the model card cannot be written
+        new.config.calibration = {"checkpoints": {"2": {}}}
+        with pytest.raises(KeyError):
+            new.save_pretrained(repo)
+    assert {p.name: p.read_bytes() for p in repo.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["repo"]  # no temporary folder left behind
+    assert tide.TideForCausalLM.from_pretrained(repo, base_model=old.base).checkpoints == [1, 3]
+    monkeypatch.undo()
+    new.config.calibration = None
+    new.save_pretrained(repo)  # a save that succeeds replaces the files
+    assert tide.TideForCausalLM.from_pretrained(repo, base_model=old.base).checkpoints == [2]
+
+
+_LAYER_MAPS = ("thresholds", "checkpoints", "dropped_checkpoints", "router_auc", "verify_extra_s", "verify_extras")
+
+
+def _add_unknown_keys(data: dict, where: list) -> None:
+    """An extra key in `data` and in every dict section below it (maps keyed by layer excepted: their keys are
+    layers, not fields); records where it went."""
+    data["from_a_newer_tide"] = 1
+    where.append(data)
+    for key, value in list(data.items()):
+        for item in value.values() if key in _LAYER_MAPS and isinstance(value, dict) else [value]:
+            for section in item if isinstance(item, list) else [item]:
+                if isinstance(section, dict):
+                    _add_unknown_keys(section, where)
+
+
+def test_a_repo_from_a_newer_tide_loads_with_warnings(tmp_path):
+    model = _model(thresholds={"1": 0.5, "3": 1.0}, max_draft=2)
+    model.config.calibration = {
+        "dataset": "<list>", "num_samples": 12, "train_tokens": 300, "heldout_tokens": 80,
+        "checkpoints": {"1": {"label_rate": 0.5, "exit_rate": 0.2, "heldout_agreement": 0.9, "threshold": 0.5},
+                        "3": {"label_rate": 0.8, "exit_rate": 0.0, "heldout_agreement": None, "threshold": 1.0}},
+        "dropped_checkpoints": {"3": "no token exits there"},
+        "costs": {"device": "cpu", "checkpoint": 0.4, "skipped_layer": 0.1, "verify_extra_s": {"2": 0.1}},
+        "exit_timing": {"measured": 1.1, "timings": [1.1], "active": True,
+                        "batch": {"rows": 4, "measured": 0.9, "active": False}},
+        "draft_selection": {"chosen": None, "trials": [{"draft_layer": 1, "max_draft": 2, "draft_topk": 1,
+                                                        "estimate": 1.0, "measured": 1.1}]},
+    }
+    model.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    sections = []
+    _add_unknown_keys(data, sections)
+    assert len(sections) >= 9 and data["generation"]["from_a_newer_tide"] == 1
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.warns(UserWarning) as caught:
+        loaded = tide.TideForCausalLM.from_pretrained(tmp_path, base_model=model.base)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "unknown keys ['from_a_newer_tide']" in messages and "unknown generation keys ['from_a_newer_tide']" in messages
+    assert loaded.config.generation == {"max_draft": 2} and loaded.config.thresholds == {"1": 0.5, "3": 1.0}
+    with pytest.warns(UserWarning) as caught:
+        assert isinstance(transformers.AutoConfig.from_pretrained(tmp_path), TideConfig)
+    assert "unknown generation keys" in " ".join(str(w.message) for w in caught)
+    loaded.generate(_ids(), **GREEDY)
+    loaded.save_pretrained(tmp_path / "again")  # the model card reads the calibration record with its extra keys
+    # A key the user passes is a typo, not a newer Tide: still an error.
+    with pytest.raises(ValueError, match="unknown key"):
+        loaded.generate(_ids(), tide_config={"from_a_newer_tide": 1}, **GREEDY)
+    with pytest.raises(ValueError, match="generation: unknown key"):
+        TideConfig(generation={"from_a_newer_tide": 1})
+
+
+def test_wrapping_a_tide_model_again_is_a_clear_error(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError, match=r"already a Tide model.*\.base"):
+        tide.TideForCausalLM.from_base(model, TideConfig(checkpoint_layers=[1]))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"already a Tide model.*\.base"):
+        tide.TideForCausalLM.from_pretrained(tmp_path, base_model=model)
+    assert tide.TideForCausalLM.from_base(model.base, TideConfig(checkpoint_layers=[1])).checkpoints == [1]
+
+
+@pytest.mark.parametrize("base_name", ["absolute", "./no-such-base-model"])
+def test_a_missing_local_base_model_folder_is_named(tmp_path, base_name):
+    from transformers import AutoTokenizer
+
+    base_name = str(tmp_path / "deleted-base") if base_name == "absolute" else base_name
+    model = _model()
+    model.config.base_model_name_or_path = base_name
+    model.save_pretrained(tmp_path / "routers")
+    for load in (tide.TideForCausalLM.from_pretrained, AutoTokenizer.from_pretrained):
+        with pytest.raises(FileNotFoundError, match="base model folder") as err:
+            load(tmp_path / "routers")
+        assert base_name in str(err.value) and "Repo id" not in str(err.value)
+    with pytest.raises(FileNotFoundError, match="base_model="):
+        tide.TideForCausalLM.from_pretrained(tmp_path / "routers")
+    assert tide.TideForCausalLM.from_pretrained(tmp_path / "routers", base_model=model.base).checkpoints == [1, 3]
+
+
+def test_a_repo_without_base_num_layers_on_a_deeper_base_names_the_layer_count(tmp_path):
+    _model().save_pretrained(tmp_path)  # on 6 layers: a draft head at checkpoint 1 (the first half of the stack)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["base_num_layers"] = None
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="8 layers") as err:
+        tide.TideForCausalLM.from_pretrained(tmp_path, base_model=tiny_model("llama", num_hidden_layers=8))
+    message = str(err.value)
+    assert "base_num_layers" in message and "draft heads at [1]" in message and "missing" not in message

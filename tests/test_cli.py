@@ -100,3 +100,92 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     for section in ("1. The shipped model", "2. Calibrate", "3. Save", "mode='exit'", "mode='lossless'", "5. Speed"):
         assert section in out
     assert sorted(p.name for p in (tmp_path / "routers").iterdir()) == ["README.md", "config.json", "routers.safetensors"]
+
+
+def _one_error_line(err: str, command: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"tide {command}: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["bench", "--new-tokens", "0"], "--new-tokens"),
+    (["bench", "--new-tokens", "-5"], "--new-tokens"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--heldout-texts", "-1"], "--heldout-texts"),
+    (["generate", "m", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["generate", "m", "hi", "--threshold", "nan"], "--threshold"),
+    (["generate", "m", "hi", "--threshold", "1.5"], "--threshold"),
+    (["generate", "m", "hi", "--max-draft", "-1"], "--max-draft"),
+    (["generate", "m", "hi", "--draft-layer", "-2"], "--draft-layer"),
+    (["generate", "m", "hi", "--draft-topk", "0"], "--draft-topk"),
+    (["generate", "m", "hi", "--draft-topk", "9"], "--draft-topk"),
+    (["generate", "m", "hi", "--draft-vocab-size", "3"], "--draft-vocab-size"),
+    (["calibrate", "m", "--dataset", "d", "--out", "o", "--num-samples", "1"], "--num-samples"),
+    (["calibrate", "m", "--dataset", "d", "--out", "o", "--max-length", "0"], "--max-length"),
+    (["calibrate", "m", "--dataset", "d", "--out", "o", "--batch-size", "0"], "--batch-size"),
+    (["calibrate", "m", "--dataset", "d", "--out", "o", "--checkpoint-interval", "0"], "--checkpoint-interval"),
+    (["calibrate", "m", "--dataset", "d", "--out", "o", "--checkpoint-layers", "1", "-3"], "--checkpoint-layers"),
+    (["calibrate", "m", "--dataset", "d", "--out", "o", "--target-agreement", "0"], "--target-agreement"),
+    (["calibrate", "m", "--dataset", "d", "--out", "o", "--target-agreement", "1.5"], "--target-agreement"),
+    (["calibrate", "m", "--dataset", "d", "--out", "o", "--dtype", "float17"], "--dtype"),
+])
+def test_out_of_range_options_are_one_line_errors_before_any_work(argv, option, capsys):
+    with pytest.raises(SystemExit) as exit_:  # argument parsing stops it: nothing is loaded
+        main(argv)
+    assert exit_.value.code == 2
+    line = _one_error_line(capsys.readouterr().err, argv[0])
+    assert f"argument {option}: must be" in line
+
+
+def test_bench_refuses_an_empty_heldout_file(router_dir, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("\n\n  \n\n")
+    assert main(["bench", str(router_dir), "--heldout", str(tmp_path / "empty.txt"), "--repeats", "1"]) == 2
+    assert "empty.txt holds no text" in _one_error_line(capsys.readouterr().err, "bench")
+
+
+def _no_calibration(*args, **kwargs):
+    raise AssertionError("calibration ran")
+
+
+def test_calibrate_refuses_the_base_models_folder_before_calibrating(base_dir, text_file, capsys, monkeypatch):
+    monkeypatch.setattr(tide.cli, "calibrate", _no_calibration)
+    before = sorted(p.name for p in base_dir.iterdir())
+    assert main(["calibrate", str(base_dir), "--dataset", str(text_file), "--out", str(base_dir)]) == 2
+    assert "model weights" in _one_error_line(capsys.readouterr().err, "calibrate")
+    assert sorted(p.name for p in base_dir.iterdir()) == before
+
+
+def test_calibrate_refuses_an_empty_dataset_up_front(base_dir, tmp_path, capsys, monkeypatch):
+    from tide.data import DatasetLoadError, load_texts
+
+    (tmp_path / "empty.txt").write_text("")
+    monkeypatch.setattr(tide.cli, "calibrate", _no_calibration)
+    assert main(["calibrate", str(base_dir), "--dataset", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert f"{tmp_path / 'empty.txt'} is empty" in _one_error_line(capsys.readouterr().err, "calibrate")
+    with pytest.raises(DatasetLoadError, match="empty.txt is empty"):
+        load_texts(str(tmp_path / "empty.txt"))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("\n \n")
+    with pytest.raises(DatasetLoadError, match="Every data file under .*texts is empty"):
+        load_texts(str(tmp_path / "texts"))
+
+
+def test_generate_stream_hides_special_tokens_like_the_plain_output(tmp_path, capsys):
+    """A base model whose first greedy token is the end-of-text token: neither output shows it."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama")
+    ids = tokenizer("Hello", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        first = int(model(ids).logits[0, -1].argmax())
+        weight = model.lm_head.weight
+        weight[[first, tokenizer.eos_token_id]] = weight[[tokenizer.eos_token_id, first]]
+        assert int(model(ids).logits[0, -1].argmax()) == tokenizer.eos_token_id
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    outputs = []
+    for stream in ([], ["--stream"]):
+        assert main(["generate", str(tmp_path), "Hello", "--max-new-tokens", "4", *stream]) == 0
+        outputs.append(capsys.readouterr().out)
+    for out in outputs:
+        assert "Hello" in out and tokenizer.eos_token not in out, out

@@ -66,7 +66,7 @@ def test_one_capture_serves_many_steps(family):
     model.generate(ids, do_sample=False, max_new_tokens=48, tide_config={"exit_threshold": 0.5})
     stats = model.last_stats
     assert stats.arg_windows_off is None and stats.decode_steps == 47
-    assert stats.arg_captures <= 6  # the embedding's form, a window per 31 positions, the first slice's check
+    assert stats.arg_captures <= 8  # the embedding's form (2), two per window of 31 positions, the first slice's check
     model.generate(ids, do_sample=False, max_new_tokens=48, tide_config={"mode": "lossless", "max_draft": 4})
     stats = model.last_stats
     passes = stats.drafted + 2 * stats.verify_passes  # each of which once captured its own arguments
@@ -109,3 +109,16 @@ def test_request_wider_than_the_window():
     args = layerargs.LayerArgs(tide.architectures.resolve(base_model), width=3)
     hidden, calls = args.calls(ids[:, 4:12], cache, position_ids=torch.arange(4, 12)[None])
     assert hidden.shape[1] == 8 and args.off_reason is None and parts.num_layers == len(calls)
+
+
+def test_head_dim_equal_to_the_windows_key_length_and_caches_one_after_another():
+    """A head dim of 32 equals the key length of a window of 31 opened after one cached position, and teacher-forced
+    scoring runs one session over a new cache per text (a freed cache's id can come back): no axis or window is
+    taken for another, and with no exits every token agrees with the full model."""
+    from tide.evaluate import teacher_forced
+
+    base = tiny_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    texts = [prompt_ids(12, seed=s)[0].tolist() for s in range(4)]
+    report = teacher_forced(model, texts, {"exit_threshold": 1.0})
+    assert report.tokens == 4 * 10 and report.agreement == 1.0

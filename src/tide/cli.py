@@ -6,19 +6,23 @@ Each subcommand is a thin layer over the library; errors are printed as one line
 from __future__ import annotations
 
 import argparse
+import math
 import pickle
 import sys
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from .bench import plot_bench, run_bench, save_results
 from .calibrate import calibrate, calibration_table
-from .config import TideConfig
+from .config import MAX_DRAFT_TOPK, TideConfig
 from .convert import convert_tide_routers
+from .data import check_local_dataset
 from .demo import demo_model_and_texts, run_demo
 from .distributed import Processes
+from .hub import check_save_directory
 from .modeling import TideForCausalLM
 
 __all__ = ["main"]
@@ -36,6 +40,8 @@ def _load(name_or_path: str, dtype: str = "auto"):
 
 
 def cmd_calibrate(args) -> None:
+    check_save_directory(Path(args.out))  # before calibrating: --out must not hold another model
+    check_local_dataset(args.dataset)
     config = TideConfig(
         checkpoint_layers=args.checkpoint_layers,
         checkpoint_interval=args.checkpoint_interval,
@@ -79,7 +85,7 @@ def cmd_generate(args) -> None:
     inputs = tokenizer(args.prompt, return_tensors="pt").to(model.device)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
     if args.stream:
-        kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=False)
+        kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
     if isinstance(model, TideForCausalLM):
         kwargs["tide_config"] = _tide_overrides(args)
     else:
@@ -94,18 +100,27 @@ def cmd_generate(args) -> None:
         print("\n(the base model ran unchanged: no exits or drafts pay here, or none were configured)")
 
 
+def _read_heldout(path: str) -> list[str]:
+    """The non-blank paragraphs of a held-out text file."""
+    heldout = [p for p in Path(path).read_text().split("\n\n") if p.strip()]
+    if not heldout:
+        raise ValueError(f"--heldout {path} holds no text; pass a file of text paragraphs separated by blank lines.")
+    return heldout
+
+
 def cmd_bench(args) -> None:
+    heldout = _read_heldout(args.heldout) if args.heldout else None  # before any work
     if args.model:
-        model, tokenizer = _load(args.model)
-        heldout = Path(args.heldout).read_text().split("\n\n") if args.heldout else None
         if heldout is None:
-            raise SystemExit("tide bench MODEL needs --heldout FILE (text paragraphs separated by blank lines).")
+            raise ValueError("tide bench MODEL needs --heldout FILE (text paragraphs separated by blank lines).")
+        model, tokenizer = _load(args.model)
         prompts = args.prompt or [p[:80] for p in heldout[:3]]
     else:
-        model, tokenizer, prompts, heldout = demo_model_and_texts(args.routers)
+        model, tokenizer, prompts, demo_heldout = demo_model_and_texts(args.routers)
         prompts = args.prompt or prompts
+        heldout = heldout or demo_heldout
     results = run_bench(model, tokenizer, prompts, heldout[: args.heldout_texts], new_tokens=args.new_tokens,
-                        repeats=args.repeats)
+                        repeats=args.repeats, compiled_baseline=not args.no_compiled_baseline)
     if args.json:
         save_results(results, args.json)
         print(f"results: {args.json}")
@@ -115,6 +130,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_import_tide(args) -> None:
+    check_save_directory(Path(args.out))
     base = AutoModelForCausalLM.from_pretrained(args.base)
     model = convert_tide_routers(args.router, base)
     model.save_pretrained(args.out)
@@ -125,8 +141,52 @@ def cmd_demo(args) -> None:
     run_demo(out_dir=args.out, quick=args.quick)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line, `tide <command>: error: ...` (exit code 2), like the commands' own errors."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _integer(minimum: int, maximum: int | None = None, allowed: tuple[int, ...] = ()):
+    """argparse type: an integer in [minimum, maximum] (or one of `allowed`)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or (value not in allowed and (value < minimum or (maximum is not None and value > maximum))):
+            bounds = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}"
+                                             + "".join(f" or {a}" for a in allowed) + f", got {text!r}")
+        return value
+    return parse
+
+
+def _number(high: float, low: float | None = None):
+    """argparse type: a finite number <= high (and > low where given)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value > high or (low is not None and value <= low):
+            bounds = f"in ({low:g}, {high:g}]" if low is not None else f"<= {high:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text!r}")
+        return value
+    return parse
+
+
+def _dtype(text: str) -> str:
+    """argparse type: 'auto' or the name of a torch floating-point dtype."""
+    if text != "auto" and not (isinstance(getattr(torch, text, None), torch.dtype) and getattr(torch, text).is_floating_point):
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a torch floating-point dtype such as float32, bfloat16 or "
+                                         f"float16, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tide", description="Per-token early exit for HuggingFace causal LMs.")
+    parser = _Parser(prog="tide", description="Per-token early exit for HuggingFace causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("calibrate", help="train routers and calibrate thresholds; write a router repo")
@@ -137,14 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-column")
     p.add_argument("--out", required=True, help="directory for the router repo")
     p.add_argument("--push-to-hub", metavar="REPO", help="also upload the router repo to this Hub repo id")
-    p.add_argument("--num-samples", type=int, default=512)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--checkpoint-interval", type=int, default=4)
-    p.add_argument("--checkpoint-layers", type=int, nargs="+", help="explicit 0-based checkpoint layers")
-    p.add_argument("--target-agreement", type=float, default=0.99)
+    p.add_argument("--num-samples", type=_integer(2), default=512)
+    p.add_argument("--max-length", type=_integer(2), default=256)
+    p.add_argument("--batch-size", type=_integer(1), default=8)
+    p.add_argument("--checkpoint-interval", type=_integer(1), default=4)
+    p.add_argument("--checkpoint-layers", type=_integer(0), nargs="+", help="explicit 0-based checkpoint layers")
+    p.add_argument("--target-agreement", type=_number(1.0, low=0.0), default=0.99)
     p.add_argument("--label", choices=["top1", "cosine"], default="top1")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", type=_dtype, default="auto", help="auto, or a torch dtype: float32, bfloat16, float16")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("generate", help="generate text with early exit (or losslessly)")
@@ -152,15 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--mode", choices=["exit", "lossless", "auto"],
                    help="default: the router repo's (calibration picks the faster of exit and lossless)")
-    p.add_argument("--threshold", type=float, help="exit mode: override the calibrated thresholds")
-    p.add_argument("--draft-layer", type=int, help="lossless mode: the checkpoint whose draft head (or exit head) drafts")
-    p.add_argument("--max-draft", type=int, help="lossless mode: most drafts per verification (0: no drafting)")
-    p.add_argument("--draft-topk", type=int, help="lossless mode, greedy: verify the draft head's k best tokens together "
+    p.add_argument("--threshold", type=_number(1.0), help="exit mode: override the calibrated thresholds")
+    p.add_argument("--draft-layer", type=_integer(0), help="lossless mode: the checkpoint whose draft head (or exit head) drafts")
+    p.add_argument("--max-draft", type=_integer(0), help="lossless mode: most drafts per verification (0: no drafting)")
+    p.add_argument("--draft-topk", type=_integer(1, MAX_DRAFT_TOPK), help="lossless mode, greedy: verify the draft head's k best tokens together "
                                                   "(a one-level draft tree; 1: chain drafts)")
-    p.add_argument("--draft-vocab-size", type=int, help="lossless mode: drafts rank only this many most-predicted "
+    p.add_argument("--draft-vocab-size", type=_integer(MAX_DRAFT_TOPK, allowed=(0,)), help="lossless mode: drafts rank only this many most-predicted "
                                                         "tokens (0: the whole vocabulary)")
     p.add_argument("--kv-strategy", choices=["propagate", "recompute"])
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=_integer(1), default=64)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.set_defaults(func=cmd_generate)
@@ -169,10 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="router repo (default: the shipped demo model, calibrated on the fly)")
     p.add_argument("--routers", help="router repo for the demo model (skips calibration)")
     p.add_argument("--heldout", help="held-out text file (paragraphs separated by blank lines)")
-    p.add_argument("--heldout-texts", type=int, default=24)
+    p.add_argument("--heldout-texts", type=_integer(1), default=24)
     p.add_argument("--prompt", action="append", help="prompt to time (repeatable)")
-    p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new-tokens", type=_integer(1), default=48)
+    p.add_argument("--repeats", type=_integer(1), default=3)
+    p.add_argument("--no-compiled-baseline", action="store_true",
+                   help="skip the second baseline: the base model's compiled static-cache decode (compiling takes seconds)")
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write the quality/speed plot here (PNG)")
     p.set_defaults(func=cmd_bench)

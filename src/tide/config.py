@@ -339,6 +339,18 @@ class TideConfig(PreTrainedConfig):
             self.thresholds = {str(k): float(v) for k, v in self.thresholds.items()}
         self.validate()
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """A saved config (what `from_pretrained` and `AutoConfig` read): like unknown top-level keys, generation
+        options this version does not know (written by a newer Tide?) are ignored with a warning."""
+        generation = config_dict.get("generation")
+        unknown = sorted(set(generation) - set(GENERATION_FIELDS)) if isinstance(generation, dict) else []
+        if unknown:
+            warnings.warn(f"TideConfig: ignoring unknown generation keys {unknown} (written by a newer Tide version?).",
+                          stacklevel=2)
+            config_dict = {**config_dict, "generation": {k: v for k, v in generation.items() if k not in unknown}}
+        return super().from_dict(config_dict, **kwargs)
+
     # ------------------------------------------------------------------ validation
     def validate(self, num_layers: int | None = None) -> None:
         """Check every field; raise `ValueError` naming the first bad one."""
@@ -359,6 +371,9 @@ class TideConfig(PreTrainedConfig):
         _check_unit("cosine_threshold", self.cosine_threshold)
         if self.generation is not None and not isinstance(self.generation, dict):
             raise ValueError(f"TideConfig.generation must be a dict of generation options, got {self.generation!r}.")
+        unknown = sorted(set(self.generation or {}) - set(GENERATION_FIELDS))
+        if unknown:
+            raise ValueError(f"TideConfig.generation: unknown key(s) {unknown}; it accepts {list(GENERATION_FIELDS)}.")
         generation = self.generation_config  # validates the defaults
         for key, value in (self.thresholds or {}).items():
             _check_number(f"thresholds[{key!r}]", value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["load_texts", "DatasetLoadError"]
+__all__ = ["load_texts", "check_local_dataset", "DatasetLoadError"]
 
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
@@ -54,11 +54,8 @@ def load_texts(dataset, *, dataset_config: str | None = None, split: str = "trai
 def _load_named(name: str, dataset_config: str | None, split: str):
     import datasets
 
-    path = Path(name)
-    if path.exists():
-        files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS) if path.is_dir() else [path]
-        if not files:
-            raise DatasetLoadError(f"No .txt/.json/.jsonl/.csv files under {name}. {_how_to()}")
+    files = check_local_dataset(name)
+    if files:
         builder = _BUILDERS.get(files[0].suffix, "text")
         try:
             return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
@@ -71,6 +68,30 @@ def _load_named(name: str, dataset_config: str | None, split: str):
             f"Could not load dataset {name!r} (config {dataset_config!r}, split {split!r}): it is not a local path, "
             f"and the Hub lookup failed ({type(err).__name__}: {err}). {_how_to()}"
         ) from err
+
+
+def check_local_dataset(name) -> list[Path]:
+    """The data files of a local dataset path, checked to exist and to hold text; [] where `name` is no local path
+    (a Hub dataset name)."""
+    path = Path(name)
+    if not path.exists():
+        return []
+    files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS) if path.is_dir() else [path]
+    if not files:
+        raise DatasetLoadError(f"No .txt/.json/.jsonl/.csv files under {name}. {_how_to()}")
+    if not any(_holds_text(f) for f in files):
+        what = f"{name} is empty" if files == [path] else f"Every data file under {name} is empty"
+        raise DatasetLoadError(f"{what}: calibration needs text. Pass a file or directory that holds text.")
+    return files
+
+
+def _holds_text(path: Path) -> bool:
+    """True where the file holds anything but whitespace (read until the first such byte)."""
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            if chunk.strip():
+                return True
+    return False
 
 
 def _text_column(ds) -> str:

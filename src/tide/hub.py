@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -78,9 +79,25 @@ def check_save_directory(out: Path) -> None:
 
 
 def save_router_repo(model, save_directory) -> Path:
+    """Write the repo files into a temporary folder beside `save_directory`, then move them into place: a save
+    that fails part-way leaves the repo that was there as it was."""
     out = Path(save_directory)
     check_save_directory(out)
-    out.mkdir(parents=True, exist_ok=True)
+    parent = out.resolve().parent  # (beside the real folder where `out` is a link: the moves stay on one disk)
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tide-save-", dir=parent))
+    try:
+        write_router_files(model, tmp)
+        out.mkdir(exist_ok=True)
+        for name in REPO_FILES:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def write_router_files(model, out: Path) -> None:
+    """config.json, routers.safetensors and README.md of `model` into the existing directory `out`."""
     config = model.config
     config.save_pretrained(out)  # writes config.json only
     metadata = {"format": "pt", "checkpoints": ",".join(map(str, model.checkpoints)), "tide_version": config.tide_version}
@@ -89,7 +106,6 @@ def save_router_repo(model, save_directory) -> Path:
         tensors[DRAFT_VOCABULARY_KEY] = model.draft_vocabulary.detach().to("cpu", torch.int64).contiguous()
     save_file(tensors, out / ROUTERS_NAME, metadata=metadata)
     (out / CARD_NAME).write_text(model_card(config))
-    return out
 
 
 def push_router_repo(model, repo_id: str, private: bool | None = None, token=None, commit_message=None, **_):
@@ -148,9 +164,18 @@ def load_base_model(config: TideConfig, **kwargs):
             "This router repo's config has no base_model_name_or_path; pass the base model: "
             "TideForCausalLM.from_pretrained(repo, base_model=model)."
         )
+    check_base_folder(config.base_model_name_or_path, "TideForCausalLM.from_pretrained(repo, base_model=model)")
     if config.base_model_revision is not None:
         kwargs.setdefault("revision", config.base_model_revision)
     return AutoModelForCausalLM.from_pretrained(config.base_model_name_or_path, **kwargs)
+
+
+def check_base_folder(name: str, how: str) -> None:
+    """Raise where the base model a router repo names is a local path (absolute, ./ or ~) that does not exist."""
+    if (os.path.isabs(name) or name.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(name)):
+        raise FileNotFoundError(f"This router repo's base model folder {name} was not found (the repo names it in "
+                                f"config.json as base_model_name_or_path); load the base model yourself and pass it: "
+                                f"{how}.")
 
 
 def check_base_matches(config: TideConfig, base_model) -> None:
@@ -213,6 +238,14 @@ def load_router_weights(model, weights: dict[str, torch.Tensor]) -> None:
     if vocabulary is not None:
         model.draft_vocabulary = checked_draft_vocabulary(vocabulary, model.num_head_rows)
     expected = router_state_dict(model)
+    if set(weights) != set(expected) and model.config.base_num_layers is None:
+        raise ValueError(
+            f"{ROUTERS_NAME} does not fit this base model's {model.parts.num_layers} layers: it holds routers at layers "
+            f"{_layers(weights)} (draft heads at {_layers(weights, '.draft.')}), but on {model.parts.num_layers} layers "
+            f"the config's checkpoints are {model.checkpoints} (draft heads at {_layers(expected, '.draft.')}). The repo's "
+            "config.json does not record its base model's layer count (base_num_layers): load the base model the "
+            "routers were calibrated on, or recalibrate them with tide.calibrate."
+        )
     if set(weights) != set(expected):
         raise ValueError(
             f"Router weights do not match the config's checkpoints {model.checkpoints}: "
@@ -229,6 +262,11 @@ def load_router_weights(model, weights: dict[str, torch.Tensor]) -> None:
         param = next(router.parameters())
         state = {name: weights[f"{layer}.{name}"].to(param.device, param.dtype) for name in router.state_dict()}
         router.load_state_dict(state)
+
+
+def _layers(weights, part: str = ".") -> list[int]:
+    """The layers of the router weights named `<layer>.<param>` whose name holds `part`."""
+    return sorted({int(key.split(".")[0]) for key in weights if part in key and key.split(".")[0].isdigit()})
 
 
 def checked_draft_vocabulary(ids: torch.Tensor, rows: int) -> torch.Tensor:
@@ -262,6 +300,7 @@ class BaseModelTokenizerLoader:
                 f"Router repo {name_or_path} names no base model, so it has no tokenizer to load; pass the base "
                 "model's tokenizer explicitly."
             )
+        check_base_folder(config.base_model_name_or_path, "AutoTokenizer.from_pretrained(<the base model's folder>)")
         if config.base_model_revision is not None:
             kwargs.setdefault("revision", config.base_model_revision)
         return AutoTokenizer.from_pretrained(config.base_model_name_or_path, *args, **kwargs)

@@ -38,7 +38,7 @@ DEFAULT_WIDTH = 31  # odd, so that it is unlikely to match a batch, head or hidd
 
 @dataclass
 class _Window:
-    cache_id: int
+    cache: object  # a weak reference to the cache the window was captured on (ids are reused once it is freed)
     start: int
     width: int
     batch: int
@@ -129,7 +129,7 @@ class LayerArgs:
     # ------------------------------------------------------------------ windows
     def _fits(self, cache, past, length, batch, attention_mask) -> bool:
         w = self.window
-        return (w is not None and w.cache_id == id(cache) and w.batch == batch and w.masked == (attention_mask is not None)
+        return (w is not None and w.cache() is cache and w.batch == batch and w.masked == (attention_mask is not None)
                 and w.start <= past and past + length <= w.start + w.width)
 
     def _open(self, input_ids, cache, attention_mask, position_ids, past, length) -> None:
@@ -145,36 +145,39 @@ class LayerArgs:
             return
         width = max(self.width, length | 1)
         batch = input_ids.shape[0]
-        inputs = {"position_ids": None if position_ids is None else position_ids[:, :1] + torch.arange(
-            width, device=position_ids.device)}
-        if attention_mask is not None:
-            inputs["attention_mask"] = grown_mask(attention_mask, past + width)
         view = LengthView(cache, past)
-        embeds = self._zero_embeddings(batch, width, input_ids.device)
-        self.captures += 1
-        calls = additive_masks(self.parts, capture_layer_calls(
-            self.parts, inputs_embeds=embeds, past_key_values=view, use_cache=True,
-            **{k: v for k, v in inputs.items() if v is not None}))
+        # Two captures, W and W + 1 positions wide: the axes that grow by one are the positions' (a query axis of
+        # the window's width, or a mask's key axis), whatever sizes other axes happen to have
+        calls, wider = (self._capture(input_ids, view, attention_mask, position_ids, past, w) for w in (width, width + 1))
         key_length = view.get_mask_sizes(width, 0)[0]
         plans = {}
-        for call in {id(c): c for c in calls}.values():
-            plan = _plan((call.args[1:], {k: v for k, v in call.kwargs.items() if k != "hidden_states"}), width, key_length)
+        for call, other in {id(c): (c, o) for c, o in zip(calls, wider)}.values():
+            plan = _plan(_arguments(call), _arguments(other), width)
             if plan is _AMBIGUOUS:
-                self.off_reason = "a layer argument's axes cannot be told apart at this window width"
+                self.off_reason = "a layer argument's position axes cannot be told apart"
                 return
             plans[id(call)] = plan
         hidden = calls[0].hidden
         positional = None if self.embedding_form == "exact" else hidden
-        self.window = _Window(id(cache), past, width, batch, attention_mask is not None, calls, plans, key_length,
+        self.window = _Window(_reference(cache), past, width, batch, attention_mask is not None, calls, plans, key_length,
                               positional)
         for call in calls:
             for mask, plan in _masks(call, plans[id(call)]):
                 if id(mask) not in self.window.visible:
                     self.window.visible[id(mask)] = _visible_counts(mask, plan)
 
-    def _zero_embeddings(self, batch, width, device) -> torch.Tensor:
+    def _capture(self, input_ids, view, attention_mask, position_ids, past, width) -> list[LayerCall]:
+        """The layer calls for `width` positions from `past`, on zero embeddings."""
+        inputs = {"position_ids": None if position_ids is None else position_ids[:, :1] + torch.arange(
+            width, device=position_ids.device)}
+        if attention_mask is not None:
+            inputs["attention_mask"] = grown_mask(attention_mask, past + width)
         weight = self.parts.backbone.get_input_embeddings().weight
-        return torch.zeros(batch, width, weight.shape[1], dtype=weight.dtype, device=device)
+        embeds = torch.zeros(input_ids.shape[0], width, weight.shape[1], dtype=weight.dtype, device=input_ids.device)
+        self.captures += 1
+        return additive_masks(self.parts, capture_layer_calls(
+            self.parts, inputs_embeds=embeds, past_key_values=view, use_cache=True,
+            **{k: v for k, v in inputs.items() if v is not None}))
 
     def _read_embedding_form(self, input_ids, cache, attention_mask, position_ids, past) -> str:
         """"exact": the layer-0 input is the input embedding; "positional": the embedding plus a part the backbone
@@ -241,18 +244,39 @@ class _Cut:
     # whose backbone always passes the mask, so that compiled layers see one kind of argument)
 
 
-def _plan(value, width: int, key_length: int):
+def _arguments(call: LayerCall):
+    """A call's arguments but its hidden state: (positional after the first, keywords)."""
+    return call.args[1:], {k: v for k, v in call.kwargs.items() if k != "hidden_states"}
+
+
+def _plan(value, wider, width: int):
+    """How to slice `value` (captured for `width` positions) given the same argument captured for width + 1: the
+    axes that grew by one are positional; with two, the first is the query axis and the last the key axis; with
+    one, it is the query axis if it has the window's width and is not a mask's last axis of another size."""
     if isinstance(value, torch.Tensor):
-        query = [a for a, n in enumerate(value.shape) if n == width]
-        key = value.dim() - 1 if value.dim() >= 2 and value.shape[-1] == key_length else None
-        if len(query) > 1 or (key is not None and key in query) or (key_length == width and query):
+        if not isinstance(wider, torch.Tensor) or wider.dim() != value.dim():
             return _AMBIGUOUS
-        return _TensorPlan(query[0] if query else None, key) if (query or key is not None) else None
+        grew = [a for a in range(value.dim()) if wider.shape[a] == value.shape[a] + 1]
+        if any(wider.shape[a] != value.shape[a] for a in range(value.dim()) if a not in grew):
+            return _AMBIGUOUS
+        if not grew:
+            return None
+        if len(grew) == 2 and grew[1] == value.dim() - 1 and value.shape[grew[0]] == width:
+            return _TensorPlan(grew[0], grew[1])
+        if len(grew) == 1 and value.shape[grew[0]] == width and not (grew[0] == value.dim() - 1 and value.dim() >= 3):
+            return _TensorPlan(grew[0], None)
+        if len(grew) == 1 and grew[0] == value.dim() - 1 and value.shape[grew[0]] != width:
+            return _TensorPlan(None, grew[0])  # keys only (e.g. alibi biases)
+        return _AMBIGUOUS
     if isinstance(value, (tuple, list)):
-        plans = [_plan(v, width, key_length) for v in value]
+        if not isinstance(wider, (tuple, list)) or len(wider) != len(value):
+            return _AMBIGUOUS
+        plans = [_plan(v, w, width) for v, w in zip(value, wider)]
         return _AMBIGUOUS if any(p is _AMBIGUOUS for p in plans) else (type(value), plans)
     if isinstance(value, dict):
-        plans = {k: _plan(v, width, key_length) for k, v in value.items()}
+        if not isinstance(wider, dict) or wider.keys() != value.keys():
+            return _AMBIGUOUS
+        plans = {k: _plan(v, wider[k], width) for k, v in value.items()}
         return _AMBIGUOUS if any(p is _AMBIGUOUS for p in plans.values()) else (dict, plans)
     return None
 
@@ -336,6 +360,13 @@ def _sees_all(mask: torch.Tensor) -> bool:
     if mask.dim() < 2 or mask.shape[-2] != 1:
         return False
     return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
+
+
+def _reference(cache):
+    try:
+        return weakref.ref(cache)
+    except TypeError:  # an object without weak references: held until the next window
+        return lambda: cache
 
 
 def _length(cache) -> int:

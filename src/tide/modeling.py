@@ -64,6 +64,7 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
     def from_base(cls, base_model: PreTrainedModel, config: TideConfig | None = None, seed: int | None = 0):
         """Wrap a loaded causal LM with freshly initialised routers (what calibration starts from). `config` is
         copied, never changed."""
+        _check_not_tide(base_model)
         config = TideConfig() if config is None else copy.deepcopy(config)
         text = base_model.config.get_text_config()
         config.base_model_name_or_path = config.base_model_name_or_path or base_model.config.name_or_path or None
@@ -81,6 +82,8 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, base_model=None, **kwargs):
         """Load a router repo (local directory or Hub id) and its base model (or reuse `base_model`)."""
+        if base_model is not None:
+            _check_not_tide(base_model)
         return load_router_repo(cls, pretrained_model_name_or_path, base_model=base_model, **kwargs)
 
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
@@ -225,6 +228,12 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
     def generate(self, *args, tide_config=None, **kwargs):
         """`generate` of the base model, with early exit while a `tide_config` operating point is in force."""
         return generate_with_tide(self, tide_config, *args, **kwargs)
+
+
+def _check_not_tide(base_model) -> None:
+    if isinstance(base_model, TideForCausalLM):
+        raise ValueError("This model is already a Tide model (TideForCausalLM): use it directly, or pass its .base "
+                         "(the base model it wraps) to put other routers on that base model.")
 
 
 def _register_auto_classes() -> None:
