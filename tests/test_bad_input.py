@@ -337,3 +337,17 @@ def test_a_repo_without_base_num_layers_on_a_deeper_base_names_the_layer_count(t
         tide.TideForCausalLM.from_pretrained(tmp_path, base_model=tiny_model("llama", num_hidden_layers=8))
     message = str(err.value)
     assert "base_num_layers" in message and "draft heads at [1]" in message and "missing" not in message
+
+
+def test_lossless_after_casting_the_base_model_names_align_routers():
+    """Casting the base model leaves the routers behind: lossless mode says what to do, as exit mode does."""
+    from tiny_models import noisy_tide, prompt_ids
+
+    model, base = noisy_tide("llama")
+    base.to(torch.float64)
+    with pytest.raises(RuntimeError, match="align_routers"):
+        model.generate(prompt_ids(), max_new_tokens=4, tide_config={"mode": "lossless"})
+    model.align_routers()
+    ref = base.generate(prompt_ids(), do_sample=False, max_new_tokens=8)
+    assert torch.equal(model.generate(prompt_ids(), do_sample=False, max_new_tokens=8,
+                                      tide_config={"mode": "lossless"}), ref)

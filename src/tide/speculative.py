@@ -65,6 +65,8 @@ class LosslessSession:
         self.model, self.base, self.parts = model, model.base, model.parts
         self.spans = spans or SpanRunner(self.parts)  # the shallow and the deep layers' runs (compiled or eager)
         self.draft_layer = config.resolve_draft_layer(model.checkpoints, self.parts.num_layers)
+        # drafts run the draft layer's heads on its states: they must share its device and dtype
+        model.routers.check_placement(self.draft_layer, next(self.parts.layers[self.draft_layer].parameters()))
         self.max_draft = config.max_draft
         self.cap = config.max_draft
         self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1
