@@ -213,7 +213,7 @@ class LayerArgs:
             hidden = hidden + w.positional[:, first:first + length]
 
         def one(call: LayerCall) -> LayerCall:
-            args, kwargs = _apply((call.args[1:], {k: v for k, v in call.kwargs.items() if k != "hidden_states"}),
+            args, kwargs = _apply(_arguments(call),
                                   w.plans[id(call)], _Cut(first, length, None if key_length == w.key_length else key_length, cache, w.visible,
                                        not getattr(cache, "is_compileable", False)))
             if call.args:
@@ -318,7 +318,7 @@ def _masks(call: LayerCall, plan) -> list[tuple[torch.Tensor, _TensorPlan]]:
             for v, p in items:
                 walk(v, p)
 
-    walk((call.args[1:], {k: v for k, v in call.kwargs.items() if k != "hidden_states"}), plan)
+    walk(_arguments(call), plan)
     return found
 
 
@@ -332,8 +332,7 @@ def _visible_counts(mask: torch.Tensor, plan: _TensorPlan) -> tuple[list[int], l
 
 
 def _same_call(a: LayerCall, b: LayerCall) -> bool:
-    return _same(a.args[1:], b.args[1:]) and _same({k: v for k, v in a.kwargs.items() if k != "hidden_states"},
-                                                   {k: v for k, v in b.kwargs.items() if k != "hidden_states"})
+    return _same(_arguments(a), _arguments(b))
 
 
 def _same(a, b) -> bool:
