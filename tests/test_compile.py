@@ -70,3 +70,41 @@ def test_compile_needs_a_static_cache():
                        tide_config={"mode": "lossless", "compile": True})
     with pytest.raises(ValueError, match="compile must be True or False"):
         model.generate(ids, max_new_tokens=4, tide_config={"mode": "lossless", "compile": "yes"})
+
+
+def test_compiled_call_runs_the_compiled_base_where_modes_do_not_pay():
+    """compile=True where calibration timed Tide's modes no faster than the base model's compiled decode
+    (`compiled_modes=False`), or where there is nothing to run (no thresholds): the base model's compiled decode,
+    token for token the base model, its steps replayed from one graph."""
+    model, base = noisy_tide("llama")
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    model.config.set_generation_defaults(mode="auto", max_draft=2, compiled_modes=False)
+    compiled = dict(do_sample=False, max_new_tokens=16, compile_config=EAGER_BACKEND)
+    assert torch.equal(model.generate(ids, tide_config={"compile": True}, **compiled), ref)
+    assert model.last_stats.mode == "base (compiled)" and model.last_stats.decode_steps == 15
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(ids, tide_config={"compile": True}, **compiled), ref)
+    # a call that names a mode runs it; a plain call runs the repo's default eagerly
+    model.generate(ids, tide_config={"compile": True, "mode": "lossless"}, **compiled)
+    assert model.last_stats.mode == "lossless"
+    model.generate(ids, do_sample=False, max_new_tokens=16)
+    assert model.last_stats.mode == "lossless"
+
+
+def test_compiled_base_serves_processors_stops_and_padded_batches():
+    model, base = noisy_tide("llama")
+    model.config.set_generation_defaults(compiled_modes=False, exit_threshold=0.5)
+    ids = prompt_ids()
+    options = dict(do_sample=False, max_new_tokens=12, repetition_penalty=1.3, eos_token_id=int(
+        base.generate(ids, do_sample=False, max_new_tokens=6)[0, -1]))
+    ref = base.generate(ids, **options)
+    out = model.generate(ids, tide_config={"compile": True}, compile_config=EAGER_BACKEND, **options)
+    assert torch.equal(out, ref)
+    batch = torch.cat([ids, ids.flip(1)])
+    mask = torch.ones_like(batch)
+    mask[1, :2] = 0  # a padded row: its steps carry a mask and run eagerly
+    ref = base.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    out = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=8, compile_config=EAGER_BACKEND,
+                         tide_config={"compile": True})
+    assert torch.equal(out, ref)

@@ -91,7 +91,7 @@ def test_auto_is_accepted_from_the_command_line_config():
 
 
 def _calibrate(monkeypatch, exit_speed, lossless_speed):
-    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3):
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
         return exit_speed if tide_config["mode"] == "exit" else lossless_speed
 
     monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
@@ -169,7 +169,7 @@ def test_draft_trials_keep_the_fastest_scheme_that_times_faster_again(monkeypatc
     again = {3: 1.08, 8: 0.99}
     calls = []
 
-    def timed(model, prompts, config):
+    def timed(model, prompts, config, baseline="generate"):
         calls.append(config["draft_topk"])
         return (again if calls.count(config["draft_topk"]) > 1 else first)[config["draft_topk"]]
 
@@ -186,7 +186,7 @@ def test_draft_trials_keep_the_fastest_scheme_that_times_faster_again(monkeypatc
 def test_calibration_times_exits_on_a_batch(monkeypatch, batch_speed):
     """Exits kept for one sequence are timed on a batch too; where they do not pay there, batches run the base
     model by default, and the calibration table says so."""
-    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3):
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
         if tide_config["mode"] != "exit":
             return 0.9
         return batch_speed if prompts[0].shape[0] > 1 else 1.3
@@ -231,3 +231,35 @@ def test_batch_exits_off_runs_batches_on_the_base_model_unless_the_call_asks(cal
 def test_batch_exits_must_be_a_bool():
     with pytest.raises(ValueError, match="batch_exits must be True or False"):
         tide.TideGenerationConfig(batch_exits="no")
+
+
+@pytest.mark.parametrize("compiled_speed", [0.85, 1.1])
+def test_the_kept_mode_is_timed_compiled_against_the_compiled_base(monkeypatch, compiled_speed):
+    """A call with compile=True is measured against the base model's compiled static-cache decode: calibration
+    times the kept mode compiled against it, and where it is not faster such calls run that decode."""
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+        if baseline == "compiled":
+            return compiled_speed
+        return 1.3 if tide_config["mode"] == "exit" else 0.9
+
+    monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
+    torch.manual_seed(0)
+    model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
+                           config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.05), num_samples=24,
+                           batch_size=8, max_length=32, head_steps=5, passes=1, validation_tokens=0, draft_trials=1,
+                           progress=False)
+    timing = model.config.calibration["compiled_timing"]
+    assert timing["measured"] == compiled_speed and timing["active"] == (compiled_speed > 1)
+    assert model.config.generation_config.compiled_modes == (compiled_speed > 1)
+    assert "default mode compiled: measured" in calibration.calibration_table(model.config)
+    ids = _ids()
+    from transformers import CompileConfig
+    out = model.generate(ids, tide_config={"compile": True}, compile_config=CompileConfig(backend="eager"), **GREEDY)
+    assert model.last_stats.mode == ("exit" if compiled_speed > 1 else "base (compiled)")
+    eager = model.generate(ids, **GREEDY) if compiled_speed > 1 else model.base.generate(ids, **GREEDY)
+    assert torch.equal(out, eager)
+
+
+def test_no_compiled_timing_where_nothing_is_kept(monkeypatch):
+    model = _calibrate(monkeypatch, 0.9, 0.95)
+    assert model.config.calibration["compiled_timing"] is None

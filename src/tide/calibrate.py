@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import MAX_DRAFT_TOPK, TideConfig, batches_text, draft_scheme_text, exit_timing_text, timings_text
+from .config import (MAX_DRAFT_TOPK, TideConfig, batches_text, compiled_timing_text, draft_scheme_text, exit_timing_text,
+                     timings_text)
 from .costs import (draft_candidates, layer_cost_of_cascade, loop_extras_text, measure_costs, prune_checkpoints,
                     verify_extras_text)
 from .data import load_texts
@@ -28,7 +29,7 @@ from .evaluate import teacher_forced
 from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
 from .thresholds import EXIT_ERROR_BUDGETS, CheckpointCalibration, auc, binomial_upper_bound, calibrate_cascade, oracle_depth
-from .trials import choose_draft, time_exit, timed_schemes, timing_batch, timing_prompts
+from .trials import choose_draft, time_compiled, time_exit, timed_schemes, timing_batch, timing_prompts
 
 __all__ = ["calibrate", "calibration_table", "thresholds_for_target", "operating_point", "OperatingPoint", "CalibrationOptions"]
 
@@ -49,6 +50,7 @@ class CalibrationOptions:
     measure_costs: bool = True  # time checkpoints and layers here; drop checkpoints that do not pay; pick drafts
     validation_tokens: int = 1024  # held-out tokens decoded through the decode step to check the target (0: skip)
     draft_trials: int = 3  # lossless drafting schemes timed against the base model (best estimates first; 0: skip)
+    compiled_trials: bool = True  # time the kept mode compiled against the base model's compiled decode
     progress: bool = True
 
     def __post_init__(self):
@@ -163,6 +165,11 @@ def calibrate(
                                             max_draft=chosen["max_draft"] if chosen else 0,
                                             draft_topk=chosen["draft_topk"] if chosen else 1,
                                             draft_vocab_size=vocab, mode="auto" if lossless_wins else "exit")
+    compiled_timing = None
+    default = _default_run(cfg) if prompts is not None and opts.compiled_trials else None
+    if default is not None:
+        compiled_timing = procs.broadcast(time_compiled(tide, prompts, default) if procs.is_main else None)
+        cfg.set_generation_defaults(compiled_modes=compiled_timing["active"])
     train_tokens = int(procs.sum([trainer.train_tokens])[0])
     cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), train_tokens)
     cfg.calibration.update(
@@ -171,9 +178,21 @@ def calibrate(
         expected_layer_cost=layer_cost_of_cascade(selection.checkpoints, held.num_tokens, num_layers, costs) if costs else None,
         draft_selection=draft_selection,
         exit_timing=exit_timing,
+        compiled_timing=compiled_timing,
         decode_validation=validation,
     )
     return tide
+
+
+def _default_run(cfg: TideConfig) -> dict | None:
+    """The `tide_config` a single-sequence call runs at the repo's defaults, or None where that is the base model."""
+    generation = cfg.generation_config
+    if generation.mode == "auto" and generation.max_draft:
+        return {"mode": "lossless", **{k: getattr(generation, k) for k in
+                                       ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size")}}
+    if any(t < 1.0 for t in (cfg.thresholds or {}).values()):
+        return {"mode": "exit", "thresholds": dict(cfg.thresholds)}
+    return None
 
 
 _RECIPE_FIELDS = ("label", "cosine_threshold", "target_agreement", "confidence")
@@ -686,4 +705,6 @@ def calibration_table(config) -> str:
                      else "lossless mode: no draft pays on this model and machine (it decodes plainly)")
         lines.append("default mode: " + (f"auto (lossless, measured faster than exit mode; {batches_text(config)})"
                                          if generation.mode == "auto" else "exit"))
+    if cal.get("compiled_timing"):
+        lines.append(f"default mode compiled: {compiled_timing_text(cal['compiled_timing'])}")
     return "\n".join(lines)

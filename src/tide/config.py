@@ -19,7 +19,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 __all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "draft_scheme_text",
-           "timings_text", "exit_timing_text", "batches_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
+           "timings_text", "exit_timing_text", "compiled_timing_text", "batches_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
 
 LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
@@ -29,7 +29,7 @@ MODES = ("exit", "lossless", "auto")
 
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "batch_exits",
-                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "compile")
+                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "compile", "compiled_modes")
 MAX_DRAFT_TOPK = 8  # tree drafts: candidates verified together with the token before them
 
 
@@ -84,16 +84,21 @@ class TideGenerationConfig:
             static-cache decode: the call's `compile_config` (`CompileConfig`) gives the options, and on a GPU
             its default `mode="reduce-overhead"` captures CUDA graphs. Implies `cache_implementation="static"`.
             The first call compiles (seconds); later calls of the same shapes replay.
+        compiled_modes (`bool`, *optional*, defaults to `True`):
+            With `compile=True`: run the repo's default mode compiled. Calibration sets it to `False` where that
+            timed no faster than the base model's own compiled static-cache decode, which such calls then run
+            instead (the baseline a compiled call is measured by). A call that sets `mode`, thresholds or draft
+            options runs them regardless.
     """
 
     def __init__(self, exit_threshold: float | None = None, thresholds: dict | None = None, min_layers: int = 0,
                  kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False, batch_exits: bool = True,
                  max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1, draft_vocab_size: int = 0,
-                 compile: bool = False):
+                 compile: bool = False, compiled_modes: bool = True):
         self.exit_threshold, self.min_layers, self.kv_strategy, self.mode = exit_threshold, min_layers, kv_strategy, mode
         self.prefill_exit, self.batch_exits = prefill_exit, batch_exits
         self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
-        self.draft_vocab_size, self.compile = draft_vocab_size, compile
+        self.draft_vocab_size, self.compile, self.compiled_modes = draft_vocab_size, compile, compiled_modes
         self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
         self.validate()
 
@@ -143,7 +148,7 @@ class TideGenerationConfig:
         if 0 < self.draft_vocab_size < MAX_DRAFT_TOPK:
             raise ValueError(f"tide_config.draft_vocab_size must be 0 (the whole vocabulary) or at least {MAX_DRAFT_TOPK} "
                              f"(the most candidates a draft offers), got {self.draft_vocab_size}.")
-        for name in ("prefill_exit", "batch_exits", "compile"):
+        for name in ("prefill_exit", "batch_exits", "compile", "compiled_modes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"tide_config.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.exit_threshold is not None:
@@ -217,6 +222,15 @@ def exit_timing_text(timing: dict) -> str:
         text += f"; on a batch of {batch['rows']}: {timings_text(batch)}"
         text += "" if batch["active"] else ", not faster, so batches run the base model"
     return text
+
+
+def compiled_timing_text(timing: dict) -> str:
+    """Calibration's timing of the default mode compiled against the base model's compiled static-cache decode
+    (`compiled_timing` of the calibration summary), in words."""
+    text = timings_text(timing) + " against the base model's compiled static-cache decode"
+    if timing["active"]:
+        return text + "; calls with compile=True run it compiled"
+    return text + "; not faster by calibration's margin, so calls with compile=True run that decode"
 
 
 def batches_text(config: "TideConfig") -> str:

@@ -416,12 +416,23 @@ def chain_cycles(runs: list[int], max_draft: int) -> tuple[int, Counter]:
     return tokens, drafted
 
 
-def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_tokens: int = 24, repeats: int = 3) -> float:
+# `tide_config` that runs the base model's compiled static-cache decode (`decode.baseline.BaseSession`).
+COMPILED_BASE = {"compile": True, "compiled_modes": False}
+
+
+def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_tokens: int = 24, repeats: int = 3,
+                     baseline: str = "generate") -> float:
     """Decode tokens/s of `model.generate(..., tide_config=...)` over the base model's, greedy, measured here.
 
-    Runs alternate between the two and the median of the per-repeat ratios is returned.
+    `baseline`: "generate" (the base model's `generate`) or "compiled" (its compiled static-cache decode; the
+    config then runs compiled too). Runs alternate between the two and the median of the per-repeat ratios is
+    returned.
     """
+    if baseline not in ("generate", "compiled"):
+        raise ValueError(f"baseline must be 'generate' or 'compiled', got {baseline!r}.")
     kwargs = _timing_kwargs(model, new_tokens)
+    if baseline == "compiled":
+        tide_config = {**tide_config, "compile": True}
 
     def seconds(fn):
         return sum(_seconds(lambda ids=ids: fn(ids)) for ids in prompts)
@@ -430,6 +441,8 @@ def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_
         return model.generate(ids, tide_config=tide_config, **kwargs)
 
     def base_run(ids):
+        if baseline == "compiled":
+            return model.generate(ids, tide_config=COMPILED_BASE, **kwargs)
         return model.base.generate(ids, **kwargs)
 
     seconds(tide_run), seconds(base_run)  # warm-up

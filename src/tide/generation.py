@@ -18,6 +18,7 @@ import torch
 
 from ._hf_compat import is_static_layer
 from .config import TideConfig, TideGenerationConfig
+from .decode.baseline import BaseSession
 from .decode.spans import SpanRunner, compile_options
 from .decode import exit_decode, generate_with_loop, lossless_decode
 from .dispatch import activated, install
@@ -30,6 +31,9 @@ __all__ = ["generate_with_tide", "resolve_run_config", "attach_stats", "lossless
 # Options only exit mode uses: a call that sets one runs in exit mode when the repo's default is "auto".
 _EXIT_OPTIONS = {"exit_threshold", "thresholds", "min_layers", "kv_strategy", "prefill_exit", "batch_exits"}
 _OWN_THRESHOLDS = {"exit_threshold", "thresholds"}  # a call that sets one exits whatever calibration measured
+# A compiled call that sets one of these runs Tide's mode even where calibration timed it slower than the base
+# model's compiled decode (`compiled_modes=False`).
+_ASKS_A_MODE = _OWN_THRESHOLDS | {"mode", "max_draft", "draft_layer", "draft_topk"}
 _NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", "prompt_lookup_num_tokens", "output_hidden_states",
                       "output_attentions")
 
@@ -74,6 +78,9 @@ def _given_fields(tide_config) -> set:
 def generate_with_tide(model, tide_config, *args, **kwargs):
     model.last_stats = None
     run = resolve_run_config(model, tide_config)
+    compiled = tide_config is not False and model.config.resolve_generation(tide_config).compile
+    if run is not None and compiled and not run.compiled_modes and not _ASKS_A_MODE & _given_fields(tide_config):
+        run = None  # calibration timed Tide's modes no faster than the base model's compiled decode
     if run is not None and run.mode == "auto":
         fits = lossless_problem(model, args, kwargs) is None
         run.mode = "lossless" if fits else "exit"
@@ -82,7 +89,7 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     if run is not None and run.mode == "exit" and _batch_exits_off(model, run, tide_config, args, kwargs):
         run = None
     if run is None:  # no thresholds, or calibration found that no checkpoint pays: the base model runs unchanged
-        return model.base.generate(*args, **kwargs)
+        return _base_generate(model, compiled, args, kwargs)
     if "use_cache" not in kwargs and getattr(kwargs.get("generation_config"), "use_cache", None) is not False:
         kwargs["use_cache"] = True  # Tide decodes on the KV cache, also for models whose config turns it off (MPT)
     if run.mode == "lossless":
@@ -90,7 +97,7 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
         if problem:
             raise LosslessUnavailable(problem)
         if run.max_draft == 0:  # calibration found that no drafting scheme pays on this model and machine
-            return model.base.generate(*args, **kwargs)
+            return _base_generate(model, compiled, args, kwargs)
         session, loop = LosslessSession(model, run, _spans(model, run, kwargs)), lossless_decode
     else:
         if kwargs.get("use_cache") is False:
@@ -109,11 +116,22 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     return attach_stats(output, session.stats)
 
 
-def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
-    """How the call's sessions run spans of layers: compiled (on a static cache, which `kwargs` then asks generate
-    for) with `compile=True`, else eagerly. Compiled spans are kept on the model for later calls."""
-    if not run.compile:
-        return SpanRunner(model.parts)
+def _base_generate(model, compiled: bool, args, kwargs):
+    """The base model's own decode: `generate` as the caller would run it, or with `compile=True` the base model's
+    compiled static-cache decode (`decode.baseline.BaseSession`), the baseline a compiled call is measured by."""
+    if not compiled:
+        return model.base.generate(*args, **kwargs)
+    session = BaseSession(model, _compile_options(model, kwargs))
+    start = time.perf_counter()
+    output = generate_with_loop(model.base, session, exit_decode, args, kwargs)
+    session.stats.wall_time_s = time.perf_counter() - start
+    model.last_stats = session.stats
+    return attach_stats(output, session.stats)
+
+
+def _compile_options(model, kwargs: dict) -> dict:
+    """torch.compile options for a call with `compile=True`, which runs on a static cache: `kwargs` then asks
+    generate for one, or must pass one."""
     cache = kwargs.get("past_key_values")
     if cache is not None and not all(is_static_layer(layer) for layer in cache.layers):
         raise ValueError("tide_config compile=True runs compiled passes on a static cache; pass a StaticCache as "
@@ -126,7 +144,15 @@ def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
                              f"cache_implementation={implementation!r}; drop it or pass 'static'.")
         kwargs["cache_implementation"] = "static"
     config = kwargs.get("generation_config") or model.base.generation_config
-    options = compile_options(kwargs.get("compile_config") or getattr(config, "compile_config", None))
+    return compile_options(kwargs.get("compile_config") or getattr(config, "compile_config", None))
+
+
+def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
+    """How the call's sessions run spans of layers: compiled (on a static cache, which `kwargs` then asks generate
+    for) with `compile=True`, else eagerly. Compiled spans are kept on the model for later calls."""
+    if not run.compile:
+        return SpanRunner(model.parts)
+    options = _compile_options(model, kwargs)
     key = tuple(sorted((k, repr(v)) for k, v in options.items()))
     if key not in model.span_runners:
         model.span_runners[key] = SpanRunner(model.parts, options)

@@ -3,7 +3,8 @@
 A mode is kept only when it is `KEEP_SPEEDUP` times faster than the base model's `generate` in two timings on
 this machine (`kept`); exits kept for one sequence are also timed on a batch (`time_exit`). Drafting schemes are
 chosen for timing by their estimates (`timed_schemes`) and the fastest that holds is kept (`choose_draft`).
-This module times `generate`; it trains nothing and selects no threshold.
+The repo's default mode is then timed compiled against the base model's compiled decode (`time_compiled`), the
+baseline of a call with `compile=True`. This module times `generate`; it trains nothing and selects no threshold.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .costs import measured_speedup
 from .speculative import LosslessUnavailable
 
 __all__ = ["KEEP_SPEEDUP", "BATCH_TIMING_ROWS", "timing_prompts", "timing_batch", "timed", "kept", "time_exit",
-           "timed_schemes", "choose_draft"]
+           "time_compiled", "timed_schemes", "choose_draft"]
 
 
 def timing_prompts(tokenizer, texts, device) -> list[torch.Tensor]:
@@ -43,21 +44,28 @@ def timing_batch(tokenizer, texts, device, length: int = 16) -> torch.Tensor | N
 KEEP_SPEEDUP = 1.02
 
 
-def timed(tide, prompts, tide_config: dict) -> float:
-    return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5)
+def timed(tide, prompts, tide_config: dict, baseline: str = "generate") -> float:
+    return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5, baseline=baseline)
 
 
-def kept(tide, prompts, tide_config: dict, first: float | None = None) -> dict:
+def kept(tide, prompts, tide_config: dict, first: float | None = None, baseline: str = "generate") -> dict:
     """Time `tide_config` against the base model here (`first`: a timing already made); it is kept only when
     two timings both find it `KEEP_SPEEDUP` times faster. {"measured": the lower timing, "timings", "active"}.
 
     One timing is not enough on a shared machine: on the shipped model, the layer-wise engine with no exit (the
     base model's work) timed x0.88-1.04 in six runs of `timed`, and exits that run about 5% slower timed
     x1.054 once and were kept (docs/benchmarks.md)."""
-    timings = [timed(tide, prompts, tide_config) if first is None else first]
+    timings = [timed(tide, prompts, tide_config, baseline) if first is None else first]
     if timings[0] >= KEEP_SPEEDUP:
-        timings.append(timed(tide, prompts, tide_config))
+        timings.append(timed(tide, prompts, tide_config, baseline))
     return {"measured": min(timings), "timings": timings, "active": min(timings) >= KEEP_SPEEDUP}
+
+
+def time_compiled(tide, prompts, tide_config: dict) -> dict:
+    """Time the repo's default mode (`tide_config`) compiled against the base model's compiled static-cache
+    decode, the baseline of a call with `compile=True` (`kept`); `tide_config` then runs compiled only where it
+    is kept (`compiled_modes`). The first call of each compiles; the timings are of later calls."""
+    return kept(tide, prompts, tide_config, baseline="compiled")
 
 
 def time_exit(tide, prompts, batch, thresholds) -> dict:

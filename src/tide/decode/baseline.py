@@ -1,10 +1,13 @@
-"""The baseline a speed-minded user runs: the base model's greedy decode on a static cache, compiled.
+"""The baseline a speed-minded user runs: the base model's decode on a static cache, its forward compiled.
 
-`compiled_static_decoder(base, cache_len)` returns `decode(ids, new_tokens)`: a plain loop over
-`torch.compile(base.forward, fullgraph=True, dynamic=False)` single-token steps on a `StaticCache` of
-`cache_len` positions (one shape for every prompt, so one graph), with end-of-sequence suppressed as
-`generate`'s `min_new_tokens` does, so that its tokens compare with `generate`'s. `tide bench` and
-`examples/bench_baselines` time Tide against it as well as against `generate`.
+Two forms of it:
+- `BaseSession`: what a Tide call with `tide_config={"compile": True}` runs when Tide's modes do not pay there
+  (no operating point, or calibration timed them no faster than this): the base model's own forward, one token
+  a step, through one `torch.compile(base.forward)` graph on the static cache that the call asks generate for;
+  generate's processors, stopping criteria and streamer are served by the exit-mode loop (`exits.exit_decode`).
+  The prompt, and steps that carry a padding mask (a growing mask is a new shape each step), run eagerly.
+- `compiled_static_decoder(base, cache_len)`: the same decode as a bare greedy loop, outside `generate`, which
+  `tide bench` and `examples/bench_baselines` time Tide against as well as against `generate`.
 """
 
 from __future__ import annotations
@@ -12,11 +15,44 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
-__all__ = ["compiled_static_decoder"]
+from ..stats import GenerationStats
+
+__all__ = ["BaseSession", "compiled_forward", "compiled_static_decoder"]
+
+
+def compiled_forward(model, options: dict):
+    """`torch.compile(model.base.forward, **options)`, made once per set of options and kept on the model."""
+    key = ("forward",) + tuple(sorted((k, repr(v)) for k, v in options.items()))
+    if key not in model.span_runners:
+        model.span_runners[key] = torch.compile(model.base.forward, **options)
+    return model.span_runners[key]
+
+
+class BaseSession:
+    """The base model's decode with compiled steps, in the shape of an exit-mode session (`forward`, `stats`)."""
+
+    def __init__(self, model, options: dict):
+        self.base = model.base
+        self.step = compiled_forward(model, options)
+        self.stats = GenerationStats(num_layers=model.parts.num_layers, checkpoints=[], mode="base (compiled)")
+
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, **kwargs):
+        cache_empty = past_key_values is None or past_key_values.get_seq_length() == 0
+        if cache_empty or input_ids.shape[1] != 1 or attention_mask is not None:
+            self.stats.prefill_tokens += input_ids.numel() if cache_empty else 0
+            return self.base(input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                             **kwargs)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += input_ids.shape[0]
+        self.stats.token_layers += input_ids.shape[0] * self.stats.num_layers
+        return self.step(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
 
 
 def compiled_static_decoder(base, cache_len: int, compile_options: dict | None = None):
-    """A greedy decode function `decode(ids [1, n], new_tokens) -> ids [1, n + new_tokens]` over `base`."""
+    """A greedy decode function `decode(ids [1, n], new_tokens) -> ids [1, n + new_tokens]` over `base`: single-token
+    steps of `torch.compile(base.forward, fullgraph=True, dynamic=False)` on a `StaticCache` of `cache_len`
+    positions (one shape for every prompt, so one graph), with end-of-sequence suppressed as `generate`'s
+    `min_new_tokens` does, so that its tokens compare with `generate`'s."""
     step = torch.compile(base.forward, **(compile_options or dict(fullgraph=True, dynamic=False)))
     eos = base.generation_config.eos_token_id
     eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long, device=base.device)

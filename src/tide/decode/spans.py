@@ -41,6 +41,19 @@ def compile_options(compile_config=None) -> dict:
     return options
 
 
+def _at_offset_zero(value):
+    """`value` with every tensor in it starting at offset 0 of its storage: the layer arguments are slices of a
+    window of positions (`layerargs.py`), and dynamo specialises a storage offset of 0 or 1, so a slice that comes
+    to start there would recompile a graph made for another."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.storage_offset() else value
+    if type(value) in (tuple, list):
+        return type(value)(_at_offset_zero(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _at_offset_zero(v) for k, v in value.items()}
+    return value
+
+
 class SpanRunner:
     """Runs layers start..stop-1 of `parts` with one layer call's arguments; compiled when `options` are given."""
 
@@ -64,7 +77,7 @@ class SpanRunner:
                 hidden = calls[i].run(self.parts, i, hidden)
             return hidden
         return self._span(start, stop)(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple,
-                                       hidden, call.args[1:], call.kwargs)
+                                       hidden, _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs))
 
     def _span(self, start: int, stop: int):
         fn = self._compiled.get((start, stop))
