@@ -351,3 +351,23 @@ def test_lossless_after_casting_the_base_model_names_align_routers():
     ref = base.generate(prompt_ids(), do_sample=False, max_new_tokens=8)
     assert torch.equal(model.generate(prompt_ids(), do_sample=False, max_new_tokens=8,
                                       tide_config={"mode": "lossless"}), ref)
+
+
+@pytest.mark.parametrize("tide_config", [{"mode": "lossless", "max_draft": 2}, {"exit_threshold": 0.5},
+                                         {"exit_threshold": 1.0, "compile": True}])
+def test_a_generation_config_gets_no_deprecation_warning_for_options_tide_sets(tide_config):
+    """Tide asks generate for a KV cache (and, compiled, a static one): beside a caller's generation_config it sets
+    them there, not as keywords that transformers warns about ("Passing `generation_config` together with...")."""
+    from transformers import CompileConfig, GenerationConfig
+    from transformers.testing_utils import CaptureLogger
+
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"), TideConfig(checkpoint_interval=2))
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0))
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=0,
+                              compile_config=CompileConfig(backend="eager"))
+    logger = transformers.logging.get_logger("transformers.generation.utils")
+    with CaptureLogger(logger) as captured:
+        out = model.generate(ids, generation_config=config, tide_config=tide_config)
+    assert "deprecated" not in captured.out
+    assert torch.equal(out, model.base.generate(ids, generation_config=config)) or "exit_threshold" in tide_config
+    assert config.cache_implementation is None  # the caller's object is not changed

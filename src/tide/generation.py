@@ -11,6 +11,7 @@ context only (`dispatch.activated`).
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 
@@ -91,7 +92,7 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     if run is None:  # no thresholds, or calibration found that no checkpoint pays: the base model runs unchanged
         return _base_generate(model, compiled, args, kwargs)
     if "use_cache" not in kwargs and getattr(kwargs.get("generation_config"), "use_cache", None) is not False:
-        kwargs["use_cache"] = True  # Tide decodes on the KV cache, also for models whose config turns it off (MPT)
+        _ask(kwargs, "use_cache", True)  # Tide decodes on the KV cache, also for models whose config turns it off (MPT)
     if run.mode == "lossless":
         problem = lossless_problem(model, args, kwargs)
         if problem:
@@ -142,9 +143,20 @@ def _compile_options(model, kwargs: dict) -> dict:
         if implementation not in (None, "static"):
             raise ValueError(f"tide_config compile=True runs on a static cache, but the call asks for "
                              f"cache_implementation={implementation!r}; drop it or pass 'static'.")
-        kwargs["cache_implementation"] = "static"
+        _ask(kwargs, "cache_implementation", "static")
     config = kwargs.get("generation_config") or model.base.generation_config
     return compile_options(kwargs.get("compile_config") or getattr(config, "compile_config", None))
+
+
+def _ask(kwargs: dict, name: str, value) -> None:
+    """Ask generate for `name=value`: in the call's own `generation_config` (a copy) where it passed one, since
+    transformers deprecates keyword options beside a generation_config, else as a keyword."""
+    config = kwargs.get("generation_config")
+    if config is None:
+        kwargs[name] = value
+    else:
+        kwargs["generation_config"] = config = copy.deepcopy(config)
+        setattr(config, name, value)
 
 
 def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
