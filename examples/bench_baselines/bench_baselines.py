@@ -108,6 +108,8 @@ def main(argv=None):
     compile_s, _ = timed(compiled, prompts[0], n)  # the first call compiles
     rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n)}
     configs = {"tide default": None}
+    if args.routers:
+        configs["tide exit (calibrated)"] = {"mode": "exit"}
     for scheme in args.schemes:
         layer, draft, *tree = scheme.split(":")
         config = {"mode": "lossless", "draft_layer": int(layer), "max_draft": int(draft)}
