@@ -263,3 +263,12 @@ def test_the_kept_mode_is_timed_compiled_against_the_compiled_base(monkeypatch, 
 def test_no_compiled_timing_where_nothing_is_kept(monkeypatch):
     model = _calibrate(monkeypatch, 0.9, 0.95)
     assert model.config.calibration["compiled_timing"] is None
+
+
+def test_calibration_records_its_phase_times(monkeypatch):
+    model = _calibrate(monkeypatch, 1.3, 0.9)
+    seconds = model.config.calibration["phase_seconds"]
+    assert list(seconds) == ["data", "training", "held-out scoring", "thresholds", "decode validation",
+                             "cost measurement", "timing trials"]
+    assert seconds["training"] > 0 and seconds["decode validation"] == 0  # validation_tokens=0: none
+    assert "calibration took" in calibration.calibration_table(model.config)

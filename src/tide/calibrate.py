@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import math
 import random
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .config import (MAX_DRAFT_TOPK, TideConfig, batches_text, compiled_timing_text, draft_scheme_text, exit_timing_text,
-                     timings_text)
+                     phases_text, timings_text)
 from .costs import (draft_candidates, layer_cost_of_cascade, loop_extras_text, measure_costs, prune_checkpoints,
                     verify_extras_text)
 from .data import load_texts
@@ -98,7 +100,9 @@ def calibrate(
     else:
         tide = TideForCausalLM.from_base(model, config or TideConfig(), seed=opts.seed)  # copies the config
     cfg = tide.config
-    texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_column=text_column)
+    phases = PhaseTimes()
+    with phases("data"):
+        texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_column=text_column)
     random.Random(opts.seed).shuffle(texts)
     texts = texts[: opts.num_samples]
     if len(texts) < 2:
@@ -120,31 +124,37 @@ def calibrate(
         local_batches = math.ceil(len(train_texts) / opts.batch_size)
         num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
         trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs)
-        for batch in _batches(train_texts, tokenizer, opts, tide.base.device):
-            trainer.add(_capture(tide, batch))
+        for batch in phases.counted("data", _batches(train_texts, tokenizer, opts, tide.base.device)):
+            with phases("training"):
+                trainer.add(_capture(tide, batch))
             bar.update(batch["input_ids"].shape[0])
             bar.set_postfix(kl=f"{trainer.last_kl:.3f}")
-        for _ in range(num_batches - local_batches):
-            trainer.add(None)
-        trainer.finish()
-        ranked = _ranked_vocabulary(tide, trainer, procs) if opts.draft_trials else None
+        with phases("training"):
+            for _ in range(num_batches - local_batches):
+                trainer.add(None)
+            trainer.finish()
+            ranked = _ranked_vocabulary(tide, trainer, procs) if opts.draft_trials else None
         held = _Heldout()
-        for batch in _batches(held_texts, tokenizer, opts, tide.base.device):
-            held.add(_score(tide, _capture(tide, batch), cfg, ranked))
+        for batch in phases.counted("data", _batches(held_texts, tokenizer, opts, tide.base.device)):
+            with phases("held-out scoring"):
+                held.add(_score(tide, _capture(tide, batch), cfg, ranked))
             bar.update(batch["input_ids"].shape[0])
-        held = held.gathered(procs)
+        with phases("held-out scoring"):
+            held = held.gathered(procs)
     finally:
         bar.close()
         tide.base.train(was_training)
 
     num_layers = tide.parts.num_layers
-    costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
-    tokens = _validation_tokens(held_texts, tokenizer, opts, share=procs.world) if opts.validation_tokens else None
-    prompts = timing_prompts(tokenizer, held_texts, tide.base.device) if costs is not None else None
-    batch = timing_batch(tokenizer, held_texts, tide.base.device) if costs is not None else None
+    with phases("cost measurement"):
+        costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
+    with phases("data"):
+        tokens = _validation_tokens(held_texts, tokenizer, opts, share=procs.world) if opts.validation_tokens else None
+        prompts = timing_prompts(tokenizer, held_texts, tide.base.device) if costs is not None else None
+        batch = timing_batch(tokenizer, held_texts, tide.base.device) if costs is not None else None
     tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(), held.num_tokens,
                                                num_layers, cfg.confidence, costs, tokens, prompts, batch)
-    point = operating_point(tide, cfg.target_agreement, procs)
+    point = operating_point(tide, cfg.target_agreement, procs, phases)
     selection, dropped, validation, exit_timing = point.selection, point.dropped, point.validation, point.exit_timing
     cfg.thresholds = point.thresholds
     cfg.set_generation_defaults(batch_exits=point.batch_exits)
@@ -155,7 +165,9 @@ def calibrate(
                                                        chain_ranks=held.chain_ranks(), restricted=held.restricted(),
                                                        head_rows=tide.num_head_rows), opts.draft_trials)
         tide.draft_vocabulary = ranked  # for the trials; cut to the chosen scheme's below
-        draft_selection = procs.broadcast(choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main else None)
+        with phases("timing trials"):
+            draft_selection = procs.broadcast(choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main
+                                              else None)
         chosen = draft_selection.get("chosen")
         exit_speed = exit_timing["measured"] if exit_timing and exit_timing["active"] else 1.0
         lossless_wins = chosen is not None and chosen["measured"] > exit_speed
@@ -168,7 +180,8 @@ def calibrate(
     compiled_timing = None
     default = _default_run(cfg) if prompts is not None and opts.compiled_trials else None
     if default is not None:
-        compiled_timing = procs.broadcast(time_compiled(tide, prompts, default) if procs.is_main else None)
+        with phases("timing trials"):
+            compiled_timing = procs.broadcast(time_compiled(tide, prompts, default) if procs.is_main else None)
         cfg.set_generation_defaults(compiled_modes=compiled_timing["active"])
     train_tokens = int(procs.sum([trainer.train_tokens])[0])
     cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), train_tokens)
@@ -180,8 +193,43 @@ def calibrate(
         exit_timing=exit_timing,
         compiled_timing=compiled_timing,
         decode_validation=validation,
+        phase_seconds=phases.rounded(),
     )
     return tide
+
+
+class PhaseTimes:
+    """Seconds spent in each phase of a calibration, in this process: `with phases("training"): ...`, and
+    `phases.counted("data", batches)` for the time an iterator spends making its items (reading, tokenising)."""
+
+    NAMES = ("data", "training", "held-out scoring", "thresholds", "decode validation", "cost measurement",
+             "timing trials")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def counted(self, name: str, items):
+        items = iter(items)
+        while True:
+            with self(name):
+                item = next(items, _DONE)
+            if item is _DONE:
+                return
+            yield item
+
+    def rounded(self) -> dict:
+        return {name: round(seconds, 2) for name, seconds in self.seconds.items()}
+
+
+_DONE = object()
 
 
 def _default_run(cfg: TideConfig) -> dict | None:
@@ -552,7 +600,8 @@ class OperatingPoint:
         return ((self.exit_timing or {}).get("batch") or {}).get("active", True)
 
 
-def operating_point(model, target_agreement: float, procs: Processes | None = None) -> OperatingPoint:
+def operating_point(model, target_agreement: float, procs: Processes | None = None,
+                    phases: PhaseTimes | None = None) -> OperatingPoint:
     """Thresholds for `target_agreement` from the held-out scores of a calibration run in this process:
     selection with checkpoints pruned by measured cost, the check through the decode step, then exit mode
     timed against the base model here (`trials.time_exit`); exits not kept by two timings are turned off, so that exit
@@ -561,17 +610,20 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
     if held is None:
         raise ValueError("operating_point needs a model calibrated in this process (tide.calibrate keeps its "
                          "held-out scores in memory; a loaded router repo does not have them).")
-    procs = procs or Processes()
-    selection, dropped = held.select(target_agreement)
+    procs, phases = procs or Processes(), phases or PhaseTimes()
+    with phases("thresholds"):
+        selection, dropped = held.select(target_agreement)
     validation = None
     if held.validation_tokens:
-        selection, dropped, validation = _validate(model, held.validation_tokens, selection, dropped, target_agreement,
-                                                   procs)
+        with phases("decode validation"):
+            selection, dropped, validation = _validate(model, held.validation_tokens, selection, dropped,
+                                                       target_agreement, procs)
     thresholds = held.thresholds(selection, model.checkpoints)
     exit_timing = None
     if held.timing_prompts is not None and any(t < 1.0 for t in thresholds.values()):
-        exit_timing = procs.broadcast(time_exit(model, held.timing_prompts, held.timing_batch, thresholds)
-                                      if procs.is_main else None)
+        with phases("timing trials"):
+            exit_timing = procs.broadcast(time_exit(model, held.timing_prompts, held.timing_batch, thresholds)
+                                          if procs.is_main else None)
         if not exit_timing["active"]:
             thresholds = dict.fromkeys(thresholds, 1.0)  # exit mode then runs the base model
     expected = None
@@ -707,4 +759,7 @@ def calibration_table(config) -> str:
                                          if generation.mode == "auto" else "exit"))
     if cal.get("compiled_timing"):
         lines.append(f"default mode compiled: {compiled_timing_text(cal['compiled_timing'])}")
+    if cal.get("phase_seconds"):
+        lines.append(f"calibration took {phases_text(cal['phase_seconds'])}")
     return "\n".join(lines)
+

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .architectures import resolve
-from .config import TideConfig, batches_text, compiled_timing_text, draft_scheme_text, exit_timing_text
+from .config import TideConfig, batches_text, compiled_timing_text, draft_scheme_text, exit_timing_text, phases_text
 
 __all__ = [
     "CONFIG_NAME",
@@ -354,6 +354,8 @@ def model_card(config: TideConfig) -> str:
             lines.append(f"Lossless mode: {draft_scheme_text(generation.to_dict())}.")
         if generation.mode == "auto":
             lines.append(f"Default mode: `auto` (lossless, timed faster than exit mode at calibration; {batches_text(config)}).")
+        if cal.get("phase_seconds"):
+            lines.append(f"Calibration took {phases_text(cal['phase_seconds'])} (seconds per phase, main process).")
         if cal.get("compiled_timing"):
             lines.append(f"The default mode compiled (`tide_config={{\"compile\": True}}`), at calibration: "
                          f"{compiled_timing_text(cal['compiled_timing'])}.")
