@@ -10,6 +10,7 @@ from transformers import DynamicCache
 import tide
 from tide import kvfill
 from tide.kvfill import fill_kv, fused_available
+from tide.kvprobe import kv_plan
 from tide.layercalls import capture_layer_calls, write_kv_only
 from tiny_models import FAMILIES, tiny_model
 
@@ -36,6 +37,7 @@ def _decode_step(family, new_tokens=1, prompt=5, batch=2, **overrides):
     with torch.no_grad():
         base(ids[:, :prompt], past_key_values=cache, use_cache=True)
     calls = capture_layer_calls(parts, input_ids=ids[:, prompt:], past_key_values=cache, use_cache=True)
+    kv_plan(parts)  # the probe runs the layers once per model, on its own inputs: before the counts below
     return base, parts, cache, calls
 
 

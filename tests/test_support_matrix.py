@@ -28,6 +28,13 @@ def test_at_least_sixty_model_types_pass_every_check():
     assert len(full) >= 60, f"only {len(full)} model types pass all four checks: {full}"
 
 
+def test_at_least_ninety_model_types_skip_everything_but_the_kv():
+    """`forced_exit` includes the stronger check: in decode steps a skipped layer computes only the linear outputs
+    that reach its K/V (no query projection, only the K/V rows of a fused qkv projection), counted with hooks."""
+    full = [t for t in model_types() if _result(t).status == "full"]
+    assert len(full) >= 90, f"only {len(full)} model types pass the stronger forced-exit check: {full}"
+
+
 def test_families_in_the_table_are_fully_supported():
     from tide import supported_model_types
 

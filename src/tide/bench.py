@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from . import fewrows
 from .calibrate import operating_point
@@ -23,8 +24,11 @@ from .config import batches_text, draft_scheme_text, exit_timing_text, timings_t
 from .costs import loop_extras_text, measure_costs, verify_extras_text
 from .decode.baseline import compiled_static_decoder
 from .evaluate import oracle_depths, teacher_forced
+from .kvfill import fill_kv, fused_available
+from .kvprobe import kv_plan
+from .layercalls import capture_layer_calls, write_kv_only
 
-__all__ = ["run_bench", "plot_bench"]
+__all__ = ["run_bench", "plot_bench", "kv_fill_costs", "kv_fill_costs_text"]
 
 DEFAULT_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.97)  # calibration targets (chosen from the held-out scores as calibrate does)
 
@@ -127,6 +131,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                "repeats": repeats, "variants": {}}
     with torch.inference_mode():
         costs = measure_costs(model)
+        results["kv_fill"] = kv_fill_costs(model)
         oracle = {}
         for name, lens in (("lens", True), ("exits", False)):
             depths = oracle_depths(model, token_lists, lens=lens).float()
@@ -141,6 +146,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
              f"({'one per window of positions in' if costs.windowed else 'per pass in'} Tide's passes), "
              f"{verify_extras_text(results['costs'])}, {loop_extras_text(results['costs']) or 'generate not timed'} (linears over "
              f"{fewrows.layouts_text(results['few_row_layouts'])})")
+    progress(kv_fill_costs_text(results["kv_fill"]))
     draft = (model.config.calibration or {}).get("draft_selection")
     if draft:
         results["draft_selection"] = draft
@@ -325,3 +331,117 @@ def plot_bench(results: dict, path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@torch.no_grad()
+def kv_fill_costs(model, prompt_length: int = 32, repeats: int = 15) -> dict:
+    """A skipped layer's K/V for one decode token, as a fraction of a decoder layer's time (medians over
+    interleaved repeats, so every piece reads its weights from memory as in a real step), by each way Tide can
+    fill it: `batched` (`kvfill`'s one matmul over every layer's stacked K/V projections; None where the family
+    does not take it), `per_layer` (each layer's own code up to its cache write, computing only the outputs the
+    probe found to reach the K/V: `kvprobe`), and `per_layer_everything` (the same pass computing every linear
+    output before the cache write: the query projection, a fused projection's query rows; what that pass cost
+    before the probe). Each is the time to fill every layer, divided by the number of layers. Also the probe's
+    report (`kv_plan(...).report()`, its first layer)."""
+    parts, base = model.parts, model.base
+    device = next(parts.layers.parameters()).device
+    vocab = base.config.get_text_config().vocab_size
+    ids = torch.arange(3, prompt_length + 4, device=device).remainder(vocab)[None]
+    cache = DynamicCache(config=base.config)
+    base(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+    calls = capture_layer_calls(parts, input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+    hidden, layers = calls[0].hidden, list(range(parts.num_layers))
+    plan = kv_plan(parts)
+
+    def run_layers():
+        h = hidden
+        for i in layers:
+            h = calls[i].run(parts, i, h)
+        cache.crop(-1)
+
+    def fill(layerwise: bool):
+        fill_kv(parts, calls, layers, hidden, cache, layerwise=layerwise)
+        cache.crop(-1)
+
+    def everything():
+        for i in layers:
+            write_kv_only(calls[i], parts, i, hidden, cache, skips={})
+        cache.crop(-1)
+
+    pieces = {"layer": run_layers, "per_layer": lambda: fill(True), "per_layer_everything": everything}
+    if fused_available(parts, calls, layers, hidden):
+        pieces["batched"] = lambda: fill(False)
+    seconds = {name: [] for name in pieces}
+    for fn in pieces.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in pieces.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds[name].append(time.perf_counter() - start)
+    layer_s = statistics.median(seconds["layer"]) / len(layers)
+    out = {"layer_ms": layer_s * 1e3, "batched": None, "probe": plan.report().splitlines()[0] if plan.layers else "",
+           "probe_complete": plan.complete}
+    for name in pieces:
+        if name != "layer":
+            out[name] = statistics.median(seconds[name]) / len(layers) / layer_s
+    return out
+
+
+def kv_fill_costs_text(costs: dict) -> str:
+    batched = "" if costs["batched"] is None else f"batched {costs['batched']:.3f}, "
+    return (f"a skipped layer's K/V, as a fraction of a layer ({costs['layer_ms']:.2f} ms): {batched}"
+            f"per-layer K/V-only pass {costs['per_layer']:.3f} (computing every linear output before the cache "
+            f"write: {costs['per_layer_everything']:.3f}); probe: {costs['probe']}")
+
+
+def _kv_cost_main(argv: list[str] | None = None) -> int:
+    """`python -m tide.bench TYPE [TYPE ...] --hidden 2048 --heads 32 --kv-heads 4`: the K/V cost of a skipped
+    layer on random-init models of these model types and shape (no download), one table row each."""
+    import argparse
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .config import TideConfig
+    from .modeling import TideForCausalLM
+
+    parser = argparse.ArgumentParser(description=_kv_cost_main.__doc__.splitlines()[0])
+    parser.add_argument("model_types", nargs="+")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    print(f"| model type | shape | layer (ms) | batched fill | per-layer K/V-only pass | that pass computing "
+          f"everything before the cache write |\n|---|---|---|---|---|---|")
+    for model_type in args.model_types:
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(
+            model_type, hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+            intermediate_size=args.intermediate, num_hidden_layers=args.layers, vocab_size=args.vocab,
+            head_dim=args.hidden // args.heads,
+            max_position_embeddings=512, pad_token_id=0)
+        base = AutoModelForCausalLM.from_config(config).eval()
+        model = TideForCausalLM.from_base(base, TideConfig(checkpoint_layers=[0]))
+        costs = kv_fill_costs(model, repeats=args.repeats)
+        kv = args.kv_heads if "num_key_value_heads" in type(config)().to_dict() else args.heads  # else MHA
+        batched = "-" if costs["batched"] is None else f"{costs['batched']:.3f}"
+        print(f"| `{model_type}` | hidden {args.hidden}, {args.heads} heads / {kv} KV heads, intermediate "
+              f"{args.intermediate}, {args.layers} layers | {costs['layer_ms']:.2f} | {batched} | "
+              f"{costs['per_layer']:.3f} | {costs['per_layer_everything']:.3f} |", flush=True)
+        del model, base
+    print(f"({device_name('cpu')}, torch {torch.__version__})")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_kv_cost_main())

@@ -11,7 +11,8 @@ Which layers take this path: families whose table entry describes their K/V proj
 (`ArchSpec.kv_projections`), in groups of one attention type (`parts.layer_types`) whose layer calls share
 one `position_embeddings` object. Everything else (other families, a group with its own rotary, a model
 whose layers cannot be stacked: input norms with a bias or differing eps, layers on several devices) is
-filled by `layercalls.write_kv_only` per layer, which runs each layer's own code up to its cache write.
+filled by `kvprobe.write_kv` per layer, which runs each layer's own code up to its cache write, computing
+only the linear outputs that reach the K/V (the probe's plan: no query projection, the K/V rows of a fused qkv).
 `fill_kv(..., layerwise=True)` or the environment variable `TIDE_KV_FILL=layerwise` forces that path.
 
 Memory: the stack is a copy of every layer's k_proj and v_proj weights (and biases), i.e. the size of all
@@ -31,7 +32,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .layercalls import LayerCall, write_kv_only
+from .kvprobe import write_kv
+from .layercalls import LayerCall
 
 __all__ = ["fill_kv", "fused_available", "clear_stacks"]
 
@@ -54,7 +56,7 @@ def fill_kv(parts, calls: list[LayerCall], layers: list[int], hidden: torch.Tens
         rotary = _shared_rotary(calls, group)
         if stack is None or rotary is None:
             for i in group:
-                write_kv_only(calls[i], parts, i, hidden, cache)
+                write_kv(calls[i], parts, i, hidden, cache)
             continue
         keys, values = stack.kv(group, hidden, rotary)  # [m, B, H_kv, T, D] each
         for i, k, v in zip(group, keys.unbind(0), values.unbind(0)):

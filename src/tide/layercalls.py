@@ -5,7 +5,8 @@ backbone passes it (masks per layer type, rotary embeddings, alibi, the cache) a
 through. The real layers are then called by the engine with those arguments. `write_kv_only` runs a layer
 with a cache proxy whose `update()` stores K/V and stops the layer there: every architecture's own input
 norm, k/v projections, k-norm and rotary fill the cache, and attention, o_proj and the MLP never run (nor
-the query projection, where the table names it). Recording and query skipping are scoped to the caller's
+whatever `kvprobe` found not to reach the K/V: a query projection, a fused projection's query rows; without
+a probe, the table's `query_proj`). Recording and query skipping are scoped to the caller's
 context (`contextvars`), so concurrent forwards on the same model are unaffected. Nothing here decides
 anything.
 """
@@ -22,7 +23,8 @@ import torch
 
 from .architectures import ModelParts
 
-__all__ = ["LayerCall", "capture_layer_calls", "capture_outputs", "write_kv_only", "additive_masks", "map_calls"]
+__all__ = ["LayerCall", "PartialRows", "capture_layer_calls", "capture_outputs", "write_kv_only", "run_to_cache_write",
+           "additive_masks", "map_calls"]
 
 
 @dataclass
@@ -105,11 +107,84 @@ def _layer_forward_for(cls):
 @functools.cache
 def _query_forward_for(cls):
     def forward(self, x, *args, **kwargs):
-        if not torch.compiler.is_compiling() and _QUERY_SKIP.get() is self:  # a K/V-only pass: no queries used
-            return x.new_zeros(*x.shape[:-1], self.out_features)
+        skips = None if torch.compiler.is_compiling() else _QUERY_SKIP.get()  # a K/V-only pass
+        if skips is not None and self in skips:
+            rows = skips[self]
+            if rows is None:  # none of its outputs reaches the K/V
+                return x.new_zeros(*x.shape[:-1], _out_features(self))
+            if rows.ready(self):
+                return rows(self, x)
         return _call_own(self, cls, x, *args, **kwargs)
 
     return functools.update_wrapper(forward, cls.forward)
+
+
+def _out_features(module) -> int:
+    features = getattr(module, "out_features", None) or getattr(module, "nf", None)
+    return int(features) if features is not None else int(module.weight.shape[0])
+
+
+class PartialRows:
+    """Computes only some outputs of a linear module (the K/V rows of a fused qkv projection), zeros elsewhere.
+
+    `nn.Linear` (weight [out, in]) and transformers' `Conv1D` (weight [in, out]) only. Contiguous rows are a
+    view of the weight; others are gathered into a copy, redone when the weight's storage or version changes.
+    """
+
+    def __init__(self, module, rows: torch.Tensor):
+        self.conv = type(module).__name__ == "Conv1D"
+        self.width = _out_features(module)
+        first, last = int(rows[0]), int(rows[-1]) + 1
+        self.rows = slice(first, last) if last - first == rows.numel() else rows
+        self._copy, self._key = None, None
+
+    @staticmethod
+    def supports(module) -> bool:
+        """A plain `nn.Linear`, transformers' `Conv1D`, or an `nn.Linear` subclass whose forward gives what
+        `F.linear` gives (checked on one random input; e.g. Falcon's `FalconLinear`; not a quantized one)."""
+        if type(module).__name__ == "Conv1D":
+            return type(module).forward.__module__.startswith("transformers.")
+        if not isinstance(module, torch.nn.Linear) or not module.weight.is_floating_point():
+            return False
+        if type(module).forward is torch.nn.Linear.forward:
+            return True
+        weight = module.weight
+        with torch.no_grad():
+            x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
+            own = module(x)
+            return (isinstance(own, torch.Tensor) and own.shape == (2, weight.shape[0])
+                    and torch.allclose(own.float(), torch.nn.functional.linear(x, weight, module.bias).float(),
+                                       atol=1e-5, rtol=1e-4))
+
+    def ready(self, module) -> bool:
+        """The weight is here (not offloaded to the meta device)."""
+        return module.weight.device.type != "meta"
+
+    def _weights(self, module):
+        weight, bias = module.weight, module.bias
+        if isinstance(self.rows, slice):
+            return (weight[:, self.rows] if self.conv else weight[self.rows]), (None if bias is None else bias[self.rows])
+        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype,
+               None if bias is None else (bias.data_ptr(), bias._version))
+        if key != self._key:
+            rows = self.rows.to(weight.device)
+            self._copy = (weight.index_select(1 if self.conv else 0, rows).contiguous(),
+                          None if bias is None else bias.index_select(0, rows))
+            self._key = key
+        return self._copy
+
+    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._weights(module)
+        if self.conv:
+            flat = x.reshape(-1, x.shape[-1])
+            part = (flat @ weight if bias is None else torch.addmm(bias, flat, weight)).view(*x.shape[:-1], -1)
+        else:
+            part = torch.nn.functional.linear(x, weight, bias)
+        out = x.new_zeros(*x.shape[:-1], self.width, dtype=part.dtype)
+        if isinstance(self.rows, slice):
+            out[..., self.rows] = part
+            return out
+        return out.index_copy_(-1, self.rows.to(out.device), part)
 
 
 def _install_hooks(parts: ModelParts) -> None:
@@ -231,14 +306,16 @@ class _WriteThenStop:
 
 
 @contextmanager
-def _query_skipped(parts: ModelParts, index: int):
-    path = parts.spec.query_proj
-    if path is None:
+def _query_skipped(parts: ModelParts, index: int, skips: dict | None):
+    if skips is None:  # no probe: the table's query projection, if any
+        path = parts.spec.query_proj
+        skips = {parts.layers[index].get_submodule(path): None} if path is not None else {}
+    if not skips:
         yield
         return
-    query = parts.layers[index].get_submodule(path)
-    _dispatching(query, _query_forward_for)
-    token = _QUERY_SKIP.set(query)
+    for module in skips:
+        _dispatching(module, _query_forward_for)
+    token = _QUERY_SKIP.set(skips)
     try:
         yield
     finally:
@@ -246,10 +323,21 @@ def _query_skipped(parts: ModelParts, index: int):
 
 
 @torch.no_grad()
-def write_kv_only(call: LayerCall, parts: ModelParts, index: int, hidden: torch.Tensor, cache) -> None:
-    """Fill layer `index`'s cache for `hidden` (K/V through the layer's own norm/projections/rotary)."""
+def write_kv_only(call: LayerCall, parts: ModelParts, index: int, hidden: torch.Tensor, cache,
+                  skips: dict | None = None) -> None:
+    """Fill layer `index`'s cache for `hidden` (K/V through the layer's own norm/projections/rotary).
+
+    `skips` ({module: None, or PartialRows}): linear modules of the layer whose outputs do not reach the K/V
+    (None: replaced by zeros) or reach it only in part (only those rows computed), from `kvprobe.kv_plan`;
+    without it, the table's `query_proj` is skipped."""
+    run_to_cache_write(call, parts, index, hidden, cache, skips)
+
+
+def run_to_cache_write(call: LayerCall, parts: ModelParts, index: int, hidden: torch.Tensor, cache,
+                       skips: dict | None = None) -> None:
+    """`write_kv_only` in the caller's grad mode (the probe differentiates through it)."""
     try:
-        with _query_skipped(parts, index):
+        with _query_skipped(parts, index, skips):
             call.run(parts, index, hidden, cache=_WriteThenStop(cache))
     except _KVWritten:
         return

@@ -22,6 +22,7 @@ from .draftvocab import restricted_logits
 from .generation import generate_with_tide
 from .hub import BaseModelTokenizerLoader, load_router_repo, push_router_repo, save_router_repo
 from .kernels import norm_params, router_exit
+from .kvprobe import kv_plan
 from .router import CheckpointTest, RouterBank
 from .thresholds import exit_decision
 
@@ -42,6 +43,7 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.base = base_model
         self.parts: ModelParts = resolve(base_model)
+        kv_plan(self.parts)  # what a skipped layer computes: its K/V only, probed once per model here (kvprobe.py)
         config.validate(num_layers=self.parts.num_layers)
         self.routers = RouterBank(
             hidden_size=base_model.config.get_text_config().hidden_size,

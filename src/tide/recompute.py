@@ -16,7 +16,8 @@ import torch
 
 from ._hf_compat import LengthView, grouped_query_attention_in_place, has_sliding_layers, layer_kv
 from .fewrows import few_row_linears
-from .layercalls import additive_masks, capture_layer_calls, write_kv_only
+from .kvprobe import write_kv
+from .layercalls import additive_masks, capture_layer_calls
 
 __all__ = ["RecomputeState", "RecomputeSteps", "MAX_PENDING"]
 
@@ -115,7 +116,7 @@ class RecomputeSteps:
     The step's token runs alone until the shallowest layer with a stale pending entry; from there the walk
     runs a chunk [pending positions + the token], recomputing stale entries in place (`_MergeTail`). The
     token's own state keeps going through every layer that runs, exited or not (its K/V there is exact);
-    layers after everyone left get placeholders from it (`write_kv_only`).
+    layers after everyone left get placeholders from it (`kvprobe.write_kv`: K/V only).
     """
 
     def __init__(self, state: RecomputeState, input_ids, cache, inputs: dict):
@@ -161,10 +162,10 @@ class RecomputeSteps:
         """Placeholders for the step's token (from its own state) in the layers no token reached."""
         for i in layers:
             if self.chunk_calls is None:
-                write_kv_only(self.token_calls[i], self.parts, i, self.token_state, self.cache)
+                write_kv(self.token_calls[i], self.parts, i, self.token_state, self.cache)
             else:
                 untouched = torch.zeros_like(self.exact_through[:, :-1], dtype=torch.bool)
-                write_kv_only(self.chunk_calls[i], self.parts, i, self.chunk_states, _MergeTail(self.cache, untouched))
+                write_kv(self.chunk_calls[i], self.parts, i, self.chunk_states, _MergeTail(self.cache, untouched))
 
     def _with_token(self, token_state: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.state.states.to(token_state.device), token_state], dim=1)

@@ -6,7 +6,12 @@ For each model type in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` whose tiny config (`t
 - `exact`: `exit_threshold=1.0` gives the base model's greedy tokens;
 - `forced_exit`: every decode token forced out after layer 1 gives the tokens of an independent reference
   (the base model's own forward with hooks that feed layers > 1 the layer-1 state), runs exactly 2 layers
-  per decode token, and never runs a skipped layer's work after its cache write (attention core, MLP);
+  per decode token, never runs a skipped layer's work after its cache write (attention core, MLP), and in
+  decode steps a skipped layer computes only its K/V (`only_kv_linears`): forward hooks on every linear module
+  of every skipped layer see only modules whose outputs reach that layer's `cache.update()` in the base model's
+  own decode step (found by differentiating the written K/V with respect to each linear's outputs), at most
+  once per step, and the outputs of a fused projection that do not reach the K/V (its query rows) are zeros,
+  i.e. not computed;
 - `lossless`: lossless mode (drafts from layer 1) gives the base model's greedy tokens;
 - `batch`: a left-padded batch whose rows exit at different checkpoints gives each row's tokens alone.
 
@@ -29,11 +34,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .architectures import refusal_reason, resolve
 from .config import TideConfig
+from .kvprobe import is_linear, kv_plan
 from .modeling import TideForCausalLM
 from .tiny import HIDDEN, NUM_LAYERS, VOCAB, tiny_config, tiny_model
 
 __all__ = ["CHECKS", "MatrixResult", "check_model_type", "model_types", "run_matrix", "markdown_table",
-           "reference_forced_exit", "work_after_cache_write"]
+           "reference_forced_exit", "work_after_cache_write", "kv_reach", "only_kv_linears"]
 
 CHECKS = ("exact", "forced_exit", "lossless", "batch")
 MAX_PARAMETERS = 3_000_000  # tiny configs above this (multimodal towers, fixed-size blocks) are not built
@@ -167,6 +173,71 @@ def work_after_cache_write(base, parts, layer: int, ids) -> set[str]:
     return set(order[order.index(None) + 1:]) if None in order else set()
 
 
+def kv_reach(base, parts, layers: list[int], ids) -> dict[tuple[int, str], torch.Tensor]:
+    """{(layer, linear module name): bool [outputs]}: which outputs of each linear module of `layers` reach that
+    layer's K/V write in a normal decode step after prompt `ids` (the gradient of the written K and V, with
+    random weights, with respect to a zero bias on each linear's output). Modules that do not run before the
+    write are absent."""
+    gates, written = {}, {}
+    with torch.inference_mode(False), torch.enable_grad():
+        cache = DynamicCache(config=base.config)
+        with torch.no_grad():
+            base(ids, past_key_values=cache, use_cache=True)
+        original = cache.update
+
+        def update(key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx in layers and layer_idx not in written:
+                written[layer_idx] = (key_states, value_states)
+            return original(key_states.detach(), value_states.detach(), layer_idx, *args, **kwargs)
+
+        def gate(j, name):
+            def hook(_m, _a, out):
+                if (j, name) in gates or j in written or not isinstance(out, torch.Tensor):
+                    return None
+                gates[(j, name)] = out.new_zeros(out.shape[-1], requires_grad=True)
+                return out + gates[(j, name)]
+            return hook
+
+        cache.update = update
+        hooks = [m.register_forward_hook(gate(j, name)) for j in layers
+                 for name, m in parts.layers[j].named_modules() if is_linear(m)]
+        try:  # (the gates require grad: what depends on them does)
+            base(ids[:, -1:], past_key_values=cache, use_cache=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        generator = torch.Generator().manual_seed(0)
+        reach = {}
+        for j in layers:
+            mine = [key for key in gates if key[0] == j]
+            if j not in written or not mine:
+                continue
+            k, v = written[j]
+            weights = (torch.randn(k.shape, generator=generator).to(k), torch.randn(v.shape, generator=generator).to(v))
+            grads = torch.autograd.grad((k, v), [gates[key] for key in mine], weights, allow_unused=True)
+            for key, grad in zip(mine, grads):
+                reach[key] = (torch.zeros(gates[key].shape, dtype=torch.bool) if grad is None else grad != 0).cpu()
+    return reach
+
+
+def only_kv_linears(calls: dict, reach: dict, steps: int) -> list[str]:
+    """What a skipped layer computed beyond its K/V in `steps` decode steps: `calls` {(layer, name): [number of
+    calls, largest |output| among the outputs that do not reach the K/V]} from forward hooks, `reach` from
+    `kv_reach`. A module Tide skips is still called by the layer's code, and returns zeros there: outputs that do
+    not reach the K/V must be zeros (not computed), and no linear runs more than once a step."""
+    problems = []
+    for (j, name), (count, beyond) in sorted(calls.items()):
+        kv = reach.get((j, name))
+        if count > steps:
+            problems.append(f"layer {j} ran {name} {count} times in {steps} decode steps")
+        elif beyond > 0 and (kv is None or not bool(kv.any())):
+            problems.append(f"layer {j} computed {name}, which does not reach its K/V")
+        elif beyond > 0:
+            problems.append(f"layer {j} computed {name}'s outputs that do not reach its K/V ({int((~kv).sum())} of "
+                            f"{kv.numel()})")
+    return problems
+
+
 def check_forced_exit(model, base) -> None:
     parts, ids = model.parts, _prompt()
     eos = base.generation_config.eos_token_id  # generate suppresses it (min_new_tokens); so does the reference
@@ -174,14 +245,31 @@ def check_forced_exit(model, base) -> None:
     expected = reference_forced_exit(base, parts, ids, EXIT_LAYER, NEW_TOKENS, suppress=eos)
     skipped = EXIT_LAYER + 1
     after_write = work_after_cache_write(base, parts, skipped, ids)
-    decoding, ran = [], set()
+    deep = list(range(skipped, parts.num_layers))
+    reach = kv_reach(base, parts, deep, ids)
+    kv_plan(parts)  # the probe (once per model, on its own inputs) runs before the first decode step is counted
+    decoding, ran, linears = [], set(), {}
 
     def note(name):
         if decoding:
             ran.add(name)
 
+    def linear_called(key, out):
+        if not decoding:
+            return
+        kv, beyond = reach.get(key), 0.0
+        if isinstance(out, torch.Tensor) and out.numel():
+            if kv is None or out.shape[-1] != kv.numel():
+                beyond = float(out.abs().max())  # nothing of it reaches the K/V
+            elif not bool(kv.all()):
+                beyond = float(out[..., ~kv.to(out.device)].abs().max())
+        count, worst = linears.get(key, (0, 0.0))
+        linears[key] = (count + 1, max(worst, beyond))
+
     hooks = [m.register_forward_hook(lambda *_a, name=name: note(name))
              for name, m in parts.layers[skipped].named_modules() if not list(m.children())]
+    hooks += [m.register_forward_hook(lambda _m, _a, out, key=(j, name): linear_called(key, out))
+              for j in deep for name, m in parts.layers[j].named_modules() if is_linear(m)]
     try:
         out = _greedy(model, ids, tide_config={"exit_threshold": -1.0},
                       logits_processor=LogitsProcessorList([_AfterPrefill(decoding)]))
@@ -197,6 +285,9 @@ def check_forced_exit(model, base) -> None:
                              f"{EXIT_LAYER}; got {stats.layer_passes} passes, exits {stats.exits}")
     if ran & after_write:
         raise AssertionError(f"a skipped layer ran {sorted(ran & after_write)} for decode tokens")
+    problems = only_kv_linears(linears, reach, steps)
+    if problems:
+        raise AssertionError("a skipped layer computed more than its K/V: " + "; ".join(problems[:4]))
 
 
 def check_lossless(model, base) -> None:
@@ -303,8 +394,12 @@ model from its config class (`tide.tiny`: {layers} layers, hidden {hidden}, voca
 
 - **exact**: `exit_threshold=1.0` gives the base model's greedy tokens;
 - **forced exit**: every decode token forced out after layer {exit_layer} gives the tokens of an independent
-  reference (the base model's own forward, hooked), with exactly {passes} layer passes per token and no skipped
-  layer running its attention or MLP;
+  reference (the base model's own forward, hooked), with exactly {passes} layer passes per token, no skipped
+  layer running its attention or MLP, and in decode steps no skipped layer computing anything but its K/V:
+  forward hooks on every linear module of every skipped layer find only the modules whose outputs reach that
+  layer's `cache.update()` in the base model's own decode step (read from the gradient of the written K/V),
+  at most once a step, and zeros (nothing computed) in every output that does not reach it: no query
+  projection, only the K/V rows of a fused qkv projection;
 - **lossless**: lossless mode (drafts from layer {exit_layer}) gives the base model's greedy tokens;
 - **batch**: a left-padded batch whose rows exit at different checkpoints gives each row's tokens alone.
 
