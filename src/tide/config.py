@@ -29,8 +29,9 @@ MODES = ("exit", "lossless", "auto")
 
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "batch_exits",
-                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "compile", "compiled_modes")
+                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "compile", "compiled_modes")
 MAX_DRAFT_TOPK = 8  # tree drafts: candidates verified together with the token before them
+MAX_DRAFT_NGRAM = 8  # n-gram drafts: the longest n-gram matched
 
 
 class TideGenerationConfig:
@@ -78,6 +79,11 @@ class TideGenerationConfig:
             calibration (the head's rows for them: n / V of the head's cost); 0 drafts over the whole
             vocabulary. At most the router repo's `draft_vocabulary` size. A token outside costs a rejected draft,
             never output. Calibration sets it where a restricted draft timed faster.
+        draft_ngram (`int`, *optional*, defaults to 0):
+            Lossless mode: where the last n tokens (n = `draft_ngram` down to 2) occurred before, in the prompt or
+            the output, draft the tokens that followed them then (up to `max_draft`; they cost no layer and no
+            head), and the exit head's drafts elsewhere. 0: head drafts only. Calibration sets it where it timed
+            no slower.
         compile (`bool`, *optional*, defaults to `False`):
             Compile Tide's runs of layers (between checkpoints; drafting's shallow layers; verification's deep
             layers, padded to the widest draft) with `torch.compile` on a static cache, as transformers compiles a
@@ -94,11 +100,12 @@ class TideGenerationConfig:
     def __init__(self, exit_threshold: float | None = None, thresholds: dict | None = None, min_layers: int = 0,
                  kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False, batch_exits: bool = True,
                  max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1, draft_vocab_size: int = 0,
-                 compile: bool = False, compiled_modes: bool = True):
+                 draft_ngram: int = 0, compile: bool = False, compiled_modes: bool = True):
         self.exit_threshold, self.min_layers, self.kv_strategy, self.mode = exit_threshold, min_layers, kv_strategy, mode
         self.prefill_exit, self.batch_exits = prefill_exit, batch_exits
         self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
         self.draft_vocab_size, self.compile, self.compiled_modes = draft_vocab_size, compile, compiled_modes
+        self.draft_ngram = draft_ngram
         self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
         self.validate()
 
@@ -145,6 +152,10 @@ class TideGenerationConfig:
             raise ValueError(f"tide_config.draft_topk must be at most {MAX_DRAFT_TOPK} (candidates verified in one pass), "
                              f"got {self.draft_topk}.")
         _check_int("draft_vocab_size", self.draft_vocab_size, minimum=0, owner="tide_config")
+        _check_int("draft_ngram", self.draft_ngram, minimum=0, owner="tide_config")
+        if self.draft_ngram > MAX_DRAFT_NGRAM:
+            raise ValueError(f"tide_config.draft_ngram must be at most {MAX_DRAFT_NGRAM} (tokens matched), got "
+                             f"{self.draft_ngram}.")
         if 0 < self.draft_vocab_size < MAX_DRAFT_TOPK:
             raise ValueError(f"tide_config.draft_vocab_size must be 0 (the whole vocabulary) or at least {MAX_DRAFT_TOPK} "
                              f"(the most candidates a draft offers), got {self.draft_vocab_size}.")

@@ -21,6 +21,7 @@ import time
 import torch
 from ._hf_compat import (crop_layer, grouped_query_attention_in_place, layer_length,
                          unrecoverable_sliding_layers)
+from .decode.ngram import NgramLookup
 from .decode.processors import process
 from .decode.records import Draft
 from .decode.spans import SpanRunner
@@ -71,11 +72,13 @@ class LosslessSession:
         self.cap = config.max_draft
         self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1
         self.draft_vocab_size = config.draft_vocab_size
+        self.draft_ngram = config.draft_ngram
         self.mask = None  # [1, n] the prompt's attention mask (None: no padding)
         self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact",
                                      draft_vocab_size=config.draft_vocab_size)
         self.pending_ids = None  # [1, P] tokens through the shallow layers only
         self.pending_states = None  # [1, P, H] their layer-E outputs
+        self.pending_complete = False  # the pending tokens include the last drafted one (n-gram drafts)
         self.context = None  # [1, H] the full model's final normed state before the next drafted token
         self.verified_contexts = None  # [1, P + 1, H] the same for each position the last verification checked
         self.original_forward = base_forward(model.base)
@@ -99,10 +102,15 @@ class LosslessSession:
 
     # ------------------------------------------------------------------ the shallow step (drafting)
     def shallow_step(self, token: torch.Tensor, cache, mask) -> torch.Tensor:
-        """Run token [1, 1] through layers 0..E on the real cache; keep and return its layer-E state [1, 1, H]."""
-        inputs = new_positions(mask, layer_length(cache, 0), 1)
+        """Run token [1, 1] through layers 0..E on the real cache; keep and return its layer-E state [1, 1, H].
+        Tokens [1, T] that need no head between them (n-gram drafts) run as one chunk, eagerly."""
+        inputs = new_positions(mask, layer_length(cache, 0), token.shape[1])
         hidden, calls = self.layer_args.calls(token, cache, inputs.get("attention_mask"), inputs["position_ids"])
-        hidden = self.spans.run(0, self.draft_layer + 1, hidden, calls)
+        if token.shape[1] == 1:
+            hidden = self.spans.run(0, self.draft_layer + 1, hidden, calls)
+        else:
+            with few_row_linears(self.parts), grouped_query_attention_in_place():
+                hidden = self.spans.run(0, self.draft_layer + 1, hidden, calls, eager=True)
         self.stats.layer_passes += self.draft_layer + 1
         if self.pending_ids is None:
             self.pending_ids, self.pending_states = token, hidden
@@ -122,13 +130,16 @@ class LosslessSession:
     def verify(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         """Full-model logits [1, P + 1, V] for the drafted positions and the last token of `input_ids` (the
         sequence with the drafts appended)."""
-        pending = self.pending
+        pending, complete = self.pending, self.pending_complete
         if input_ids.shape[1] < pending + 1:
             raise RuntimeError("Tide lossless mode: unexpected verification call.")
-        if pending and not torch.equal(input_ids[:, -pending - 1 : -1].to(self.pending_ids.device), self.pending_ids):
+        drafted = input_ids[:, input_ids.shape[1] - pending:] if complete else input_ids[:, -pending - 1: -1]
+        if pending and not torch.equal(drafted.to(self.pending_ids.device), self.pending_ids):
             raise RuntimeError("Tide lossless mode: the verified tokens are not the drafted ones.")
         mask = self.grown_mask(input_ids.shape[1])
-        self.shallow_step(input_ids[:, -1:], cache, mask)
+        if not complete:  # the last drafted token has not run through the shallow layers yet
+            self.shallow_step(input_ids[:, -1:], cache, mask)
+        self.pending_complete = False
         ids, states = self.pending_ids, self.pending_states  # [1, P + 1], [1, P + 1, H]
         positions = ids.shape[1]
         deep_length = layer_length(cache, self.parts.num_layers - 1)  # deep layers hold every position before the chunk
@@ -178,11 +189,18 @@ class ChainDrafter:
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.drafted = 0
+        self.ngrams = NgramLookup(session.draft_ngram) if session.draft_ngram else None
+        self.from_ngram = False  # the last draft was an n-gram continuation
 
     def draft(self, input_ids: torch.LongTensor) -> Draft:
         session, stats = self.session, self.session.stats
         start = time.perf_counter()
         self._prefill(input_ids)
+        continuation = self.ngram_continuation(input_ids)
+        if continuation:
+            draft = self.ngram_draft(input_ids, continuation)
+            stats.decode_time_s += time.perf_counter() - start
+            return draft
         budget = min(session.cap, self.max_length - input_ids.shape[1] - 1)
         tokens, draft_scores, stops = input_ids, [], False
         token, context = input_ids[:, -1:], session.context
@@ -207,12 +225,47 @@ class ChainDrafter:
         return Draft(tokens, self.drafted, scores, stops=stops)
 
     def verified(self, accepted: int) -> None:
-        """After the loop accepted `accepted` of the drafts: the next context, the counters and the cap."""
+        """After the loop accepted `accepted` of the drafts: the next context, the counters and the cap (of head
+        drafts: n-gram drafts leave it)."""
         stats, session = self.session.stats, self.session
         session.accept(accepted)
         stats.accepted += min(accepted, self.drafted)
         stats.decode_tokens += accepted + 1
-        session.cap = next_cap(session.cap, self.drafted, accepted, session.max_draft)
+        if self.from_ngram:
+            stats.ngram_accepted += min(accepted, self.drafted)
+        else:
+            session.cap = next_cap(session.cap, self.drafted, accepted, session.max_draft)
+
+    def ngram_continuation(self, input_ids: torch.LongTensor) -> list[int]:
+        """The tokens that followed the latest n-gram where it last occurred (none: draft from the head)."""
+        self.from_ngram = False
+        if self.ngrams is None:
+            return []
+        self.ngrams.update(input_ids)
+        return self.ngrams.continuation(min(self.session.max_draft, self.max_length - input_ids.shape[1] - 1))
+
+    def ngram_draft(self, input_ids: torch.LongTensor, continuation: list[int]) -> Draft:
+        """The draft `continuation` (an earlier occurrence's next tokens), up to the first that would stop
+        generation; every drafted token and the last emitted one run through the shallow layers as one chunk.
+        Sampling reads the drafts as drawn from a distribution that is certain of them."""
+        session, stats = self.session, self.session.stats
+        drafted = torch.tensor([continuation], dtype=input_ids.dtype, device=input_ids.device)
+        scores = torch.full((1, drafted.shape[1], session.model.num_head_rows), float("-inf"),
+                            device=input_ids.device)
+        scores.scatter_(-1, drafted[..., None].to(scores.device), 0.0)
+        count, stops = drafted.shape[1], False
+        for i in range(drafted.shape[1]):
+            if self.stops(torch.cat([input_ids, drafted[:, : i + 1]], 1), scores[:, i]):
+                count, stops = i + 1, True
+                break
+        tokens = torch.cat([input_ids, drafted[:, :count]], 1)
+        with torch.no_grad():
+            session.shallow_step(tokens[:, -count - 1:], self.cache, self._mask(tokens))
+        session.pending_complete = True
+        self.drafted, self.from_ngram = count, True
+        stats.drafted += count
+        stats.ngram_drafted += count
+        return Draft(tokens, count, scores[:, :count] if self.do_sample else None, stops=stops)
 
     # ------------------------------------------------------------------ helpers
     def _prefill(self, input_ids) -> None:

@@ -30,6 +30,8 @@ class GenerationStats:
     verify_passes: int = 0
     draft_topk: int = 1  # 1: chain drafts; k > 1: one-level tree drafts of k candidates
     draft_vocab_size: int = 0  # > 0: drafts ranked only that many most-predicted tokens (0: the whole vocabulary)
+    ngram_drafted: int = 0  # of `drafted`: n-gram continuations (`draft_ngram`)
+    ngram_accepted: int = 0  # of `accepted`: n-gram continuations
     # layer arguments: backbone captures Tide's passes ran (`layerargs.py`: one per window of positions where
     # windows hold, else one per pass), and why windows did not hold (None: they did, or were never asked)
     arg_captures: int = 0
@@ -92,7 +94,8 @@ class GenerationStats:
             rows += [
                 ("draft scheme", (f"tree of {self.draft_topk} candidates" if self.draft_topk > 1 else "chain")
                  + (f", over the {self.draft_vocab_size} most predicted tokens" if self.draft_vocab_size else "")),
-                ("drafted / accepted", f"{self.drafted} / {self.accepted} ({self.acceptance_rate:.1%})"),
+                ("drafted / accepted", f"{self.drafted} / {self.accepted} ({self.acceptance_rate:.1%})"
+                 + (f"; n-gram drafts {self.ngram_drafted} / {self.ngram_accepted}" if self.ngram_drafted else "")),
                 ("verification passes", str(self.verify_passes)),
                 ("layer passes per token", f"{self.layer_passes_per_token:.2f} (the base model: {self.num_layers})"),
             ]

@@ -116,6 +116,11 @@ class TreeDrafter:
         session, chain, stats = self.session, self.chain, self.session.stats
         start = time.perf_counter()
         chain._prefill(input_ids)
+        continuation = chain.ngram_continuation(input_ids)
+        if continuation:  # an earlier occurrence's next tokens: a chain that costs no head
+            draft = chain.ngram_draft(input_ids, continuation)
+            stats.decode_time_s += time.perf_counter() - start
+            return draft
         cache = chain.cache
         if self.usable is None:
             self.usable = plain_dynamic_layers(cache)
