@@ -170,6 +170,8 @@ def test_draft_trials_keep_the_fastest_scheme_that_times_faster_again(monkeypatc
     calls = []
 
     def timed(model, prompts, config, baseline="generate"):
+        if config.get("draft_ngram"):  # the chosen scheme with n-gram drafts: as fast as without
+            return 1.08
         calls.append(config["draft_topk"])
         return (again if calls.count(config["draft_topk"]) > 1 else first)[config["draft_topk"]]
 
@@ -179,6 +181,7 @@ def test_draft_trials_keep_the_fastest_scheme_that_times_faster_again(monkeypatc
     selection = trials.choose_draft(model, None, [], schemes)
     assert calls == [3, 8, 1, 8, 3]  # every scheme once, then the fastest ones again until one holds
     assert selection["chosen"]["draft_topk"] == 3 and selection["chosen"]["measured"] == 1.08
+    assert selection["ngram"]["active"] and selection["chosen"]["draft_ngram"] == trials.NGRAM
     assert [t["timings"] for t in selection["trials"][:2]] == [[1.10, 1.08], [1.20, 0.99]]
 
 
@@ -272,3 +275,12 @@ def test_calibration_records_its_phase_times(monkeypatch):
                              "cost measurement", "timing trials"]
     assert seconds["training"] > 0 and seconds["decode validation"] == 0  # validation_tokens=0: none
     assert "calibration took" in calibration.calibration_table(model.config)
+
+
+@pytest.mark.parametrize("ngram_speed, kept", [(1.0, True), (0.9, False)])
+def test_ngram_drafts_are_kept_unless_they_time_slower_than_the_scheme_alone(monkeypatch, ngram_speed, kept):
+    monkeypatch.setattr(trials, "timed", lambda model, prompts, config, baseline="generate":
+                        ngram_speed if config.get("draft_ngram") else 1.0)
+    timing = trials.time_ngram(None, [], {"draft_layer": 0, "max_draft": 2, "draft_topk": 1, "draft_vocab_size": 0,
+                                          "measured": 1.0})
+    assert timing["active"] == kept and timing["timings"] == [ngram_speed] * (2 if kept else 1)

@@ -176,7 +176,8 @@ def calibrate(
         tide.config.set_generation_defaults(draft_layer=chosen["draft_layer"] if chosen else None,
                                             max_draft=chosen["max_draft"] if chosen else 0,
                                             draft_topk=chosen["draft_topk"] if chosen else 1,
-                                            draft_vocab_size=vocab, mode="auto" if lossless_wins else "exit")
+                                            draft_vocab_size=vocab, draft_ngram=chosen.get("draft_ngram", 0) if chosen else 0,
+                                            mode="auto" if lossless_wins else "exit")
     compiled_timing = None
     default = _default_run(cfg) if prompts is not None and opts.compiled_trials else None
     if default is not None:
@@ -237,7 +238,7 @@ def _default_run(cfg: TideConfig) -> dict | None:
     generation = cfg.generation_config
     if generation.mode == "auto" and generation.max_draft:
         return {"mode": "lossless", **{k: getattr(generation, k) for k in
-                                       ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size")}}
+                                       ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size", "draft_ngram")}}
     if any(t < 1.0 for t in (cfg.thresholds or {}).values()):
         return {"mode": "exit", "thresholds": dict(cfg.thresholds)}
     return None
@@ -751,6 +752,10 @@ def calibration_table(config) -> str:
     draft = cal.get("draft_selection") or {}
     for trial in draft.get("trials", []):
         lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, {timings_text(trial)}")
+    ngram = draft.get("ngram")
+    if ngram:
+        lines.append(f"the chosen scheme with n-gram drafts (draft_ngram={ngram['draft_ngram']}): {timings_text(ngram)}, "
+                     + ("kept" if ngram["active"] else "slower than the scheme alone, not kept"))
     if draft:
         generation = config.generation_config
         lines.append(f"lossless mode: {draft_scheme_text(generation.to_dict())}" if generation.max_draft

@@ -211,6 +211,8 @@ def draft_scheme_text(scheme: dict) -> str:
     """'drafts from layer E, up to N per verification' or 'tree drafts from layer E, k candidates' for a dict
     with draft_layer, max_draft and (optionally) draft_topk."""
     vocab = f", over the {scheme['draft_vocab_size']} most predicted tokens" if scheme.get("draft_vocab_size") else ""
+    if scheme.get("draft_ngram"):
+        vocab += f"; n-gram drafts where the last {scheme['draft_ngram']} tokens (down to 2) occurred before"
     if scheme.get("draft_topk", 1) > 1:
         return f"tree drafts from layer {scheme['draft_layer']}, {scheme['draft_topk']} candidates per verification{vocab}"
     return f"drafts from layer {scheme['draft_layer']}, up to {scheme['max_draft']} per verification{vocab}"

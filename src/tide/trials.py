@@ -17,7 +17,7 @@ from .costs import measured_speedup
 from .speculative import LosslessUnavailable
 
 __all__ = ["KEEP_SPEEDUP", "BATCH_TIMING_ROWS", "timing_prompts", "timing_batch", "timed", "kept", "time_exit",
-           "time_compiled", "timed_schemes", "choose_draft"]
+           "time_compiled", "time_ngram", "timed_schemes", "choose_draft", "NGRAM"]
 
 
 def timing_prompts(tokenizer, texts, device) -> list[torch.Tensor]:
@@ -124,11 +124,32 @@ def choose_draft(tide, tokenizer, texts, candidates) -> dict:
         timing = kept(tide, prompts, _lossless_config(trial), first=trial["measured"])
         trial["timings"] = timing["timings"]
         if timing["active"]:
-            return {"trials": trials, "chosen": {**trial, "measured": timing["measured"]}}
+            chosen = {**trial, "measured": timing["measured"]}
+            ngram = time_ngram(tide, prompts, chosen)
+            chosen["draft_ngram"] = NGRAM if ngram["active"] else 0
+            return {"trials": trials, "chosen": chosen, "ngram": ngram}
         if len(timing["timings"]) == 1:  # not faster even once: nor are the trials timed slower
             break
     return {"trials": trials, "chosen": None}
 
 
+# n-gram drafts: the longest n-gram matched (`draft_ngram`), where calibration keeps them.
+NGRAM = 3
+
+
+def time_ngram(tide, prompts, chosen: dict) -> dict:
+    """Time the chosen scheme with n-gram drafts (`draft_ngram=NGRAM`) against the base model. They are kept
+    unless they time slower than the scheme alone by more than the timing's noise (`KEEP_SPEEDUP`): a lookup per
+    cycle costs microseconds, so on text that does not repeat they time as the scheme does, and on text that
+    repeats (code, lists, quoted passages) they draft for free."""
+    config = {**_lossless_config(chosen), "draft_ngram": NGRAM}
+    bar = chosen["measured"] / KEEP_SPEEDUP
+    timings = [timed(tide, prompts, config)]
+    if timings[0] >= bar:
+        timings.append(timed(tide, prompts, config))
+    return {"draft_ngram": NGRAM, "measured": min(timings), "timings": timings, "active": min(timings) >= bar}
+
+
 def _lossless_config(scheme: dict) -> dict:
-    return {"mode": "lossless", **{k: scheme[k] for k in ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size")}}
+    keys = ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size", "draft_ngram")
+    return {"mode": "lossless", **{k: scheme[k] for k in keys if k in scheme}}
