@@ -52,6 +52,24 @@ def random_model(shape: str, device: str):
     return model.eval()
 
 
+CODE_MODULES = ("json.encoder", "textwrap", "string", "shlex", "fnmatch", "glob", "bisect", "heapq", "colorsys",
+                "copy", "keyword", "numbers")
+
+
+def prompt_texts(kind: str, count: int) -> list[str]:
+    """Prompt texts of `kind` (see --text), from what any machine with Python has."""
+    if kind == "code":
+        import importlib
+        import inspect
+
+        sources = [inspect.getsource(importlib.import_module(name)) for name in CODE_MODULES[:count]]
+        return [source[len(source) // 3:][:400] for source in sources]  # from a third of the way in, past the docstring
+    _, heldout = split_corpus()
+    if kind == "quote":
+        return [f"{text[:300]}\n\n{text[:60]}" for text in heldout[:count]]
+    return [text[:160] for text in heldout[:count]]
+
+
 def timed(fn, *args):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -78,6 +96,11 @@ def main(argv=None):
     parser.add_argument("--random-shape", choices=sorted(SHAPES), help="a random-weight Llama of this shape instead of "
                         "the shipped model (costs and overheads; fresh heads)")
     parser.add_argument("--costs", action="store_true", help="also print Tide's cost table (tide.costs.measure_costs)")
+    parser.add_argument("--text", choices=["heldout", "code", "quote"], default="heldout",
+                        help="prompts: held-out prose; the start of Python standard-library source files (a code "
+                        "continuation); or a held-out paragraph followed by its own opening (text that repeats)")
+    parser.add_argument("--ngram", action="store_true", help="also time transformers' prompt lookup "
+                        "(prompt_lookup_num_tokens=3) and Tide's default with and without n-gram drafts")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -92,8 +115,7 @@ def main(argv=None):
         else:
             base, tok = _load_base()
         base.to(args.device)
-        _, heldout = split_corpus()
-        prompts = [tok(text[:160], return_tensors="pt").input_ids.to(args.device) for text in heldout[: args.prompts]]
+        prompts = [tok(text, return_tensors="pt").input_ids.to(args.device) for text in prompt_texts(args.text, args.prompts)]
     model = (tide.TideForCausalLM.from_pretrained(args.routers, base_model=base) if args.routers
              else tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=1)))
     if args.costs:
@@ -116,8 +138,14 @@ def main(argv=None):
         if tree:
             config["draft_topk"] = int(tree[0].lstrip("k"))
         configs[f"lossless {scheme}"] = config
+    if args.ngram:
+        rows_ngram = {"prompt lookup (transformers)": lambda ids: base.generate(ids, **greedy, prompt_lookup_num_tokens=3)}
+        configs["tide default, no n-gram"] = {"mode": "lossless", "draft_ngram": 0}
+        configs["tide default + n-gram"] = {"mode": "lossless", "draft_ngram": 3}
     for threshold in args.exit:
         configs[f"exit {threshold:g}"] = {"exit_threshold": threshold}
+    if args.ngram:
+        rows.update(rows_ngram)
     for name, config in configs.items():
         rows[name] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
     compile_s = {"static+compile": compile_s}
