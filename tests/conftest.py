@@ -20,3 +20,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------- fixed timings (tests/fixed_timing.py)
+@pytest.fixture(scope="session", autouse=True)
+def _fixed_timing():
+    """Calibration's timing trials return fixed values in every test (and in session- or module-scoped
+    fixtures), unless the test is marked `real_timing`."""
+    import fixed_timing
+
+    bindings = fixed_timing.bindings()
+    with pytest.MonkeyPatch.context() as patch:
+        for module, attr, _real, fake in bindings:
+            patch.setattr(module, attr, fake)
+        yield bindings
+
+
+@pytest.fixture(autouse=True)
+def _real_timing(request, _fixed_timing, monkeypatch):
+    """`@pytest.mark.real_timing`: this test times on the machine (the real `measure_costs`, `measured_speedup`)."""
+    if request.node.get_closest_marker("real_timing"):
+        for module, attr, real, _fake in _fixed_timing:
+            monkeypatch.setattr(module, attr, real)

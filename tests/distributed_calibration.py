@@ -1,5 +1,6 @@
-"""Run by tests/test_distributed.py under `torchrun --nproc_per_node N` (N = 1 or 2): calibrate a tiny model on
-fixed texts and write what came out (rank 0) as JSON to the path given."""
+"""Run by tests/test_distributed.py under `torchrun --nproc_per_node N` (N = 1 or 2): for each mode given
+("fixed": untrained routers, "train"), calibrate a tiny model on fixed texts and write what came out (rank 0) as
+JSON to OUT_DIR/<mode>.json. Both modes run in one launch: starting the processes is most of the time."""
 
 import json
 import os
@@ -14,24 +15,27 @@ import tide  # noqa: E402
 from tide.distributed import Processes  # noqa: E402
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer  # noqa: E402
 
-out_path, train = sys.argv[1], sys.argv[2] == "train"
+out_dir, modes = sys.argv[1], sys.argv[2:]
 torch.set_num_threads(1)
-steps = dict(head_steps=40, passes=2) if train else dict(head_steps=0, passes=0)
-model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24), num_samples=24, max_length=48,
-                       batch_size=4, config=tide.TideConfig(checkpoint_layers=[1, 3], target_agreement=0.6),
-                       measure_costs=False, validation_tokens=64, draft_trials=0, progress=False, **steps)
-procs = Processes.current(model.base.device)
-weights = {k: v.tolist() for k, v in model.routers.state_dict().items()}
-gathered = procs.broadcast(weights)  # the main process's weights, to compare with every process's own
-same = all(torch.allclose(torch.tensor(weights[k]), torch.tensor(gathered[k])) for k in weights)
-identical = procs.sum([0.0 if same else 1.0])[0] == 0.0
-if procs.is_main:
-    cal = model.config.calibration
-    with open(out_path, "w") as f:
-        json.dump({"world": procs.world, "thresholds": model.config.thresholds, "weights": weights,
-                   "heldout_tokens": cal["heldout_tokens"], "train_tokens": cal["train_tokens"],
-                   "expected_agreement": cal["expected_agreement"], "same_weights_on_every_process": identical,
-                   "decode_validation": cal["decode_validation"]}, f)
+for mode in modes:
+    train = mode == "train"
+    steps = dict(head_steps=40, passes=2) if train else dict(head_steps=0, passes=0)
+    model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24), num_samples=24,
+                           max_length=48, batch_size=4,
+                           config=tide.TideConfig(checkpoint_layers=[1, 3], target_agreement=0.6),
+                           measure_costs=False, validation_tokens=64, draft_trials=0, progress=False, **steps)
+    procs = Processes.current(model.base.device)
+    weights = {k: v.tolist() for k, v in model.routers.state_dict().items()}
+    gathered = procs.broadcast(weights)  # the main process's weights, to compare with every process's own
+    same = all(torch.allclose(torch.tensor(weights[k]), torch.tensor(gathered[k])) for k in weights)
+    identical = procs.sum([0.0 if same else 1.0])[0] == 0.0
+    if procs.is_main:
+        cal = model.config.calibration
+        with open(os.path.join(out_dir, f"{mode}.json"), "w") as f:
+            json.dump({"world": procs.world, "thresholds": model.config.thresholds, "weights": weights,
+                       "heldout_tokens": cal["heldout_tokens"], "train_tokens": cal["train_tokens"],
+                       "expected_agreement": cal["expected_agreement"], "same_weights_on_every_process": identical,
+                       "decode_validation": cal["decode_validation"]}, f)
 if torch.distributed.is_initialized():  # leave together: a process that exits while another is still in a
     torch.distributed.barrier()  # collective can abort ("terminate called without an active exception")
     torch.distributed.destroy_process_group()

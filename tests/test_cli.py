@@ -93,8 +93,27 @@ def test_errors_are_one_line_with_what_to_do(tmp_path, capsys):
     assert err.startswith("tide generate: error:")
 
 
-def test_demo_runs_end_to_end(tmp_path, capsys):
-    """The README's demo command: the shipped model, calibrated, saved, reloaded, generating, measured."""
+def test_demo_runs_end_to_end(tmp_path, capsys, monkeypatch):
+    """The README's demo command: the shipped model, calibrated, saved, reloaded, generating, measured.
+
+    Made cheaper than `tide demo --quick` where the test reads nothing of it: calibration trains its exit and draft
+    heads for 15 steps, not 60 (training them was most of the test's time), and the compiled baseline of the speed
+    section is captured by dynamo as one graph without inductor's code generation (the eager backend, as
+    tests/test_compile.py does; inductor is tested there)."""
+    import tide.bench
+    import tide.demo
+
+    calibrate, compiled = tide.demo.calibrate, tide.bench.compiled_static_decoder
+
+    def fewer_head_steps(*args, **kwargs):
+        return calibrate(*args, **{**kwargs, "head_steps": min(kwargs.get("head_steps", 15), 15)})
+
+    def eager_backend(*args, **kwargs):
+        kwargs.setdefault("compile_options", dict(fullgraph=True, dynamic=False, backend="eager"))
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(tide.demo, "calibrate", fewer_head_steps)
+    monkeypatch.setattr(tide.bench, "compiled_static_decoder", eager_backend)
     assert main(["demo", "--quick", "--out", str(tmp_path / "routers")]) == 0
     out = capsys.readouterr().out
     for section in ("1. The shipped model", "2. Calibrate", "3. Save", "mode='exit'", "mode='lossless'", "5. Speed"):

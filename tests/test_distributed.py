@@ -13,30 +13,47 @@ import torch
 SCRIPT = Path(__file__).with_name("distributed_calibration.py")
 
 
-def _run(processes: int, mode: str, tmp_path) -> dict:
+MODES = ("fixed", "train")
+
+
+def _launch(processes: int, out) -> None:
+    """One torchrun launch of `processes` processes that calibrates in every mode of MODES, into out/<mode>.json."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not installed")
-    out = tmp_path / f"{mode}-{processes}.json"
+    out.mkdir()
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     result = subprocess.run([torchrun, "--nproc_per_node", str(processes), "--master_port", str(29500 + processes),
-                             str(SCRIPT), str(out), mode], env=env, capture_output=True, text=True, timeout=600)
+                             str(SCRIPT), str(out), *MODES], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
-def test_same_scores_give_identical_thresholds(tmp_path):
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """{processes: folder of <mode>.json}: calibrations on 1 and on 2 processes, one launch each."""
+    out = {}
+    for processes in (1, 2):
+        out[processes] = tmp_path_factory.mktemp("distributed") / str(processes)
+        _launch(processes, out[processes])
+    return out
+
+
+def _run(processes: int, mode: str, launches) -> dict:
+    return json.loads((launches[processes] / f"{mode}.json").read_text())
+
+
+def test_same_scores_give_identical_thresholds(launches):
     """Untrained routers (no steps): the held-out scores are the same numbers on 1 or 2 processes, gathered in
     another order, and the thresholds must be identical."""
-    one, two = _run(1, "fixed", tmp_path), _run(2, "fixed", tmp_path)
+    one, two = _run(1, "fixed", launches), _run(2, "fixed", launches)
     assert two["world"] == 2 and one["world"] == 1
     assert two["heldout_tokens"] == one["heldout_tokens"] and two["train_tokens"] == one["train_tokens"]
     assert two["thresholds"] == one["thresholds"]
     assert two["expected_agreement"] == one["expected_agreement"]
 
 
-def test_trained_on_two_processes_matches_one_within_tolerance(tmp_path):
-    one, two = _run(1, "train", tmp_path), _run(2, "train", tmp_path)
+def test_trained_on_two_processes_matches_one_within_tolerance(launches):
+    one, two = _run(1, "train", launches), _run(2, "train", launches)
     assert two["same_weights_on_every_process"], "all-reduced updates must leave every process with the same routers"
     # Each process steps on its own shard and the gradients are averaged: not the same minibatches as one
     # process, so the weights differ slightly. Stated tolerance (docs/scaling.md): per checkpoint, the relative

@@ -1,4 +1,5 @@
-"""Every example script runs end to end in its offline tiny mode (a fresh process each, in a temp dir)."""
+"""Every example script runs end to end in its offline tiny mode (a fresh process each, in a temp dir), with
+calibration's timing trials replaced by the suite's fixed values (tests/fixed_timing.py)."""
 
 import os
 import subprocess
@@ -8,6 +9,9 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# Runs a script with calibration's timing trials replaced by the suite's fixed values (tests/fixed_timing.py):
+# the examples do not test timing, and their calibrations' trials took most of their time.
+FIXED_TIMING = Path(__file__).resolve().parent / "fixed_timing.py"
 
 # script, what its output must contain
 SCRIPTS = {
@@ -32,7 +36,7 @@ def test_example_runs_in_tiny_mode(script, tmp_path):
     # One thread: the tiny models are too small to gain from more, and spare cores keep other work fast.
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, str(EXAMPLES / script), "--tiny"], cwd=tmp_path, env=env,
+    out = subprocess.run([sys.executable, str(FIXED_TIMING), str(EXAMPLES / script), "--tiny"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{script} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
     assert SCRIPTS[script] in out.stdout, out.stdout[-3000:]

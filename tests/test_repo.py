@@ -24,6 +24,12 @@ def _calibrated(family="llama", **cfg):
     return tide.calibrate(tiny_model(family), tiny_tokenizer(), dataset=sample_texts(16), config=config, **FAST)
 
 
+@pytest.fixture(scope="module")
+def calibrated():
+    """`_calibrated()`, made once: the tests that take it only read it, save it and load it onto other bases."""
+    return _calibrated()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_calibrate_and_round_trip(family, tmp_path):
     model = _calibrated(family)
@@ -39,16 +45,16 @@ def test_calibrate_and_round_trip(family, tmp_path):
     assert loaded.config.thresholds == model.config.thresholds
 
 
-def test_cosine_label_rule():
+def test_cosine_label_rule(calibrated):
     """cos(h, h_final) > 1.0 never holds: under the cosine rule nothing is labelled, unlike under top-1."""
     cosine = _calibrated(label="cosine", cosine_threshold=1.0).config.calibration["checkpoints"]
-    top1 = _calibrated().config.calibration["checkpoints"]
+    top1 = calibrated.config.calibration["checkpoints"]
     assert all(row["label_rate"] == 0.0 for row in cosine.values())
     assert any(row["label_rate"] > 0.0 for row in top1.values())
 
 
-def test_router_file_is_safetensors_with_metadata(tmp_path):
-    _calibrated().save_pretrained(tmp_path)
+def test_router_file_is_safetensors_with_metadata(calibrated, tmp_path):
+    calibrated.save_pretrained(tmp_path)
     with safe_open(tmp_path / "routers.safetensors", "pt") as f:
         assert f.metadata()["checkpoints"] == "1,3"
         params = ("down.weight", "down.bias", "up.weight", "up.bias", "translator.weight", "translator.bias")
@@ -78,14 +84,14 @@ def test_load_base_by_name_and_through_automodel(tmp_path):
     (dict(num_hidden_layers=8), "number of layers"),
     (dict(hidden_size=48), "hidden size"),
 ])
-def test_mismatched_base_fails_naming_the_mismatch(tmp_path, overrides, needle):
-    _calibrated().save_pretrained(tmp_path)
+def test_mismatched_base_fails_naming_the_mismatch(calibrated, tmp_path, overrides, needle):
+    calibrated.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=needle):
         tide.TideForCausalLM.from_pretrained(tmp_path, base_model=tiny_model("llama", **overrides))
 
 
-def test_wrong_model_type_is_named(tmp_path):
-    _calibrated().save_pretrained(tmp_path)
+def test_wrong_model_type_is_named(calibrated, tmp_path):
+    calibrated.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model type"):
         tide.TideForCausalLM.from_pretrained(tmp_path, base_model=tiny_model("qwen3"))
 
@@ -159,7 +165,7 @@ def test_router_dtype_mismatch_is_a_clear_error():
         model.routers.score(1, torch.zeros(1, 32, dtype=torch.float64))
 
 
-def test_push_to_hub_uploads_only_the_repo_files(monkeypatch):
+def test_push_to_hub_uploads_only_the_repo_files(calibrated, monkeypatch):
     calls = {}
 
     class FakeApi:
@@ -174,7 +180,7 @@ def test_push_to_hub_uploads_only_the_repo_files(monkeypatch):
             calls["allow"] = sorted(allow_patterns)
 
     monkeypatch.setattr(tide.hub, "HfApi", FakeApi)
-    _calibrated().push_to_hub("user/llama-tide")
+    calibrated.push_to_hub("user/llama-tide")
     assert calls["repo"] == "user/llama-tide"
     assert calls["files"] == calls["allow"] == sorted(REPO_FILES)
 

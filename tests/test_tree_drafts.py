@@ -339,6 +339,7 @@ def test_chain_estimates_follow_the_adaptive_cap():
     assert estimates[4] == pytest.approx(estimates[1], rel=0.01)
 
 
+@pytest.mark.real_timing
 @pytest.mark.parametrize("family, wide", [("llama", True), ("mistral", False)])
 def test_measure_costs_times_each_verification_point(family, wide, monkeypatch):
     from tide.costs import LOOP_TOKENS, VERIFY_POINTS, measure_costs
@@ -360,6 +361,7 @@ def test_measure_costs_times_each_verification_point(family, wide, monkeypatch):
     assert costs.step_extra_s >= 0 and costs.cycle_extra_s >= 0
 
 
+@pytest.mark.real_timing
 def test_loop_extras_are_zero_where_lossless_mode_cannot_run(monkeypatch):
     from tide import costs as costs_module
     from tide.speculative import LosslessUnavailable
