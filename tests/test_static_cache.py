@@ -48,3 +48,27 @@ def test_lossless_sampling_on_a_static_cache_runs_and_stops_at_the_budget():
     out = model.generate(prompt_ids(), do_sample=True, max_new_tokens=16, min_new_tokens=16,
                          tide_config={"mode": "lossless", "max_draft": 4}, **STATIC)
     assert out.shape[1] == prompt_ids().shape[1] + 16
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_drafts_on_a_static_cache_are_token_identical(family):
+    """A tree writes x and its k candidates past the static layers' length, keeps the full model's pick in place
+    and moves the length back; near the end of the cache, where k + 1 slots do not fit, it drafts a chain."""
+    model, base = noisy_tide(family)
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=24)
+    out = model.generate(ids, do_sample=False, max_new_tokens=24, **STATIC,
+                         tide_config={"mode": "lossless", "max_draft": 1, "draft_topk": 3})
+    assert torch.equal(out, ref)
+    assert model.last_stats.draft_topk == 3 and model.last_stats.drafted > 0
+
+
+def test_tree_drafts_run_with_compiled_spans():
+    from transformers import CompileConfig
+
+    model, base = noisy_tide("llama")
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    out = model.generate(ids, do_sample=False, max_new_tokens=16, compile_config=CompileConfig(backend="eager"),
+                         tide_config={"mode": "lossless", "max_draft": 1, "draft_topk": 3, "compile": True})
+    assert torch.equal(out, ref) and model.last_stats.draft_topk == 3

@@ -14,8 +14,9 @@ often among its top few (docs/benchmarks.md). One cycle here, for the last emitt
    dropped and x's logits give the next token.
 
 The tree mask is the mask the backbone builds for the chunk [x, candidates], with the candidate-to-candidate
-entries blocked; the candidates' shallow calls are the same calls without x's row (one capture per cycle). Where no 4-D mask tensor reaches the layers, or a cache layer is not a plain `DynamicLayer`
-(sliding windows keep their own bookkeeping), the cycle falls back to a chain draft of one. Families whose
+entries blocked; the candidates' shallow calls are the same calls without x's row (one capture per cycle). Where no 4-D mask tensor reaches the layers, or a cache layer is neither a plain `DynamicLayer`
+nor a full-attention static layer (sliding windows keep their own bookkeeping), or a static cache has no room
+for x and the k candidates, the cycle falls back to a chain draft. Families whose
 positions live in the mask rather than in `position_ids` (alibi) never get here (`ArchSpec.tree_drafts`).
 """
 
@@ -24,8 +25,8 @@ from __future__ import annotations
 import time
 
 import torch
-from ._hf_compat import (LengthView, grouped_query_attention_in_place, keep_one_of_tail, layer_length,
-                         plain_dynamic_layers)
+from ._hf_compat import (LengthView, grouped_query_attention_in_place, is_static_layer, keep_one_of_tail,
+                         layer_length, plain_dynamic_layers)
 from .decode.processors import process
 from .decode.records import Draft
 from .fewrows import few_row_linears
@@ -123,8 +124,8 @@ class TreeDrafter:
             return draft
         cache = chain.cache
         if self.usable is None:
-            self.usable = plain_dynamic_layers(cache)
-        if not self.usable or chain.max_length - input_ids.shape[1] < 2:
+            self.usable = plain_dynamic_layers(cache) or all(is_static_layer(layer) for layer in cache.layers)
+        if not self.usable or chain.max_length - input_ids.shape[1] < 2 or not _room_for(cache, self.k + 1):
             stats.decode_time_s += time.perf_counter() - start
             if not self.usable:
                 stats.draft_topk = 1
@@ -194,6 +195,13 @@ class TreeDrafter:
         session.stats.verify_passes += 1
         session.stats.decode_steps += 1
         return logits
+
+
+def _room_for(cache, positions: int) -> bool:
+    """Whether every layer of a static cache has `positions` free slots past its length (a tree writes x and all
+    its candidates before it keeps one); always on a dynamic cache."""
+    return all(not is_static_layer(layer) or layer.max_cache_len - int(layer.get_seq_length()) >= positions
+               for layer in cache.layers)
 
 
 def grown_mask(mask, length: int):
