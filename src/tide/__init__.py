@@ -6,7 +6,7 @@ from .architectures import ARCHITECTURES, ArchSpec, register, supported_model_ty
 from .config import TideConfig, TideGenerationConfig  # noqa: E402
 from .modeling import TideForCausalLM  # noqa: E402
 from .calibrate import calibrate  # noqa: E402
-from .convert import convert_tide_routers, import_tide_checkpoint  # noqa: E402
+from .convert import convert_tide_routers  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -17,7 +17,6 @@ __all__ = [
     "TideGenerationConfig",
     "calibrate",
     "convert_tide_routers",
-    "import_tide_checkpoint",
     "register",
     "supported_model_types",
 ]

@@ -17,7 +17,7 @@ from .architectures import resolve
 from .config import TideConfig
 from .modeling import TideForCausalLM
 
-__all__ = ["convert_tide_routers", "import_tide_checkpoint"]
+__all__ = ["convert_tide_routers"]
 
 
 def convert_tide_routers(path, base_model, config: TideConfig | None = None):
@@ -88,9 +88,3 @@ def _router_tensors(path, layer: int, router, expected: dict) -> dict:
             raise ValueError(f"{path}: router layer {layer} {key} holds values that are not finite (NaN or inf).")
         out[key] = tensor
     return out
-
-
-def import_tide_checkpoint(path, base_model, config: TideConfig | None = None):
-    """Deprecated name of `convert_tide_routers`."""
-    warnings.warn("tide.import_tide_checkpoint is renamed tide.convert_tide_routers.", FutureWarning, stacklevel=2)
-    return convert_tide_routers(path, base_model, config)

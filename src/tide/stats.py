@@ -45,14 +45,13 @@ class GenerationStats:
         self.recomputed_positions += recomputed
         self.record_exits(exit_layers)
 
-    def record_exits(self, exit_layers: list[int], emitted: bool = True) -> None:
-        """Count where tokens left the stack; `emitted=False` for lossless drafts (counted when accepted)."""
+    def record_exits(self, exit_layers: list[int]) -> None:
+        """Count where emitted tokens left the stack."""
         for k in exit_layers:
             key = "full" if k >= self.num_layers - 1 else str(k)
             self.exits[key] = self.exits.get(key, 0) + 1
             self.token_layers += k + 1
-        if emitted:
-            self.decode_tokens += len(exit_layers)
+        self.decode_tokens += len(exit_layers)
 
     @property
     def mean_layers(self) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["auc", "binomial_upper_bound", "select_threshold", "calibrate_cascade", "CascadeSelection", "CheckpointCalibration",
-           "exit_decision", "oracle_depth", "oracle_speedup"]
+           "exit_decision", "oracle_depth"]
 
 NEVER = 1.0  # scores are sigmoids in [0, 1] and a token exits when score > threshold
 # Per-exit error budgets tried, in this fixed order, by `calibrate_cascade`.
@@ -202,8 +202,3 @@ def oracle_depth(agree: dict[int, torch.Tensor], layers: list[int], num_layers: 
     for k in reversed(layers):
         depth = torch.where(agree[k], torch.full_like(depth, k + 1), depth)
     return depth
-
-
-def oracle_speedup(agree: dict[int, torch.Tensor], layers: list[int], num_layers: int) -> float:
-    """The layer speed-up a perfect router would reach: num_layers / mean `oracle_depth`."""
-    return num_layers / float(oracle_depth(agree, layers, num_layers).mean())
