@@ -284,3 +284,25 @@ def test_ngram_drafts_are_kept_unless_they_time_slower_than_the_scheme_alone(mon
     timing = trials.time_ngram(None, [], {"draft_layer": 0, "max_draft": 2, "draft_topk": 1, "draft_vocab_size": 0,
                                           "measured": 1.0})
     assert timing["active"] == kept and timing["timings"] == [ngram_speed] * (2 if kept else 1)
+
+
+@pytest.mark.parametrize("ngram_speed", [1.1, 0.98])
+def test_where_no_head_scheme_pays_ngram_drafts_alone_are_timed(monkeypatch, ngram_speed):
+    from tide.costs import DraftScheme
+
+    def timed(model, prompts, config, baseline="generate"):
+        return ngram_speed if config.get("head_drafts") is False else 0.95
+
+    monkeypatch.setattr(trials, "timed", timed)
+    monkeypatch.setattr(trials, "timing_prompts", lambda *args: [])
+    model = type("M", (), {"base": type("B", (), {"device": "cpu"})()})()
+    selection = trials.choose_draft(model, None, [], [DraftScheme(0, 1, 1, 1.3)])
+    assert selection["ngram_only"]["active"] == (ngram_speed > 1)
+    chosen = selection["chosen"]
+    if ngram_speed > 1:
+        assert chosen["head_drafts"] is False and chosen["draft_ngram"] == trials.NGRAM
+        config = tide.TideGenerationConfig(mode="auto", **{k: v for k, v in chosen.items()
+                                                          if k not in ("measured", "timings")})
+        assert "n-gram drafts only" in tide.config.draft_scheme_text(config.to_dict())
+    else:
+        assert chosen is None

@@ -77,3 +77,21 @@ def test_draft_ngram_is_range_checked():
     model, _ = noisy_tide()
     with pytest.raises(ValueError, match="draft_ngram"):
         model.generate(REPEATS, max_new_tokens=2, tide_config={"mode": "lossless", "draft_ngram": 99})
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_ngram_drafts_alone_run_plain_steps_where_nothing_matches(do_sample):
+    """head_drafts=False: n-gram continuations are the only drafts; a cycle without one is a plain step."""
+    model, base = noisy_tide()
+    options = dict(do_sample=do_sample, max_new_tokens=20, top_k=4)
+    torch.manual_seed(0)
+    ref = base.generate(REPEATS, **options)
+    torch.manual_seed(0)
+    out = model.generate(REPEATS, tide_config={"mode": "lossless", "draft_ngram": 3, "max_draft": 4,
+                                               "head_drafts": False}, **options)
+    stats = model.last_stats
+    assert stats.drafted == stats.ngram_drafted > 0 and stats.decode_tokens == 20
+    if not do_sample:
+        assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="draft_ngram"):
+        model.generate(REPEATS, max_new_tokens=2, tide_config={"mode": "lossless", "head_drafts": False})

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import (MAX_DRAFT_TOPK, TideConfig, batches_text, compiled_timing_text, draft_scheme_text, exit_timing_text,
-                     phases_text, timings_text)
+from .config import (MAX_DRAFT_TOPK, TideConfig, batches_text, budget_text, compiled_timing_text, draft_scheme_text,
+                     exit_timing_text, phases_text, timings_text, work_text)
 from .costs import (draft_candidates, layer_cost_of_cascade, loop_extras_text, measure_costs, prune_checkpoints,
                     verify_extras_text)
 from .data import load_texts
@@ -31,7 +31,7 @@ from .evaluate import teacher_forced
 from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
 from .thresholds import EXIT_ERROR_BUDGETS, CheckpointCalibration, auc, binomial_upper_bound, calibrate_cascade, oracle_depth
-from .trials import choose_draft, time_compiled, time_exit, timed_schemes, timing_batch, timing_prompts
+from .trials import KEEP_SPEEDUP, choose_draft, time_compiled, time_exit, timed_schemes, timing_batch, timing_prompts
 
 __all__ = ["calibrate", "calibration_table", "thresholds_for_target", "operating_point", "OperatingPoint", "CalibrationOptions"]
 
@@ -53,6 +53,7 @@ class CalibrationOptions:
     validation_tokens: int = 1024  # held-out tokens decoded through the decode step to check the target (0: skip)
     draft_trials: int = 3  # lossless drafting schemes timed against the base model (best estimates first; 0: skip)
     compiled_trials: bool = True  # time the kept mode compiled against the base model's compiled decode
+    timing_budget_s: float | None = None  # cap on the timing trials' seconds: later trials are cut (None: no cap)
     progress: bool = True
 
     def __post_init__(self):
@@ -66,6 +67,10 @@ class CalibrationOptions:
             raise ValueError(f"calibrate: buffer_size must be a positive integer or None, got {self.buffer_size!r}.")
         if not isinstance(self.heldout_fraction, (int, float)) or not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"calibrate: heldout_fraction must be between 0 and 1 (exclusive), got {self.heldout_fraction!r}.")
+        budget = self.timing_budget_s
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not math.isfinite(budget) or budget < 0):
+            raise ValueError(f"calibrate: timing_budget_s must be a finite number >= 0 or None, got {budget!r}.")
         for name in ("head_lr", "lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0.0:
@@ -113,6 +118,7 @@ def calibrate(
     if procs.world > min(len(train_texts), len(held_texts)):
         raise ValueError(f"Calibration on {procs.world} processes needs at least {procs.world} training and "
                          f"{procs.world} held-out texts; got {len(train_texts)} and {len(held_texts)}.")
+    all_held = held_texts  # the check through the decode step and the timing trials read the same as in one process
     train_texts, held_texts = procs.shard(train_texts), procs.shard(held_texts)
     layers = cfg.generation_config.consulted_checkpoints(tide.checkpoints)
 
@@ -139,22 +145,28 @@ def calibrate(
             with phases("held-out scoring"):
                 held.add(_score(tide, _capture(tide, batch), cfg, ranked))
             bar.update(batch["input_ids"].shape[0])
+        held_local_tokens = held.num_tokens if held_texts else 0
         with phases("held-out scoring"):
             held = held.gathered(procs)
     finally:
         bar.close()
         tide.base.train(was_training)
 
+    held_local = (len(held_texts), held_local_tokens)
     num_layers = tide.parts.num_layers
+    budget = _TrialBudget(opts.timing_budget_s, phases)
     with phases("cost measurement"):
         costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
     with phases("data"):
-        tokens = _validation_tokens(held_texts, tokenizer, opts, share=procs.world) if opts.validation_tokens else None
-        prompts = timing_prompts(tokenizer, held_texts, tide.base.device) if costs is not None else None
-        batch = timing_batch(tokenizer, held_texts, tide.base.device) if costs is not None else None
+        # this process's share of the token lists one process would check, balanced by length (possibly none, but
+        # every process takes part in the check when there are any)
+        tokens = _validation_tokens(all_held, tokenizer, opts) if opts.validation_tokens else None
+        tokens = procs.shard_by_size(tokens, [len(ids) for ids in tokens]) if tokens else None
+        prompts = timing_prompts(tokenizer, all_held, tide.base.device) if costs is not None else None
+        batch = timing_batch(tokenizer, all_held, tide.base.device) if costs is not None else None
     tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(), held.num_tokens,
                                                num_layers, cfg.confidence, costs, tokens, prompts, batch)
-    point = operating_point(tide, cfg.target_agreement, procs, phases)
+    point = operating_point(tide, cfg.target_agreement, procs, phases, budget)
     selection, dropped, validation, exit_timing = point.selection, point.dropped, point.validation, point.exit_timing
     cfg.thresholds = point.thresholds
     cfg.set_generation_defaults(batch_exits=point.batch_exits)
@@ -165,9 +177,10 @@ def calibrate(
                                                        chain_ranks=held.chain_ranks(), restricted=held.restricted(),
                                                        head_rows=tide.num_head_rows), opts.draft_trials)
         tide.draft_vocabulary = ranked  # for the trials; cut to the chosen scheme's below
+        limit = {"spent": budget.spent} if budget.seconds is not None else {}  # the trials cut when it is spent
         with phases("timing trials"):
-            draft_selection = procs.broadcast(choose_draft(tide, tokenizer, held_texts, candidates) if procs.is_main
-                                              else None)
+            draft_selection = procs.broadcast(choose_draft(tide, tokenizer, all_held, candidates, **limit)
+                                              if procs.is_main else None)
         chosen = draft_selection.get("chosen")
         exit_speed = exit_timing["measured"] if exit_timing and exit_timing["active"] else 1.0
         lossless_wins = chosen is not None and chosen["measured"] > exit_speed
@@ -177,13 +190,16 @@ def calibrate(
                                             max_draft=chosen["max_draft"] if chosen else 0,
                                             draft_topk=chosen["draft_topk"] if chosen else 1,
                                             draft_vocab_size=vocab, draft_ngram=chosen.get("draft_ngram", 0) if chosen else 0,
+                                            head_drafts=chosen.get("head_drafts", True) if chosen else True,
                                             mode="auto" if lossless_wins else "exit")
     compiled_timing = None
     default = _default_run(cfg) if prompts is not None and opts.compiled_trials else None
     if default is not None:
         with phases("timing trials"):
-            compiled_timing = procs.broadcast(time_compiled(tide, prompts, default) if procs.is_main else None)
-        cfg.set_generation_defaults(compiled_modes=compiled_timing["active"])
+            compiled_timing = procs.broadcast(time_compiled(tide, prompts, default)
+                                              if procs.is_main and budget.allows("the default mode compiled") else None)
+        if compiled_timing is not None:
+            cfg.set_generation_defaults(compiled_modes=compiled_timing["active"])
     train_tokens = int(procs.sum([trainer.train_tokens])[0])
     cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), train_tokens)
     cfg.calibration.update(
@@ -195,8 +211,63 @@ def calibrate(
         compiled_timing=compiled_timing,
         decode_validation=validation,
         phase_seconds=phases.rounded(),
+        work_per_rank=_work_per_rank(procs, (len(train_texts), trainer.train_tokens), held_local, validation,
+                                     trainer.head_rows),
     )
+    if procs.world > 1:
+        per_rank = procs.per_rank(list(phases.seconds.values()))
+        cfg.calibration["phase_seconds_per_rank"] = {name: [round(r[i], 2) for r in per_rank]
+                                                     for i, name in enumerate(phases.NAMES)}
+    if budget.seconds is not None:
+        cfg.calibration["timing_budget"] = {"seconds": budget.seconds, "spent": round(phases.seconds["timing trials"], 2),
+                                            "cut": procs.broadcast(_cut_trials(budget, draft_selection))}
     return tide
+
+
+def _cut_trials(budget: "_TrialBudget", draft_selection: dict | None) -> list[str]:
+    """The timing trials that `timing_budget_s` cut, in words, in the order they would have run."""
+    draft = draft_selection or {}
+    cut = [c for c in budget.cut if c == "exit mode"]
+    cut += [f"lossless {draft_scheme_text(c)} (estimated x{c['estimate']:.3f})" for c in draft.get("cut", [])]
+    if draft.get("chosen") is None:  # timed faster once, not timed again: not kept
+        cut += [f"second timing of lossless {draft_scheme_text(t)} (measured x{t['measured']:.3f})"
+                for t in draft.get("trials", []) if "timings" not in t and t["measured"] >= KEEP_SPEEDUP]
+    if draft.get("ngram_cut"):
+        cut.append("the chosen scheme with n-gram drafts")
+    return cut + [c for c in budget.cut if c != "exit mode"]
+
+
+def _work_per_rank(procs: Processes, train: tuple[int, int], held: tuple[int, int], validation: dict | None,
+                   head_rows: int) -> dict:
+    """Each process's share of the phases whose work grows with the data, in rank order: texts and tokens streamed
+    for training and held-out scoring, rows of the exit and draft heads' minibatch steps, and tokens decoded in the
+    check through the decode step (all its rounds)."""
+    decoded = (validation or {}).get("tokens_per_rank")
+    mine = procs.per_rank([*train, *held, head_rows])
+    out = {"processes": procs.world,
+           "training": {"texts": [int(r[0]) for r in mine], "tokens": [int(r[1]) for r in mine],
+                        "head_step_rows": [int(r[4]) for r in mine]},
+           "held-out scoring": {"texts": [int(r[2]) for r in mine], "tokens": [int(r[3]) for r in mine]},
+           "decode validation": {"tokens": decoded or [0] * procs.world}}
+    return out
+
+
+class _TrialBudget:
+    """`timing_budget_s`: a timing trial starts only while the timing trials have taken less than `seconds` (the
+    one under way finishes); `cut` names the trials that did not start. Decided on the main process (it times)."""
+
+    def __init__(self, seconds: float | None, phases: "PhaseTimes"):
+        self.seconds, self.phases, self.cut = seconds, phases, []
+
+    def spent(self) -> bool:
+        return self.seconds is not None and self.phases.elapsed("timing trials") >= self.seconds
+
+    def allows(self, trial: str) -> bool:
+        """False (and `trial` recorded as cut) once the budget is spent."""
+        if self.spent():
+            self.cut.append(trial)
+            return False
+        return True
 
 
 class PhaseTimes:
@@ -208,14 +279,21 @@ class PhaseTimes:
 
     def __init__(self):
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
+        self._since = {}  # {phase: start} of the phases under way
 
     @contextmanager
     def __call__(self, name: str):
-        start = time.perf_counter()
+        start = self._since.setdefault(name, time.perf_counter()) if name not in self._since else None
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            if start is not None:
+                self.seconds[name] += time.perf_counter() - self._since.pop(name)
+
+    def elapsed(self, name: str) -> float:
+        """Seconds spent in `name` so far, the part under way included."""
+        since = self._since.get(name)
+        return self.seconds[name] + (time.perf_counter() - since if since is not None else 0.0)
 
     def counted(self, name: str, items):
         items = iter(items)
@@ -238,7 +316,8 @@ def _default_run(cfg: TideConfig) -> dict | None:
     generation = cfg.generation_config
     if generation.mode == "auto" and generation.max_draft:
         return {"mode": "lossless", **{k: getattr(generation, k) for k in
-                                       ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size", "draft_ngram")}}
+                                       ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size", "draft_ngram",
+                                        "head_drafts")}}
     if any(t < 1.0 for t in (cfg.thresholds or {}).values()):
         return {"mode": "exit", "thresholds": dict(cfg.thresholds)}
     return None
@@ -387,7 +466,7 @@ class _Trainer:
         self.states = {k: torch.empty(size, hidden, device=device) for k in self.layers}
         self.final = torch.empty(size, hidden, device=device)
         self.top1 = torch.empty(size, dtype=torch.long, device=device)
-        self.size, self.filled, self.cursor, self.train_tokens = size, 0, 0, 0
+        self.size, self.filled, self.cursor, self.train_tokens, self.head_rows = size, 0, 0, 0, 0
         self.translators = {k: copy.deepcopy(tide.routers[k].translator).float() for k in self.layers
                             if tide.routers[k].translator is not None}
         self.drafts = {k: copy.deepcopy(tide.routers[k].draft).float() for k in self.layers
@@ -422,7 +501,10 @@ class _Trainer:
         self.train_tokens += cap.final.shape[0]
 
     def _pick(self) -> torch.Tensor:
-        pick = torch.randint(self.filled, (min(self.opts.minibatch, self.filled),), generator=self.generator)
+        """This process's share of a minibatch (the gradients are averaged over the processes, so a step still
+        learns from `minibatch` tokens in all)."""
+        rows = math.ceil(self.opts.minibatch / self.procs.world)
+        pick = torch.randint(self.filled, (min(rows, self.filled),), generator=self.generator)
         return pick.to(self.final.device)
 
     def _logits(self, normed_input: torch.Tensor) -> torch.Tensor:
@@ -433,6 +515,7 @@ class _Trainer:
     def _head_step(self) -> None:
         self.head_steps_left -= 1
         pick = self._pick()
+        self.head_rows += pick.numel()
         with torch.no_grad():
             teacher = F.log_softmax(self._logits(self.final[pick]), -1)  # [M, V]
         with torch.enable_grad():
@@ -479,7 +562,8 @@ class _Trainer:
         trained = copy.deepcopy(router).float()
         trained.translator = trained.draft = None
         optim = torch.optim.Adam(trained.parameters(), lr=self.opts.lr)
-        steps = self.procs.max_int(self.opts.passes * math.ceil(n / self.opts.minibatch))
+        total = int(self.procs.sum([n])[0])  # every process's buffer: the steps one process would take on them all
+        steps = self.procs.max_int(self.opts.passes * math.ceil(total / self.opts.minibatch))
         with torch.enable_grad():
             for _ in range(steps):
                 pick = self._pick()
@@ -508,7 +592,8 @@ class _HeldoutSelection:
     confidence: float
     costs: object  # StepCosts or None
 
-    validation_tokens: list | None = None  # held-out token lists for the check through the decode step
+    validation_tokens: list | None = None  # this process's held-out token lists for the check through the decode
+    # step (None: no check)
     timing_prompts: list | None = None  # prompts that time exit mode against the base model
     timing_batch: torch.Tensor | None = None  # [rows, T] one batch that times it on several sequences
 
@@ -529,9 +614,9 @@ class _HeldoutSelection:
         return out
 
 
-def _validation_tokens(texts, tokenizer, opts: CalibrationOptions, share: int = 1) -> list[list[int]]:
-    """Held-out texts as token lists, up to `opts.validation_tokens / share` tokens in all (this process's share)."""
-    out, total, budget = [], 0, math.ceil(opts.validation_tokens / share)
+def _validation_tokens(texts, tokenizer, opts: CalibrationOptions) -> list[list[int]]:
+    """Held-out texts as token lists, up to `opts.validation_tokens` tokens in all."""
+    out, total, budget = [], 0, opts.validation_tokens
     for text in texts:
         ids = tokenizer(text, truncation=True, max_length=opts.max_length)["input_ids"]
         if len(ids) > 2:
@@ -546,8 +631,12 @@ def _validate(tide, token_lists, selection, dropped, target: float, procs: Proce
     """Check the target through the decode step itself (teacher-forced, with the configured KV strategy,
     whose approximate K/V for skipped layers also changes later tokens); lower the per-exit budget until
     the one-sided lower confidence bound on the decoded agreement reaches the target.
-    Returns (selection, dropped, {agreement, tokens, lower_bound, exit_error_budget, mean_layers})."""
+    Each process decodes its share of the tokens (`token_lists`: its held-out texts'); the counts are summed
+    over the processes, so the bound is the one a process decoding them all would compute.
+    Returns (selection, dropped, {agreement, tokens, lower_bound, exit_error_budget, mean_layers, tokens_per_rank:
+    the tokens each process decoded in all rounds})."""
     held = tide.heldout_selection
+    decoded = 0  # tokens this process decoded, all rounds
     while True:
         run = tide.config.resolve_generation({"thresholds": held.thresholds(selection, tide.checkpoints), "exit_threshold": None,
                                       "mode": "exit"})
@@ -555,13 +644,15 @@ def _validate(tide, token_lists, selection, dropped, target: float, procs: Proce
         report = teacher_forced(tide, token_lists, run) if active else None
         if report is None:
             return selection, dropped, None
-        agreeing, tokens, layers = procs.sum(
-            [report.agreement * report.tokens, report.tokens, report.mean_layers * report.tokens])
+        decoded += report.tokens
+        agreeing, tokens, layers = procs.sum(  # a process with no share adds zeros
+            [report.agreement * report.tokens, report.tokens, report.mean_layers * report.tokens if report.tokens else 0.0])
         tokens = int(tokens)
         errors = tokens - round(agreeing)
         bound = 1.0 - binomial_upper_bound(errors, tokens, held.confidence)
         result = {"agreement": agreeing / max(tokens, 1), "tokens": tokens, "lower_bound": bound,
-                  "exit_error_budget": selection.exit_error_budget, "mean_layers": layers / max(tokens, 1)}
+                  "exit_error_budget": selection.exit_error_budget, "mean_layers": layers / max(tokens, 1),
+                  "tokens_per_rank": [int(r[0]) for r in procs.per_rank([decoded])]}
         if bound >= target:
             return selection, dropped, result
         smaller = [b for b in EXIT_ERROR_BUDGETS if b < selection.exit_error_budget]
@@ -602,7 +693,7 @@ class OperatingPoint:
 
 
 def operating_point(model, target_agreement: float, procs: Processes | None = None,
-                    phases: PhaseTimes | None = None) -> OperatingPoint:
+                    phases: PhaseTimes | None = None, budget: "_TrialBudget | None" = None) -> OperatingPoint:
     """Thresholds for `target_agreement` from the held-out scores of a calibration run in this process:
     selection with checkpoints pruned by measured cost, the check through the decode step, then exit mode
     timed against the base model here (`trials.time_exit`); exits not kept by two timings are turned off, so that exit
@@ -612,10 +703,11 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
         raise ValueError("operating_point needs a model calibrated in this process (tide.calibrate keeps its "
                          "held-out scores in memory; a loaded router repo does not have them).")
     procs, phases = procs or Processes(), phases or PhaseTimes()
+    budget = budget or _TrialBudget(None, phases)
     with phases("thresholds"):
         selection, dropped = held.select(target_agreement)
     validation = None
-    if held.validation_tokens:
+    if held.validation_tokens is not None:
         with phases("decode validation"):
             selection, dropped, validation = _validate(model, held.validation_tokens, selection, dropped,
                                                        target_agreement, procs)
@@ -624,8 +716,8 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
     if held.timing_prompts is not None and any(t < 1.0 for t in thresholds.values()):
         with phases("timing trials"):
             exit_timing = procs.broadcast(time_exit(model, held.timing_prompts, held.timing_batch, thresholds)
-                                          if procs.is_main else None)
-        if not exit_timing["active"]:
+                                          if procs.is_main and budget.allows("exit mode") else None)
+        if exit_timing is not None and not exit_timing["active"]:
             thresholds = dict.fromkeys(thresholds, 1.0)  # exit mode then runs the base model
     expected = None
     if held.costs is not None:
@@ -752,6 +844,9 @@ def calibration_table(config) -> str:
     draft = cal.get("draft_selection") or {}
     for trial in draft.get("trials", []):
         lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, {timings_text(trial)}")
+    if draft.get("ngram_only"):
+        lines.append(f"no head scheme pays; n-gram drafts alone (plain steps elsewhere): "
+                     f"{timings_text(draft['ngram_only'])}, " + ("kept" if draft["ngram_only"]["active"] else "not kept"))
     ngram = draft.get("ngram")
     if ngram:
         lines.append(f"the chosen scheme with n-gram drafts (draft_ngram={ngram['draft_ngram']}): {timings_text(ngram)}, "
@@ -766,5 +861,11 @@ def calibration_table(config) -> str:
         lines.append(f"default mode compiled: {compiled_timing_text(cal['compiled_timing'])}")
     if cal.get("phase_seconds"):
         lines.append(f"calibration took {phases_text(cal['phase_seconds'])}")
+    work = cal.get("work_per_rank") or {}
+    if work.get("processes", 1) > 1:
+        lines.append(f"on {work['processes']} processes, each one's share: {work_text(work)}")
+    budget = cal.get("timing_budget")
+    if budget:
+        lines.append(f"timing trials: {budget_text(budget)}")
     return "\n".join(lines)
 

@@ -19,7 +19,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 __all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "draft_scheme_text",
-           "timings_text", "exit_timing_text", "compiled_timing_text", "phases_text", "batches_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
+           "timings_text", "exit_timing_text", "compiled_timing_text", "phases_text", "work_text", "budget_text", "batches_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
 
 LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
@@ -29,7 +29,8 @@ MODES = ("exit", "lossless", "auto")
 
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "batch_exits",
-                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "compile", "compiled_modes")
+                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "head_drafts", "compile",
+                     "compiled_modes")
 MAX_DRAFT_TOPK = 8  # tree drafts: candidates verified together with the token before them
 MAX_DRAFT_NGRAM = 8  # n-gram drafts: the longest n-gram matched
 
@@ -84,6 +85,10 @@ class TideGenerationConfig:
             the output, draft the tokens that followed them then (up to `max_draft`; they cost no layer and no
             head), and the exit head's drafts elsewhere. 0: head drafts only. Calibration sets it where it timed
             no slower.
+        head_drafts (`bool`, *optional*, defaults to `True`):
+            Lossless mode: draft from the draft (or exit) head where no n-gram continuation is found. `False` with
+            `draft_ngram` drafts n-gram continuations only; a cycle without one is a plain decode step through
+            Tide's loop. Calibration sets it where no head scheme paid and n-gram drafts alone timed faster.
         compile (`bool`, *optional*, defaults to `False`):
             Compile Tide's runs of layers (between checkpoints; drafting's shallow layers; verification's deep
             layers, padded to the widest draft) with `torch.compile` on a static cache, as transformers compiles a
@@ -100,12 +105,12 @@ class TideGenerationConfig:
     def __init__(self, exit_threshold: float | None = None, thresholds: dict | None = None, min_layers: int = 0,
                  kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False, batch_exits: bool = True,
                  max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1, draft_vocab_size: int = 0,
-                 draft_ngram: int = 0, compile: bool = False, compiled_modes: bool = True):
+                 draft_ngram: int = 0, head_drafts: bool = True, compile: bool = False, compiled_modes: bool = True):
         self.exit_threshold, self.min_layers, self.kv_strategy, self.mode = exit_threshold, min_layers, kv_strategy, mode
         self.prefill_exit, self.batch_exits = prefill_exit, batch_exits
         self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
         self.draft_vocab_size, self.compile, self.compiled_modes = draft_vocab_size, compile, compiled_modes
-        self.draft_ngram = draft_ngram
+        self.draft_ngram, self.head_drafts = draft_ngram, head_drafts
         self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
         self.validate()
 
@@ -153,13 +158,16 @@ class TideGenerationConfig:
                              f"got {self.draft_topk}.")
         _check_int("draft_vocab_size", self.draft_vocab_size, minimum=0, owner="tide_config")
         _check_int("draft_ngram", self.draft_ngram, minimum=0, owner="tide_config")
+        if not (self.head_drafts or self.draft_ngram):
+            raise ValueError("tide_config.head_drafts=False drafts n-gram continuations only: set draft_ngram too "
+                             "(e.g. 3), or leave head_drafts on.")
         if self.draft_ngram > MAX_DRAFT_NGRAM:
             raise ValueError(f"tide_config.draft_ngram must be at most {MAX_DRAFT_NGRAM} (tokens matched), got "
                              f"{self.draft_ngram}.")
         if 0 < self.draft_vocab_size < MAX_DRAFT_TOPK:
             raise ValueError(f"tide_config.draft_vocab_size must be 0 (the whole vocabulary) or at least {MAX_DRAFT_TOPK} "
                              f"(the most candidates a draft offers), got {self.draft_vocab_size}.")
-        for name in ("prefill_exit", "batch_exits", "compile", "compiled_modes"):
+        for name in ("prefill_exit", "batch_exits", "head_drafts", "compile", "compiled_modes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"tide_config.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.exit_threshold is not None:
@@ -213,6 +221,9 @@ def draft_scheme_text(scheme: dict) -> str:
     vocab = f", over the {scheme['draft_vocab_size']} most predicted tokens" if scheme.get("draft_vocab_size") else ""
     if scheme.get("draft_ngram"):
         vocab += f"; n-gram drafts where the last {scheme['draft_ngram']} tokens (down to 2) occurred before"
+    if scheme.get("head_drafts") is False:
+        return f"n-gram drafts only, up to {scheme['max_draft']} per verification, where the last " \
+               f"{scheme['draft_ngram']} tokens (down to 2) occurred before; plain steps elsewhere"
     if scheme.get("draft_topk", 1) > 1:
         return f"tree drafts from layer {scheme['draft_layer']}, {scheme['draft_topk']} candidates per verification{vocab}"
     return f"drafts from layer {scheme['draft_layer']}, up to {scheme['max_draft']} per verification{vocab}"
@@ -250,6 +261,23 @@ def phases_text(seconds: dict) -> str:
     """'143.2 s: data 3.1, training 80.4, ...' for a calibration's `phase_seconds` (phases under 0.05 s left out)."""
     parts = [f"{name} {value:.1f}" for name, value in seconds.items() if value >= 0.05]
     return f"{sum(seconds.values()):.1f} s" + (": " + ", ".join(parts) if parts else "")
+
+
+def work_text(work: dict) -> str:
+    """'training 2,048/2,040 tokens, held-out scoring 512/498 tokens, ...' for a calibration's `work_per_rank`
+    (each process's share, in rank order)."""
+    parts = []
+    for phase in ("training", "held-out scoring", "decode validation"):
+        tokens = (work.get(phase) or {}).get("tokens")
+        if tokens and any(tokens):
+            parts.append(f"{phase} " + "/".join(f"{t:,}" for t in tokens) + " tokens")
+    return ", ".join(parts) or "none"
+
+
+def budget_text(budget: dict) -> str:
+    """Calibration's `timing_budget` in words: the budget, the seconds the trials took and the trials it cut."""
+    text = f"budget {budget['seconds']:g} s, took {budget['spent']:.1f} s"
+    return text + ("; cut: " + "; ".join(budget["cut"]) if budget["cut"] else "; none cut")
 
 
 def batches_text(config: "TideConfig") -> str:

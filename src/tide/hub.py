@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .architectures import resolve
-from .config import TideConfig, batches_text, compiled_timing_text, draft_scheme_text, exit_timing_text, phases_text
+from .config import (TideConfig, batches_text, budget_text, compiled_timing_text, draft_scheme_text, exit_timing_text,
+                     phases_text, work_text)
 
 __all__ = [
     "CONFIG_NAME",
@@ -350,12 +351,17 @@ def model_card(config: TideConfig) -> str:
         if timing:
             lines.append(f"Exit mode at these thresholds, at calibration: {exit_timing_text(timing)}.")
         generation = config.generation_config
-        if generation.draft_layer is not None:
+        if generation.draft_layer is not None or (generation.max_draft and not generation.head_drafts):
             lines.append(f"Lossless mode: {draft_scheme_text(generation.to_dict())}.")
         if generation.mode == "auto":
             lines.append(f"Default mode: `auto` (lossless, timed faster than exit mode at calibration; {batches_text(config)}).")
         if cal.get("phase_seconds"):
             lines.append(f"Calibration took {phases_text(cal['phase_seconds'])} (seconds per phase, main process).")
+        if (cal.get("work_per_rank") or {}).get("processes", 1) > 1:
+            lines.append(f"Calibrated on {cal['work_per_rank']['processes']} processes; each one's share: "
+                         f"{work_text(cal['work_per_rank'])}.")
+        if cal.get("timing_budget"):
+            lines.append(f"Timing trials, capped by `timing_budget_s`: {budget_text(cal['timing_budget'])}.")
         if cal.get("compiled_timing"):
             lines.append(f"The default mode compiled (`tide_config={{\"compile\": True}}`), at calibration: "
                          f"{compiled_timing_text(cal['compiled_timing'])}.")

@@ -16,6 +16,7 @@ and hands the loop logits it has already verified.
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -72,7 +73,7 @@ class LosslessSession:
         self.cap = config.max_draft
         self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1
         self.draft_vocab_size = config.draft_vocab_size
-        self.draft_ngram = config.draft_ngram
+        self.draft_ngram, self.head_drafts = config.draft_ngram, config.head_drafts
         self.mask = None  # [1, n] the prompt's attention mask (None: no padding)
         self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact",
                                      draft_vocab_size=config.draft_vocab_size)
@@ -92,7 +93,7 @@ class LosslessSession:
         """The drafter for this call: a chain, or a tree of `draft_topk` candidates (greedy)."""
         self.mask = mask
         chain = ChainDrafter(self, generation_config, logits_processor, stopping_criteria, cache)
-        if self.draft_topk > 1 and not generation_config.do_sample:
+        if self.draft_topk > 1 and self.head_drafts and not generation_config.do_sample:
             self.stats.draft_topk = self.draft_topk
             return TreeDrafter(self, chain)
         return chain
@@ -201,7 +202,7 @@ class ChainDrafter:
             draft = self.ngram_draft(input_ids, continuation)
             stats.decode_time_s += time.perf_counter() - start
             return draft
-        budget = min(session.cap, self.max_length - input_ids.shape[1] - 1)
+        budget = min(session.cap, self.max_length - input_ids.shape[1] - 1) if session.head_drafts else 0
         tokens, draft_scores, stops = input_ids, [], False
         token, context = input_ids[:, -1:], session.context
         with torch.no_grad():
@@ -275,9 +276,14 @@ class ChainDrafter:
             check_rollback(self.cache)
         if have < input_ids.shape[1] - 1:
             parts = self.session.parts
+            mask = self._mask(input_ids[:, :-1])
+            # positions as generate gives them (from the mask: a left-padded prompt's start at 0), not the cache's
+            positions = {}
+            if mask is not None and "position_ids" in inspect.signature(type(self.session.base).forward).parameters:
+                positions["position_ids"] = new_positions(mask, have, input_ids.shape[1] - 1 - have)["position_ids"]
             with torch.no_grad(), capture_outputs(parts, [parts.num_layers - 1]) as last:
                 self.session.original_forward(input_ids=input_ids[:, have:-1], past_key_values=self.cache,
-                                              attention_mask=self._mask(input_ids[:, :-1]), use_cache=True)
+                                              attention_mask=mask, use_cache=True, **positions)
                 self.session.context = parts.final_norm(last[parts.num_layers - 1][:, -1])
             check_rollback(self.cache)
             self.session.stats.prefill_tokens += input_ids.shape[1] - 1 - have

@@ -108,33 +108,50 @@ def _verified_positions(scheme) -> int:
     return 1 + (scheme.draft_topk if scheme.draft_topk > 1 else scheme.max_draft)
 
 
-def choose_draft(tide, tokenizer, texts, candidates) -> dict:
+def choose_draft(tide, tokenizer, texts, candidates, spent=None) -> dict:
     """Time the best-estimated drafting schemes against the base model here, once each; then the fastest again
     (`kept`), and the next fastest while one is not kept. The chosen scheme is the first kept, or none (lossless
-    mode then decodes plainly)."""
+    mode then decodes plainly). `spent` (calibration's `timing_budget_s`): once it returns True no timing starts;
+    the schemes not timed are listed in "cut" (a scheme timed once but not again is not kept)."""
     prompts = timing_prompts(tokenizer, texts, tide.base.device)
-    trials = []
+    trials, cut = [], []
     for scheme in candidates:
+        if spent is not None and spent():
+            cut.append(scheme._asdict())
+            continue
         try:
             ratio = timed(tide, prompts, _lossless_config(scheme._asdict()))
         except LosslessUnavailable as err:  # e.g. sliding-window caches that cannot roll back
             return {"trials": trials, "chosen": None, "unavailable": str(err)}
         trials.append({**scheme._asdict(), "measured": ratio})
     for trial in sorted(trials, key=lambda t: -t["measured"]):  # the fastest first; the next if it is not kept
+        if spent is not None and spent():
+            break
         timing = kept(tide, prompts, _lossless_config(trial), first=trial["measured"])
         trial["timings"] = timing["timings"]
         if timing["active"]:
             chosen = {**trial, "measured": timing["measured"]}
-            ngram = time_ngram(tide, prompts, chosen)
-            chosen["draft_ngram"] = NGRAM if ngram["active"] else 0
-            return {"trials": trials, "chosen": chosen, "ngram": ngram}
+            ngram = time_ngram(tide, prompts, chosen) if spent is None or not spent() else None
+            chosen["draft_ngram"] = NGRAM if ngram and ngram["active"] else 0
+            return {"trials": trials, "chosen": chosen, "ngram": ngram, **({"cut": cut} if cut else {}),
+                    **({"ngram_cut": True} if ngram is None else {})}
         if len(timing["timings"]) == 1:  # not faster even once: nor are the trials timed slower
             break
-    return {"trials": trials, "chosen": None}
+    selection = {"trials": trials, "chosen": None, **({"cut": cut} if cut else {})}
+    if trials and (spent is None or not spent()):  # no head scheme pays: n-gram drafts alone, plain steps elsewhere
+        timing = kept(tide, prompts, NGRAM_ONLY)
+        selection["ngram_only"] = timing
+        if timing["active"]:
+            selection["chosen"] = {"draft_layer": None, "max_draft": NGRAM_ONLY["max_draft"], "draft_topk": 1,
+                                   "draft_vocab_size": 0, "draft_ngram": NGRAM, "head_drafts": False,
+                                   "measured": timing["measured"], "timings": timing["timings"]}
+    return selection
 
 
 # n-gram drafts: the longest n-gram matched (`draft_ngram`), where calibration keeps them.
 NGRAM = 3
+# Where no head scheme pays: n-gram continuations of up to 4 tokens, and plain steps through Tide's loop elsewhere.
+NGRAM_ONLY = {"mode": "lossless", "max_draft": 4, "draft_ngram": NGRAM, "head_drafts": False}
 
 
 def time_ngram(tide, prompts, chosen: dict) -> dict:
@@ -151,5 +168,5 @@ def time_ngram(tide, prompts, chosen: dict) -> dict:
 
 
 def _lossless_config(scheme: dict) -> dict:
-    keys = ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size", "draft_ngram")
+    keys = ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size", "draft_ngram", "head_drafts")
     return {"mode": "lossless", **{k: scheme[k] for k in keys if k in scheme}}
