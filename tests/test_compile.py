@@ -108,3 +108,12 @@ def test_compiled_base_serves_processors_stops_and_padded_batches():
     out = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=8, compile_config=EAGER_BACKEND,
                          tide_config={"compile": True})
     assert torch.equal(out, ref)
+
+
+def test_compiled_base_leaves_beam_search_to_transformers():
+    model, base = noisy_tide("llama")
+    model.config.set_generation_defaults(compiled_modes=False)
+    ids = prompt_ids()
+    options = dict(do_sample=False, max_new_tokens=8, num_beams=2)
+    out = model.generate(ids, tide_config={"compile": True}, compile_config=EAGER_BACKEND, **options)
+    assert torch.equal(out, base.generate(ids, **options))

@@ -17,7 +17,9 @@ import warnings
 
 import torch
 
-from ._hf_compat import is_static_layer
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+
+from ._hf_compat import cache_layer_kinds, is_static_layer
 from .config import TideConfig, TideGenerationConfig
 from .decode.baseline import BaseSession
 from .decode.spans import SpanRunner, compile_options
@@ -83,10 +85,11 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     if run is not None and compiled and not run.compiled_modes and not _ASKS_A_MODE & _given_fields(tide_config):
         run = None  # calibration timed Tide's modes no faster than the base model's compiled decode
     if run is not None and run.mode == "auto":
-        fits = lossless_problem(model, args, kwargs) is None
+        asks = {**kwargs, "cache_implementation": "static"} if compiled and "past_key_values" not in kwargs else kwargs
+        fits = lossless_problem(model, args, asks) is None  # (compiled: on the static cache that Tide asks for)
         run.mode = "lossless" if fits else "exit"
-        if not (fits or run.has_operating_point):
-            run = None
+        if not fits and (not run.has_operating_point or _no_cache(kwargs)):
+            run = None  # nothing to exit with, or exit mode cannot run the call either (no KV cache): the base model
     if run is not None and run.mode == "exit" and _batch_exits_off(model, run, tide_config, args, kwargs):
         run = None
     if run is None:  # no thresholds, or calibration found that no checkpoint pays: the base model runs unchanged
@@ -101,7 +104,7 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
             return _base_generate(model, compiled, args, kwargs)
         session, loop = LosslessSession(model, run, _spans(model, run, kwargs)), lossless_decode
     else:
-        if kwargs.get("use_cache") is False:
+        if _no_cache(kwargs):
             raise ValueError("Tide's exit mode decodes on the KV cache (skipped layers still get their K/V); drop "
                              "use_cache=False, or pass tide_config=False to run the base model without exits.")
         session, loop = ExitSession(model, run, _spans(model, run, kwargs)), exit_decode
@@ -120,7 +123,7 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
 def _base_generate(model, compiled: bool, args, kwargs):
     """The base model's own decode: `generate` as the caller would run it, or with `compile=True` the base model's
     compiled static-cache decode (`decode.baseline.BaseSession`), the baseline a compiled call is measured by."""
-    if not compiled:
+    if not compiled or (_option(model, kwargs, "num_beams") or 1) > 1:  # beams: transformers' own beam search
         return model.base.generate(*args, **kwargs)
     session = BaseSession(model, _compile_options(model, kwargs))
     start = time.perf_counter()
@@ -202,9 +205,33 @@ def lossless_problem(model, args, kwargs) -> str | None:
     given = [name for name in _NOT_WITH_LOSSLESS if kwargs.get(name)]
     if given:
         return f"mode='lossless' is Tide's own speculative decoding and does not combine with {given}; drop them."
-    if kwargs.get("use_cache") is False:
+    if _no_cache(kwargs):
         return "mode='lossless' verifies drafts against the KV cache; drop use_cache=False."
+    layers = _layers_without_rollback(model, kwargs)
+    if layers:
+        return (f"mode='lossless' needs sliding-window cache layers that can roll back rejected drafts, and layers "
+                f"{layers} of this call's cache (a static one) drop evicted positions at once. Pass a DynamicCache "
+                "(or none) and let generate create it, or use mode='exit'.")
     return ((model.config.calibration or {}).get("draft_selection") or {}).get("unavailable")
+
+
+def _layers_without_rollback(model, kwargs) -> list[int]:
+    """Sliding-window layers of the call's cache (passed, or the static one it asks generate for) that cannot keep
+    evicted positions until a draft is accepted or cropped."""
+    cache = kwargs.get("past_key_values")
+    if cache is not None:
+        return [i for i, layer in enumerate(getattr(cache, "layers", None) or []) if getattr(layer, "is_sliding", False)
+                and not getattr(layer, "record_past", False) and not hasattr(layer, "activate_past_recording")]
+    if _option(model, kwargs, "cache_implementation") not in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+        return []
+    return [i for i, kind in enumerate(cache_layer_kinds(model.base.config) or []) if kind == "sliding"]
+
+
+def _no_cache(kwargs) -> bool:
+    """The call turns the KV cache off (use_cache=False, as a keyword or in its generation_config)."""
+    if "use_cache" in kwargs:
+        return kwargs["use_cache"] is False
+    return getattr(kwargs.get("generation_config"), "use_cache", None) is False
 
 
 def _inputs(args, kwargs):

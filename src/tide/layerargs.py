@@ -97,6 +97,8 @@ class LayerArgs:
         past = _length(cache) if past is None else int(past)
         batch, length = input_ids.shape
         if self.off_reason is None and not self._fits(cache, past, length, batch, attention_mask):
+            if past == 0:  # from position 0, SDPA's masks may be None (its is_causal shortcut), which holds for a
+                return self._fresh(input_ids, cache, attention_mask, position_ids, past)  # chunk at 0 only: no window
             self._open(input_ids, cache, attention_mask, position_ids, past, length)
         if self.off_reason is not None:
             return self._fresh(input_ids, cache, attention_mask, position_ids, past)
