@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 import tide  # noqa: E402
+from tide.calibrate import calibration_table  # noqa: E402
 from tide.distributed import Processes  # noqa: E402
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -35,7 +36,9 @@ for mode in modes:
             json.dump({"world": procs.world, "thresholds": model.config.thresholds, "weights": weights,
                        "heldout_tokens": cal["heldout_tokens"], "train_tokens": cal["train_tokens"],
                        "expected_agreement": cal["expected_agreement"], "same_weights_on_every_process": identical,
-                       "decode_validation": cal["decode_validation"]}, f)
+                       "decode_validation": cal["decode_validation"], "work_per_rank": cal["work_per_rank"],
+                       "phase_seconds_per_rank": cal.get("phase_seconds_per_rank"),
+                       "table": calibration_table(model.config)}, f)
 if torch.distributed.is_initialized():  # leave together: a process that exits while another is still in a
     torch.distributed.barrier()  # collective can abort ("terminate called without an active exception")
     torch.distributed.destroy_process_group()

@@ -50,6 +50,11 @@ def test_same_scores_give_identical_thresholds(launches):
     assert two["heldout_tokens"] == one["heldout_tokens"] and two["train_tokens"] == one["train_tokens"]
     assert two["thresholds"] == one["thresholds"]
     assert two["expected_agreement"] == one["expected_agreement"]
+    # the check through the decode step: the same token lists, split between the processes, the counts summed
+    assert one["decode_validation"] is not None, "nothing exited: the check through the decode step did not run"
+    drop = ("tokens_per_rank",)
+    assert {k: v for k, v in two["decode_validation"].items() if k not in drop} == \
+        {k: v for k, v in one["decode_validation"].items() if k not in drop}
 
 
 def test_trained_on_two_processes_matches_one_within_tolerance(launches):
@@ -65,3 +70,33 @@ def test_trained_on_two_processes_matches_one_within_tolerance(launches):
         assert (a - b).norm() <= 0.1 * a.norm(), (layer, float((a - b).norm() / a.norm()))
     assert abs(one["expected_agreement"] - two["expected_agreement"]) <= 0.05
     assert two["decode_validation"] is None or two["decode_validation"]["tokens"] > 0
+
+
+def test_each_process_does_a_share_of_every_data_phase(launches):
+    """From the calibration record: on 2 processes, each streamed about half the training and held-out tokens, took
+    half of each head step's minibatch rows and decoded part of the validation tokens; the shares add up to the
+    one-process work (the validated tokens: per round, as the bound counts them)."""
+    for mode in MODES:
+        one, two = _run(1, mode, launches)["work_per_rank"], _run(2, mode, launches)["work_per_rank"]
+        assert one["processes"] == 1 and two["processes"] == 2
+        for phase in ("training", "held-out scoring"):
+            for unit in ("texts", "tokens"):
+                shares = two[phase][unit]
+                assert len(shares) == 2 and all(s > 0 for s in shares), (mode, phase, unit, shares)
+                assert sum(shares) == one[phase][unit][0], (mode, phase, unit, shares, one[phase][unit])
+                assert max(shares) <= 0.75 * sum(shares), (mode, phase, unit, shares)  # a share, not all
+        if mode != "fixed":  # head steps: each process takes half of every minibatch
+            rows = two["training"]["head_step_rows"]
+            assert all(r > 0 for r in rows) and max(rows) <= 0.6 * one["training"]["head_step_rows"][0], rows
+    for mode in MODES:
+        one, two = _run(1, mode, launches), _run(2, mode, launches)
+        assert one["decode_validation"] is not None and two["decode_validation"] is not None, (mode, "nothing exited")
+        decoded = two["work_per_rank"]["decode validation"]["tokens"]
+        assert decoded == two["decode_validation"]["tokens_per_rank"] and all(t > 0 for t in decoded), decoded
+        # per round (the check may lower the budget and decode again) the shares add up to the tokens checked,
+        # which one process checks alone (a token list is the unit: the split is as even as their lengths allow)
+        rounds = one["work_per_rank"]["decode validation"]["tokens"][0] // one["decode_validation"]["tokens"]
+        assert sum(decoded) == rounds * two["decode_validation"]["tokens"] == rounds * one["decode_validation"]["tokens"]
+    seconds = two["phase_seconds_per_rank"]
+    assert all(len(s) == 2 for s in seconds.values()) and all(s > 0 for s in seconds["training"])
+    assert "on 2 processes, each one's share: training" in two["table"]

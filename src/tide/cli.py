@@ -52,7 +52,7 @@ def cmd_calibrate(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = calibrate(base, tokenizer, dataset=args.dataset, config=config, dataset_config=args.dataset_config,
                            split=args.split, text_column=args.text_column, num_samples=args.num_samples,
-                           max_length=args.max_length, batch_size=args.batch_size)
+                           max_length=args.max_length, batch_size=args.batch_size, timing_budget_s=args.timing_budget_s)
     if not Processes.current(base.device).is_main:  # under `accelerate launch`: the main process writes
         return
     model.save_pretrained(args.out)
@@ -163,15 +163,15 @@ def _integer(minimum: int, maximum: int | None = None, allowed: tuple[int, ...] 
     return parse
 
 
-def _number(high: float, low: float | None = None):
-    """argparse type: a finite number <= high (and > low where given)."""
+def _number(high: float, low: float | None = None, low_included: bool = False):
+    """argparse type: a finite number <= high (and > low where given; >= low with `low_included`)."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value > high or (low is not None and value <= low):
-            bounds = f"in ({low:g}, {high:g}]" if low is not None else f"<= {high:g}"
+        if not math.isfinite(value) or value > high or (low is not None and (value < low if low_included else value <= low)):
+            bounds = (f"in {'[' if low_included else '('}{low:g}, {high:g}]" if low is not None else f"<= {high:g}")
             raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text!r}")
         return value
     return parse
@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-agreement", type=_number(1.0, low=0.0), default=0.99)
     p.add_argument("--label", choices=["top1", "cosine"], default="top1")
     p.add_argument("--dtype", type=_dtype, default="auto", help="auto, or a torch dtype: float32, bfloat16, float16")
+    p.add_argument("--timing-budget-s", type=_number(86400.0, low=0.0, low_included=True), metavar="SECONDS",
+                   help="cap the timing trials (exit mode, drafting schemes by estimate, the compiled default): a "
+                        "trial starts only while they have taken less; the card lists those cut (default: no cap)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("generate", help="generate text with early exit (or losslessly)")

@@ -4,7 +4,8 @@
 identity, so single-process calibration is unchanged. With N, each process calibrates on its shard of the
 texts, and these collectives keep them in step: gradient means (every process holds the same exit heads
 and routers), integer maxima (every process takes the same number of steps), gathers (the held-out scores
-every process selects thresholds from), sums and broadcasts. The process group is accelerate's
+every process selects thresholds from; each process's share of the work, for the calibration record), sums
+and broadcasts. The process group is accelerate's
 (`PartialState`: NCCL on GPUs, gloo on CPUs).
 """
 
@@ -39,6 +40,17 @@ class Processes:
         """This process's share of `items` (every world-th item from its rank)."""
         return items[self.rank :: self.world]
 
+    def shard_by_size(self, items: list, sizes: list[int]) -> list:
+        """This process's share of `items` balanced by `sizes`: each item in turn goes to the process with the least
+        so far (the same split on every process), in their order."""
+        load, mine = [0] * self.world, []
+        for item, size in zip(items, sizes):
+            rank = load.index(min(load))
+            load[rank] += size
+            if rank == self.rank:
+                mine.append(item)
+        return mine
+
     def mean_grads(self, params) -> None:
         """Replace each parameter's `.grad` by its mean over the processes."""
         if self.world == 1:
@@ -61,6 +73,15 @@ class Processes:
         t = torch.tensor(values, dtype=torch.float64, device=self._device())
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
+
+    def per_rank(self, values: list[float]) -> list[list[float]]:
+        """Every process's `values` (the same length everywhere), in rank order, on every process."""
+        if self.world == 1:
+            return [list(values)]
+        t = torch.tensor(values, dtype=torch.float64, device=self._device())
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t)
+        return [p.tolist() for p in parts]
 
     def gather_cat(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every process's `tensor` (any length along dim 0), concatenated in rank order, on every process."""

@@ -1,0 +1,92 @@
+"""`timing_budget_s`: the timing trials stop starting once they have taken the budget; the record, the table and
+the card say which were cut. Timings here advance a fake clock by TRIAL_S each, so the cut is deterministic."""
+
+import importlib
+import types
+
+import pytest
+import torch
+
+import tide
+from tide.cli import build_parser
+from tide.config import draft_scheme_text
+from tide.hub import model_card
+from tiny_models import sample_texts, tiny_model, tiny_tokenizer
+
+calibration = importlib.import_module("tide.calibrate")  # the module (`tide.calibrate` is the function)
+trials = importlib.import_module("tide.trials")
+TRIAL_S = 10.0
+
+
+def _calibrate(monkeypatch, budget, **options):
+    clock = [0.0]
+    timed = []
+
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+        clock[0] += TRIAL_S
+        timed.append((tide_config["mode"], baseline, tide_config.get("draft_layer"), tide_config.get("max_draft"),
+                      tide_config.get("draft_topk")))
+        return 1.3 if tide_config["mode"] == "exit" else 1.5
+
+    monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    torch.manual_seed(0)
+    model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
+                           config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.05), num_samples=24,
+                           batch_size=8, max_length=32, head_steps=5, passes=1, validation_tokens=0, draft_trials=3,
+                           progress=False, timing_budget_s=budget, **options)
+    return model, timed
+
+
+def test_no_budget_times_everything_and_records_no_budget(monkeypatch):
+    model, timed = _calibrate(monkeypatch, None)
+    assert "timing_budget" not in model.config.calibration
+    assert len(model.config.calibration["draft_selection"]["trials"]) == 3
+
+
+def test_a_zero_budget_cuts_every_trial(monkeypatch):
+    model, timed = _calibrate(monkeypatch, 0.0)
+    cal = model.config.calibration
+    assert timed == [] and cal["exit_timing"] is None and cal["draft_selection"]["chosen"] is None
+    budget = cal["timing_budget"]
+    assert budget["seconds"] == 0.0 and budget["spent"] == 0.0
+    # exit mode, the 3 drafting schemes, and the default mode (exit mode, kept untimed) compiled
+    assert budget["cut"][0] == "exit mode" and budget["cut"][-1] == "the default mode compiled"
+    assert len(budget["cut"]) == 5 and all(c.startswith("lossless ") for c in budget["cut"][1:4])
+    # untimed exits are kept as selected (as with measure_costs=False), and lossless mode decodes plainly
+    assert any(t < 1.0 for t in model.config.thresholds.values()) and model.config.generation_config.max_draft == 0
+    assert "timing trials: budget 0 s, took 0.0 s; cut: exit mode; lossless" in calibration.calibration_table(model.config)
+
+
+def test_trials_run_by_estimate_until_the_budget_is_spent(monkeypatch):
+    """Exit mode: 4 timings (again for one sequence, twice on a batch) = 40 s; the best-estimated drafting scheme
+    then starts (50 s) and the budget of 45 s is spent: the other schemes are cut, and so is the second timing
+    the first needs to be kept, and the compiled timing."""
+    model, timed = _calibrate(monkeypatch, 45.0)
+    cal = model.config.calibration
+    assert [t[0] for t in timed] == ["exit"] * 4 + ["lossless"]
+    draft = cal["draft_selection"]
+    assert len(draft["trials"]) == 1 and draft["chosen"] is None
+    first = draft["trials"][0]
+    assert len(draft["cut"]) == 2 and all(first["estimate"] >= c["estimate"] for c in draft["cut"])  # best first
+    assert timed[4][2:] == (first["draft_layer"], first["max_draft"], first["draft_topk"])
+    cut = cal["timing_budget"]["cut"]
+    assert cut == [f"lossless {draft_scheme_text(c)} (estimated x{c['estimate']:.3f})" for c in draft["cut"]] + [
+        f"second timing of lossless {draft_scheme_text(first)} (measured x1.500)", "the default mode compiled"]
+    assert cal["timing_budget"]["spent"] == 50.0
+    assert cal["exit_timing"]["active"] and cal["compiled_timing"] is None
+    assert "Timing trials, capped by `timing_budget_s`: budget 45 s, took 50.0 s; cut: lossless" in \
+        model_card(model.config)
+
+
+def test_the_cli_passes_the_budget():
+    args = build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o", "--timing-budget-s", "30"])
+    assert args.timing_budget_s == 30.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o", "--timing-budget-s", "-1"])
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "10", True])
+def test_bad_budgets_are_refused(bad):
+    with pytest.raises(ValueError, match="timing_budget_s"):
+        calibration.CalibrationOptions(timing_budget_s=bad)
