@@ -30,7 +30,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--checkpoint-interval", type=int, default=2)
     parser.add_argument("--timing-budget-s", type=float, default=None)
+    parser.add_argument("--pin-cores", action="store_true", help="pin each process to the core of its local rank")
     args = parser.parse_args()
+    if args.pin_cores:
+        import os
+
+        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", 0)) % os.cpu_count()})
     torch.set_num_threads(1)
     base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR).eval()
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
