@@ -10,7 +10,7 @@ from transformers.pytorch_utils import Conv1D
 
 import tide
 from tide import kvprobe
-from tide.kvprobe import KVPlan, LayerPlan, kv_plan, write_kv
+from tide.kvprobe import KVPlan, LayerPlan, clear_plans, kv_plan, write_kv
 from tide.layercalls import PartialRows, capture_layer_calls, write_kv_only
 from tide.support_matrix import check_forced_exit
 from tiny_models import FAMILIES, tiny_model
@@ -108,6 +108,7 @@ def test_a_skip_that_would_change_the_kv_is_refused_with_the_reason():
         attn = layer.self_attn
         attn.q_proj.register_forward_hook(lambda _m, _a, out: seen.update(q=(out > 0).float().mean().detach()))
         attn.k_proj.register_forward_hook(lambda _m, _a, out: out + seen["q"])
+    clear_plans()  # wrapping probed the layers before these hooks; probe them as they are now
     plan = kv_plan(parts)
     assert not plan.complete
     assert "self_attn.q_proj (skipping it changed the K/V the layer writes)" in plan.report()
@@ -122,6 +123,7 @@ def test_the_probe_runs_inside_inference_mode_and_reports_a_failure():
     assert kv_plan(parts).complete
     _, parts = _parts("llama")
     parts.layers[0].self_attn.k_proj.register_forward_hook(lambda *_: 1 / 0)
+    clear_plans()
     plan = kv_plan(parts)
     assert plan.reason.startswith("the probe failed (ZeroDivisionError") and "probe not used" in plan.report()
     assert plan.skips(0) == {}

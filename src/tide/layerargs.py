@@ -27,9 +27,8 @@ from transformers import Cache
 from ._hf_compat import LengthView, has_sliding_layers
 from .architectures import ModelParts
 from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
-from .treedraft import grown_mask
 
-__all__ = ["LayerArgs"]
+__all__ = ["LayerArgs", "grown_mask", "new_positions"]
 
 _KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backbone -> what its checks found
 
@@ -115,13 +114,15 @@ class LayerArgs:
         return hidden, calls
 
     def _fresh(self, input_ids, cache, attention_mask, position_ids, past):
-        self.captures += 1
-        inputs = {"attention_mask": attention_mask, "position_ids": position_ids}
         view = cache if past == _length(cache) else LengthView(cache, past)
-        calls = additive_masks(self.parts, capture_layer_calls(
-            self.parts, input_ids=input_ids, past_key_values=view, use_cache=True,
-            **{k: v for k, v in inputs.items() if v is not None}))
+        calls = self._captured(view, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return calls[0].hidden, calls
+
+    def _captured(self, view, **inputs) -> list[LayerCall]:
+        """Every layer's call in one backbone pass over `inputs` (those not None) on the cache `view`."""
+        self.captures += 1
+        return additive_masks(self.parts, capture_layer_calls(
+            self.parts, past_key_values=view, use_cache=True, **{k: v for k, v in inputs.items() if v is not None}))
 
     @property
     def embedding_form(self) -> str | None:
@@ -170,16 +171,11 @@ class LayerArgs:
 
     def _capture(self, input_ids, view, attention_mask, position_ids, past, width) -> list[LayerCall]:
         """The layer calls for `width` positions from `past`, on zero embeddings."""
-        inputs = {"position_ids": None if position_ids is None else position_ids[:, :1] + torch.arange(
-            width, device=position_ids.device)}
-        if attention_mask is not None:
-            inputs["attention_mask"] = grown_mask(attention_mask, past + width)
+        positions = None if position_ids is None else position_ids[:, :1] + torch.arange(width, device=position_ids.device)
         weight = self.parts.backbone.get_input_embeddings().weight
         embeds = torch.zeros(input_ids.shape[0], width, weight.shape[1], dtype=weight.dtype, device=input_ids.device)
-        self.captures += 1
-        return additive_masks(self.parts, capture_layer_calls(
-            self.parts, inputs_embeds=embeds, past_key_values=view, use_cache=True,
-            **{k: v for k, v in inputs.items() if v is not None}))
+        return self._captured(view, inputs_embeds=embeds, position_ids=positions,
+                              attention_mask=None if attention_mask is None else grown_mask(attention_mask, past + width))
 
     def _read_embedding_form(self, input_ids, cache, attention_mask, position_ids, past) -> str:
         """"exact": the layer-0 input is the input embedding; "positional": the embedding plus a part the backbone
@@ -372,3 +368,21 @@ def _reference(cache):
 
 def _length(cache) -> int:
     return int(cache.get_seq_length())
+
+
+def grown_mask(mask, length: int):
+    """The attention mask for the first `length` positions: cut, or extended with ones for new tokens."""
+    if mask is None:
+        return None
+    if mask.shape[1] >= length:
+        return mask[:, :length]
+    return torch.cat([mask, mask.new_ones(mask.shape[0], length - mask.shape[1])], dim=1)
+
+
+def new_positions(mask, past: int, length: int) -> dict:
+    """attention_mask / position_ids for `length` new positions after `past` cached ones (batch 1)."""
+    if mask is None:
+        return {"position_ids": torch.arange(past, past + length).unsqueeze(0)}
+    mask = grown_mask(mask, past + length)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+    return {"attention_mask": mask, "position_ids": positions}

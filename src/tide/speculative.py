@@ -28,10 +28,10 @@ from .decode.records import Draft
 from .decode.spans import SpanRunner
 from .dispatch import base_forward
 from .fewrows import few_row_linears
-from .layerargs import LayerArgs
+from .layerargs import LayerArgs, grown_mask, new_positions
 from .layercalls import capture_outputs
 from .stats import GenerationStats
-from .treedraft import TreeDrafter, grown_mask, new_positions
+from .treedraft import TreeDrafter
 
 __all__ = ["LosslessSession", "ChainDrafter", "LosslessUnavailable", "check_rollback", "next_cap"]
 

@@ -30,9 +30,10 @@ from ._hf_compat import (LengthView, grouped_query_attention_in_place, is_static
 from .decode.processors import process
 from .decode.records import Draft
 from .fewrows import few_row_linears
+from .layerargs import new_positions
 from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
 
-__all__ = ["TreeDrafter", "tree_mask_calls", "without_first_position", "grown_mask", "new_positions"]
+__all__ = ["TreeDrafter", "tree_mask_calls", "without_first_position"]
 
 
 def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor) -> list[LayerCall] | None:
@@ -202,21 +203,3 @@ def _room_for(cache, positions: int) -> bool:
     its candidates before it keeps one); always on a dynamic cache."""
     return all(not is_static_layer(layer) or layer.max_cache_len - int(layer.get_seq_length()) >= positions
                for layer in cache.layers)
-
-
-def grown_mask(mask, length: int):
-    """The attention mask for the first `length` positions: cut, or extended with ones for new tokens."""
-    if mask is None:
-        return None
-    if mask.shape[1] >= length:
-        return mask[:, :length]
-    return torch.cat([mask, mask.new_ones(mask.shape[0], length - mask.shape[1])], dim=1)
-
-
-def new_positions(mask, past: int, length: int) -> dict:
-    """attention_mask / position_ids for `length` new positions after `past` cached ones (batch 1)."""
-    if mask is None:
-        return {"position_ids": torch.arange(past, past + length).unsqueeze(0)}
-    mask = grown_mask(mask, past + length)
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
-    return {"attention_mask": mask, "position_ids": positions}
