@@ -122,3 +122,24 @@ def test_head_dim_equal_to_the_windows_key_length_and_caches_one_after_another()
     texts = [prompt_ids(12, seed=s)[0].tolist() for s in range(4)]
     report = teacher_forced(model, texts, {"exit_threshold": 1.0})
     assert report.tokens == 4 * 10 and report.agreement == 1.0
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text", "qwen2"])
+def test_windows_hold_on_sliding_layers_below_their_window(family, check_every_slice):
+    """Below the sliding window a sliding layer keeps and sees every earlier position, as a full one does: the
+    windows hold there (every slice checked against the backbone's own), and turn off where positions reach it."""
+    base = tiny_model(family, sliding_window=32)
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    ids = prompt_ids()
+    short = dict(do_sample=False, max_new_tokens=12)
+    assert torch.equal(model.generate(ids, tide_config={"mode": "lossless", "max_draft": 3}, **short),
+                       base.generate(ids, **short))
+    assert model.last_stats.arg_windows_off is None and model.last_stats.arg_captures > 0
+    model.exit_tests = exits_by_sign({1: 0, 3: 1})
+    model.generate(ids, tide_config={"exit_threshold": 0.5}, **short)
+    assert model.last_stats.arg_windows_off is None
+    long = dict(do_sample=False, max_new_tokens=40)  # 9 + 40 positions: past the window of 32
+    del model.exit_tests
+    assert torch.equal(model.generate(ids, tide_config={"mode": "lossless", "max_draft": 3}, **long),
+                       base.generate(ids, **long))
+    assert "reach their window" in model.last_stats.arg_windows_off

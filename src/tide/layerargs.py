@@ -10,8 +10,8 @@ backbone itself passes it. The layer-0 input is the model's input embedding of t
 part the backbone adds to it (learned positions), read from a capture on zero embeddings.
 
 Every shortcut is checked against the backbone, never assumed: the embedding form once per model, and the first
-slice of each request length (per cache type) against a fresh capture; what the checks found is kept per model. Where something does not hold (sliding-window layers,
-a backbone that transforms its embeddings, an argument whose axes cannot be told apart, a slice that differs),
+slice of each request length (per cache type) against a fresh capture; what the checks found is kept per model. Where something does not hold (sliding-window layers at positions that
+reach their window, a backbone that transforms its embeddings, an argument whose axes cannot be told apart, a slice that differs),
 requests get a fresh capture each, as before. Nothing here decides anything.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache
 
-from ._hf_compat import LengthView, has_sliding_layers
+from ._hf_compat import LengthView, has_sliding_layers, sliding_window_of
 from .architectures import ModelParts
 from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
 
@@ -138,15 +138,19 @@ class LayerArgs:
     def _open(self, input_ids, cache, attention_mask, position_ids, past, length) -> None:
         """Capture the layer arguments for positions past..past+W-1 (W: the width, or the request's length)."""
         self.window = None
-        if has_sliding_layers(cache):
-            self.off_reason = "sliding-window cache layers (their masks are relative to the kept keys)"
-            return
+        width = max(self.width, length | 1)
+        limit = _sliding_limit(cache)
+        if limit is not None:  # a window ends below the sliding window (its axes are read from W + 1 positions)
+            width = min(width, (limit - past - 1) - (limit - past) % 2)  # (odd, as above)
+            if width < length:
+                self.off_reason = (f"sliding-window cache layers, at positions that reach their window ({limit}): "
+                                   "there their masks are relative to the kept keys")
+                return
         if self.embedding_form is None:
             self._known["form"] = self._read_embedding_form(input_ids, cache, attention_mask, position_ids, past)
         if self.embedding_form == "other":
             self.off_reason = "the backbone transforms its input embeddings"
             return
-        width = max(self.width, length | 1)
         batch = input_ids.shape[0]
         view = LengthView(cache, past)
         # Two captures, W and W + 1 positions wide: the axes that grow by one are the positions' (a query axis of
@@ -368,6 +372,21 @@ def _reference(cache):
 
 def _length(cache) -> int:
     return int(cache.get_seq_length())
+
+
+def _sliding_limit(cache) -> int | None:
+    """The smallest sliding window among `cache`'s layers (None: none slides). Below it a sliding layer's keys and
+    mask are a full-attention layer's (every earlier position is kept and seen), so a window's slices hold there.
+    Sliding layers that are not dynamic (a static cache's) count as reached at once."""
+    if not has_sliding_layers(cache):
+        return None
+    windows = []
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            if type(layer).__name__ != "DynamicSlidingWindowLayer" or sliding_window_of(cache, i) is None:
+                return 0
+            windows.append(sliding_window_of(cache, i))
+    return min(windows)
 
 
 def grown_mask(mask, length: int):
