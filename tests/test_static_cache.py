@@ -63,12 +63,22 @@ def test_tree_drafts_on_a_static_cache_are_token_identical(family):
     assert model.last_stats.draft_topk == 3 and model.last_stats.drafted > 0
 
 
-def test_tree_drafts_run_with_compiled_spans():
+def test_tree_verification_runs_compiled_spans():
     from transformers import CompileConfig
 
     model, base = noisy_tide("llama")
     ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    config = {"mode": "lossless", "max_draft": 1, "draft_topk": 3, "compile": True}
     out = model.generate(ids, do_sample=False, max_new_tokens=16, compile_config=CompileConfig(backend="eager"),
-                         tide_config={"mode": "lossless", "max_draft": 1, "draft_topk": 3, "compile": True})
+                         tide_config=config)
     assert torch.equal(out, ref) and model.last_stats.draft_topk == 3
+    runner = next(iter(model.span_runners.values()))
+    widths = []
+    real = runner._span
+    runner._span = lambda start, stop: (lambda layers, returns, hidden, *rest: (
+        widths.append(hidden.shape[1]), real(start, stop)(layers, returns, hidden, *rest))[1])
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the tree's widths replay their graphs
+        out = model.generate(ids, do_sample=False, max_new_tokens=16, compile_config=CompileConfig(backend="eager"),
+                             tide_config=config)
+    assert torch.equal(out, ref) and {3, 4} <= set(widths)  # the candidates' shallow run, the deep run over x + 3

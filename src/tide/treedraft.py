@@ -183,12 +183,8 @@ class TreeDrafter:
                                                           past_key_values=LengthView(cache, have)), _siblings_blocked(k, 0))
             shallow = additive_masks(parts, shallow)
         with few_row_linears(parts), grouped_query_attention_in_place():  # k and 1 + k positions: the CPU layouts
-            states = shallow[0].hidden
-            for i in range(session.draft_layer + 1):
-                states = shallow[i].run(parts, i, states)
-            states = torch.cat([x_state, states], 1)
-            for i in range(session.draft_layer + 1, parts.num_layers):
-                states = deep[i].run(parts, i, states)
+            states = session.spans.run(0, session.draft_layer + 1, shallow[0].hidden, shallow)  # compiled or eager
+            states = session.spans.run(session.draft_layer + 1, parts.num_layers, torch.cat([x_state, states], 1), deep)
             session.verified_contexts = parts.final_norm(states)
             logits = parts.logits_from_normed(session.verified_contexts)
         session.pending_ids = session.pending_states = None
