@@ -142,6 +142,7 @@ def main(argv=None):
         rows_ngram = {"prompt lookup (transformers)": lambda ids: base.generate(ids, **greedy, prompt_lookup_num_tokens=3)}
         configs["tide default, no n-gram"] = {"mode": "lossless", "draft_ngram": 0}
         configs["tide default + n-gram"] = {"mode": "lossless", "draft_ngram": 3}
+        configs["tide n-gram only"] = {"mode": "lossless", "draft_ngram": 3, "max_draft": 4, "head_drafts": False}
     for threshold in args.exit:
         configs[f"exit {threshold:g}"] = {"exit_threshold": threshold}
     if args.ngram:
