@@ -211,8 +211,8 @@ def calibrate(
         compiled_timing=compiled_timing,
         decode_validation=validation,
         phase_seconds=phases.rounded(),
-        work_per_rank=_work_per_rank(procs, (len(train_texts), trainer.train_tokens), held_local, validation,
-                                     trainer.head_rows),
+        work_per_rank=_work_per_rank(procs, (len(train_texts), trainer.train_tokens), held_local,
+                                     getattr(tide.heldout_selection, "decoded_per_rank", None), trainer.head_rows),
     )
     if procs.world > 1:
         per_rank = procs.per_rank(list(phases.seconds.values()))
@@ -237,12 +237,11 @@ def _cut_trials(budget: "_TrialBudget", draft_selection: dict | None) -> list[st
     return cut + [c for c in budget.cut if c != "exit mode"]
 
 
-def _work_per_rank(procs: Processes, train: tuple[int, int], held: tuple[int, int], validation: dict | None,
+def _work_per_rank(procs: Processes, train: tuple[int, int], held: tuple[int, int], decoded: list[int] | None,
                    head_rows: int) -> dict:
     """Each process's share of the phases whose work grows with the data, in rank order: texts and tokens streamed
     for training and held-out scoring, rows of the exit and draft heads' minibatch steps, and tokens decoded in the
-    check through the decode step (all its rounds)."""
-    decoded = (validation or {}).get("tokens_per_rank")
+    check through the decode step (`decoded`: all its rounds, also where its last round left nothing to exit)."""
     mine = procs.per_rank([*train, *held, head_rows])
     out = {"processes": procs.world,
            "training": {"texts": [int(r[0]) for r in mine], "tokens": [int(r[1]) for r in mine],
@@ -596,6 +595,7 @@ class _HeldoutSelection:
     # step (None: no check)
     timing_prompts: list | None = None  # prompts that time exit mode against the base model
     timing_batch: torch.Tensor | None = None  # [rows, T] one batch that times it on several sequences
+    decoded_per_rank: list | None = None  # tokens each process decoded in the last check through the decode step
 
     def select(self, target: float, max_budget: float = 1.0):
         """(CascadeSelection, dropped checkpoints {layer: reason}) for `target` agreement."""
@@ -642,9 +642,10 @@ def _validate(tide, token_lists, selection, dropped, target: float, procs: Proce
                                       "mode": "exit"})
         active = any(t < 1.0 for t in run.thresholds.values())
         report = teacher_forced(tide, token_lists, run) if active else None
-        if report is None:
+        if report is None:  # nothing exits (any earlier rounds' decoded tokens are kept for the phase record)
             return selection, dropped, None
         decoded += report.tokens
+        held.decoded_per_rank = [int(r[0]) for r in procs.per_rank([decoded])]
         agreeing, tokens, layers = procs.sum(  # a process with no share adds zeros
             [report.agreement * report.tokens, report.tokens, report.mean_layers * report.tokens if report.tokens else 0.0])
         tokens = int(tokens)
@@ -652,7 +653,7 @@ def _validate(tide, token_lists, selection, dropped, target: float, procs: Proce
         bound = 1.0 - binomial_upper_bound(errors, tokens, held.confidence)
         result = {"agreement": agreeing / max(tokens, 1), "tokens": tokens, "lower_bound": bound,
                   "exit_error_budget": selection.exit_error_budget, "mean_layers": layers / max(tokens, 1),
-                  "tokens_per_rank": [int(r[0]) for r in procs.per_rank([decoded])]}
+                  "tokens_per_rank": held.decoded_per_rank}
         if bound >= target:
             return selection, dropped, result
         smaller = [b for b in EXIT_ERROR_BUDGETS if b < selection.exit_error_budget]
