@@ -10,7 +10,7 @@ import torch
 import tide
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
-calibration = importlib.import_module("tide.calibrate")  # the module (`tide.calibrate` is the function)
+calibration = importlib.import_module("tide.calibration")
 trials = importlib.import_module("tide.trials")
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 

@@ -179,7 +179,7 @@ def test_estimates_price_a_restricted_draft_by_its_share_of_the_head():
 def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tmp_path):
     """Calibration ranks the full model's predictions, scores restricted drafts on held-out text, and keeps
     the vocabulary (cut to the chosen size) only when the chosen scheme uses one."""
-    calibration = __import__("tide.calibrate", fromlist=["choose_draft"])
+    calibration = __import__("tide.calibration", fromlist=["choose_draft"])
     monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
     seen = {}
 
@@ -212,7 +212,7 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
 def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
     """The trials run `generate` with each scheme's draft vocabulary (timings replaced: a restricted draft is
     made the fastest), and the kept one decodes as the base model."""
-    calibration = __import__("tide.calibrate", fromlist=["timed_schemes"])
+    calibration = __import__("tide.calibration", fromlist=["timed_schemes"])
     trials = __import__("tide.trials", fromlist=["timed"])
     monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
     monkeypatch.setattr(calibration, "timed_schemes", lambda candidates, count: candidates[:count])

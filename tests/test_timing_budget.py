@@ -13,7 +13,7 @@ from tide.config import draft_scheme_text
 from tide.hub import model_card
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
-calibration = importlib.import_module("tide.calibrate")  # the module (`tide.calibrate` is the function)
+calibration = importlib.import_module("tide.calibration")
 trials = importlib.import_module("tide.trials")
 TRIAL_S = 10.0
 

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tide  # noqa: E402
-from tide.calibrate import CalibrationOptions, _batches, _capture  # noqa: E402
+from tide.calibration import CalibrationOptions, _batches, _capture  # noqa: E402
 from tide.demo import _load_base  # noqa: E402
 from tide.demo_corpus import split_corpus  # noqa: E402
 from tide.thresholds import auc, calibrate_cascade  # noqa: E402

@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 from .architectures import ARCHITECTURES, ArchSpec, register, supported_model_types  # noqa: E402
 from .config import TideConfig, TideGenerationConfig  # noqa: E402
 from .modeling import TideForCausalLM  # noqa: E402
-from .calibrate import calibrate  # noqa: E402
+from .calibration import calibrate  # noqa: E402
 from .convert import convert_tide_routers  # noqa: E402
 
 __all__ = [

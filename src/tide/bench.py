@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from . import fewrows
-from .calibrate import operating_point
+from .calibration import operating_point
 from .config import batches_text, draft_scheme_text, exit_timing_text, timings_text
 from .costs import loop_extras_text, measure_costs, verify_extras_text
 from .decode.baseline import compiled_static_decoder

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from .bench import plot_bench, run_bench, save_results
-from .calibrate import calibrate, calibration_table
+from .calibration import calibrate, calibration_table
 from .config import MAX_DRAFT_TOPK, TideConfig
 from .convert import convert_tide_routers
 from .data import check_local_dataset

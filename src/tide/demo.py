@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from .bench import run_bench
-from .calibrate import calibrate, calibration_table
+from .calibration import calibrate, calibration_table
 from .config import TideConfig
 from .demo_corpus import split_corpus
 from .modeling import TideForCausalLM
