@@ -94,12 +94,17 @@ def _calibrate(monkeypatch, exit_speed, lossless_speed):
     def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
         return exit_speed if tide_config["mode"] == "exit" else lossless_speed
 
+    return _calibrate_timed_by(monkeypatch, fake_speedup, draft_trials=2)
+
+
+def _calibrate_timed_by(monkeypatch, fake_speedup, draft_trials: int = 1):
+    """A tiny Llama calibrated with `fake_speedup` as every timing trial's measurement."""
     monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
     torch.manual_seed(0)
     config = tide.TideConfig(checkpoint_interval=2, target_agreement=0.05)
     return tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24), config=config,
                           num_samples=24, batch_size=8, max_length=32, head_steps=5, passes=1, validation_tokens=0,
-                          draft_trials=2, progress=False)
+                          draft_trials=draft_trials, progress=False)
 
 
 @pytest.mark.parametrize("exit_speed,lossless_speed,exits_on,mode", [
@@ -194,12 +199,7 @@ def test_calibration_times_exits_on_a_batch(monkeypatch, batch_speed):
             return 0.9
         return batch_speed if prompts[0].shape[0] > 1 else 1.3
 
-    monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
-    torch.manual_seed(0)
-    model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
-                           config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.05), num_samples=24,
-                           batch_size=8, max_length=32, head_steps=5, passes=1, validation_tokens=0, draft_trials=1,
-                           progress=False)
+    model = _calibrate_timed_by(monkeypatch, fake_speedup)
     batch = model.config.calibration["exit_timing"]["batch"]
     assert batch["rows"] > 1 and (batch["measured"], batch["active"]) == (batch_speed, batch_speed > 1.02)
     assert model.config.generation_config.batch_exits == (batch_speed > 1.02)
@@ -245,12 +245,7 @@ def test_the_kept_mode_is_timed_compiled_against_the_compiled_base(monkeypatch, 
             return compiled_speed
         return 1.3 if tide_config["mode"] == "exit" else 0.9
 
-    monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
-    torch.manual_seed(0)
-    model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
-                           config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.05), num_samples=24,
-                           batch_size=8, max_length=32, head_steps=5, passes=1, validation_tokens=0, draft_trials=1,
-                           progress=False)
+    model = _calibrate_timed_by(monkeypatch, fake_speedup)
     timing = model.config.calibration["compiled_timing"]
     assert timing["measured"] == compiled_speed and timing["active"] == (compiled_speed > 1)
     assert model.config.generation_config.compiled_modes == (compiled_speed > 1)

@@ -31,7 +31,8 @@ from .evaluate import teacher_forced
 from .layercalls import capture_outputs
 from .modeling import TideForCausalLM
 from .thresholds import EXIT_ERROR_BUDGETS, CheckpointCalibration, auc, binomial_upper_bound, calibrate_cascade, oracle_depth
-from .trials import KEEP_SPEEDUP, choose_draft, time_compiled, time_exit, timed_schemes, timing_batch, timing_prompts
+from .trials import (KEEP_SPEEDUP, choose_draft, lossless_config, time_compiled, time_exit, timed_schemes, timing_batch,
+                     timing_prompts)
 
 __all__ = ["calibrate", "calibration_table", "thresholds_for_target", "operating_point", "OperatingPoint", "CalibrationOptions"]
 
@@ -282,11 +283,13 @@ class PhaseTimes:
 
     @contextmanager
     def __call__(self, name: str):
-        start = self._since.setdefault(name, time.perf_counter()) if name not in self._since else None
+        outer = name not in self._since  # a phase entered again inside itself is counted once, by the outer entry
+        if outer:
+            self._since[name] = time.perf_counter()
         try:
             yield
         finally:
-            if start is not None:
+            if outer:
                 self.seconds[name] += time.perf_counter() - self._since.pop(name)
 
     def elapsed(self, name: str) -> float:
@@ -314,9 +317,7 @@ def _default_run(cfg: TideConfig) -> dict | None:
     """The `tide_config` a single-sequence call runs at the repo's defaults, or None where that is the base model."""
     generation = cfg.generation_config
     if generation.mode == "auto" and generation.max_draft:
-        return {"mode": "lossless", **{k: getattr(generation, k) for k in
-                                       ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size", "draft_ngram",
-                                        "head_drafts")}}
+        return lossless_config(generation.to_dict())
     if any(t < 1.0 for t in (cfg.thresholds or {}).values()):
         return {"mode": "exit", "thresholds": dict(cfg.thresholds)}
     return None

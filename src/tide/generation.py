@@ -22,7 +22,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from ._hf_compat import cache_layer_kinds, is_static_layer
 from .config import TideConfig, TideGenerationConfig
 from .decode.baseline import BaseSession
-from .decode.spans import SpanRunner, compile_options
+from .decode.spans import SpanRunner, compile_options, options_key
 from .decode import exit_decode, generate_with_loop, lossless_decode
 from .dispatch import activated, install
 from .engine import ExitSession
@@ -94,7 +94,7 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
         run = None
     if run is None:  # no thresholds, or calibration found that no checkpoint pays: the base model runs unchanged
         return _base_generate(model, compiled, args, kwargs)
-    if "use_cache" not in kwargs and getattr(kwargs.get("generation_config"), "use_cache", None) is not False:
+    if "use_cache" not in kwargs and not _no_cache(kwargs):
         _ask(kwargs, "use_cache", True)  # Tide decodes on the KV cache, also for models whose config turns it off (MPT)
     if run.mode == "lossless":
         problem = lossless_problem(model, args, kwargs)
@@ -108,6 +108,11 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
             raise ValueError("Tide's exit mode decodes on the KV cache (skipped layers still get their K/V); drop "
                              "use_cache=False, or pass tide_config=False to run the base model without exits.")
         session, loop = ExitSession(model, run, _spans(model, run, kwargs)), exit_decode
+    return _run(model, session, loop, args, kwargs)
+
+
+def _run(model, session, loop, args, kwargs):
+    """`generate` with `session` decoding through `loop`, timed; the session's stats on the output and the model."""
     start = time.perf_counter()
     if loop is exit_decode and (_option(model, kwargs, "num_beams") or 1) > 1:
         install(model.base)  # beams: transformers' beam loop, with this session's forward in this context
@@ -125,12 +130,7 @@ def _base_generate(model, compiled: bool, args, kwargs):
     compiled static-cache decode (`decode.baseline.BaseSession`), the baseline a compiled call is measured by."""
     if not compiled or (_option(model, kwargs, "num_beams") or 1) > 1:  # beams: transformers' own beam search
         return model.base.generate(*args, **kwargs)
-    session = BaseSession(model, _compile_options(model, kwargs))
-    start = time.perf_counter()
-    output = generate_with_loop(model.base, session, exit_decode, args, kwargs)
-    session.stats.wall_time_s = time.perf_counter() - start
-    model.last_stats = session.stats
-    return attach_stats(output, session.stats)
+    return _run(model, BaseSession(model, _compile_options(model, kwargs)), exit_decode, args, kwargs)
 
 
 def _compile_options(model, kwargs: dict) -> dict:
@@ -168,7 +168,7 @@ def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
     if not run.compile:
         return SpanRunner(model.parts)
     options = _compile_options(model, kwargs)
-    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    key = options_key(options)
     if key not in model.span_runners:
         model.span_runners[key] = SpanRunner(model.parts, options)
     return model.span_runners[key]

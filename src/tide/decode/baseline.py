@@ -16,13 +16,14 @@ import torch
 from transformers import StaticCache
 
 from ..stats import GenerationStats
+from .spans import options_key
 
 __all__ = ["BaseSession", "compiled_forward", "compiled_static_decoder"]
 
 
 def compiled_forward(model, options: dict):
     """`torch.compile(model.base.forward, **options)`, made once per set of options and kept on the model."""
-    key = ("forward",) + tuple(sorted((k, repr(v)) for k, v in options.items()))
+    key = ("forward",) + options_key(options)
     if key not in model.span_runners:
         model.span_runners[key] = torch.compile(model.base.forward, **options)
     return model.span_runners[key]

@@ -18,7 +18,7 @@ import torch
 
 from ..architectures import ModelParts
 
-__all__ = ["SpanRunner", "compile_options"]
+__all__ = ["SpanRunner", "compile_options", "options_key"]
 
 
 def _run_span(layers, returns_tuple: bool, hidden, args, kwargs):
@@ -39,6 +39,11 @@ def compile_options(compile_config=None) -> dict:
     if not torch.cuda.is_available():  # CUDA graphs need a GPU; inductor's default mode elsewhere
         options["mode"] = None if options["mode"] == "reduce-overhead" else options["mode"]
     return options
+
+
+def options_key(options: dict) -> tuple:
+    """A hashable key for a set of torch.compile options (what compiled runs are kept on the model under)."""
+    return tuple(sorted((k, repr(v)) for k, v in options.items()))
 
 
 def _at_offset_zero(value):
