@@ -60,7 +60,7 @@ def build(path, model_type: str = "llama", seed: int = 0) -> str:
 
 
 def _decoder_layers(model):
-    from tide.architectures import resolve
+    from tide.models.architectures import resolve
 
     return resolve(model).layers
 

@@ -12,8 +12,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 import tide  # noqa: E402
-from tide.calibration import calibration_table  # noqa: E402
-from tide.distributed import Processes  # noqa: E402
+from tide.calibration.run import calibration_table  # noqa: E402
+from tide.calibration.distributed import Processes  # noqa: E402
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer  # noqa: E402
 
 out_dir, modes = sys.argv[1], sys.argv[2:]

@@ -3,7 +3,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tide
-from tide.architectures import ARCHITECTURES, resolve
+from tide.models.architectures import ARCHITECTURES, resolve
 from tiny_models import FAMILIES, TINY_CONFIGS, tiny_model
 
 
@@ -67,7 +67,7 @@ def test_register_a_family():
 
 def test_a_transformers_that_renamed_the_cache_argument_gets_an_install_hint():
     # transformers 5.24 passes the KV cache as `cache`; Tide follows 5.23's `past_key_values`.
-    from tide.architectures import refusal_reason
+    from tide.models.architectures import refusal_reason
 
     class Renamed(torch.nn.Module):
         config = LlamaConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, intermediate_size=8,

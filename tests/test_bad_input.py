@@ -204,7 +204,7 @@ def test_a_garbled_router_file_names_the_file(tmp_path):
 
 
 def test_cli_expected_failures_are_one_line_with_exit_code_2(tmp_path, capsys):
-    from tide.cli import main
+    from tide.tools.cli import main
 
     model = _model()
     model.save_pretrained(tmp_path)
@@ -234,7 +234,7 @@ def test_a_save_that_fails_part_way_leaves_the_previous_repo(tmp_path, monkeypat
     before = {p.name: p.read_bytes() for p in repo.iterdir()}
     new = tide.TideForCausalLM.from_base(tiny_model("llama"), TideConfig(checkpoint_layers=[2], router_hidden_size=16))
     if failure == "weights":  # after config.json is written, before routers.safetensors
-        monkeypatch.setattr(tide.hub, "save_file", _failing_save_file)
+        monkeypatch.setattr(tide.hub.repos, "save_file", _failing_save_file)
         with pytest.raises(OSError, match="injected"):
             new.save_pretrained(repo)
     else:  # an edited calibration record: the model card cannot be written

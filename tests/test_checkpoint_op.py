@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tide
-from tide.router import checkpoint_test
+from tide.heads.router import checkpoint_test
 from tiny_models import tiny_model
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tide
-from tide.cli import main
+from tide.tools.cli import main
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
 
@@ -100,10 +100,10 @@ def test_demo_runs_end_to_end(tmp_path, capsys, monkeypatch):
     heads for 15 steps, not 60 (training them was most of the test's time), and the compiled baseline of the speed
     section is captured by dynamo as one graph without inductor's code generation (the eager backend, as
     tests/test_compile.py does; inductor is tested there)."""
-    import tide.bench
-    import tide.demo
+    import tide.tools.bench
+    import tide.tools.demo
 
-    calibrate, compiled = tide.demo.calibrate, tide.bench.compiled_static_decoder
+    calibrate, compiled = tide.tools.demo.calibrate, tide.tools.bench.compiled_static_decoder
 
     def fewer_head_steps(*args, **kwargs):
         return calibrate(*args, **{**kwargs, "head_steps": min(kwargs.get("head_steps", 15), 15)})
@@ -112,8 +112,8 @@ def test_demo_runs_end_to_end(tmp_path, capsys, monkeypatch):
         kwargs.setdefault("compile_options", dict(fullgraph=True, dynamic=False, backend="eager"))
         return compiled(*args, **kwargs)
 
-    monkeypatch.setattr(tide.demo, "calibrate", fewer_head_steps)
-    monkeypatch.setattr(tide.bench, "compiled_static_decoder", eager_backend)
+    monkeypatch.setattr(tide.tools.demo, "calibrate", fewer_head_steps)
+    monkeypatch.setattr(tide.tools.bench, "compiled_static_decoder", eager_backend)
     assert main(["demo", "--quick", "--out", str(tmp_path / "routers")]) == 0
     out = capsys.readouterr().out
     for section in ("1. The shipped model", "2. Calibrate", "3. Save", "mode='exit'", "mode='lossless'", "5. Speed"):
@@ -168,7 +168,7 @@ def _no_calibration(*args, **kwargs):
 
 
 def test_calibrate_refuses_the_base_models_folder_before_calibrating(base_dir, text_file, capsys, monkeypatch):
-    monkeypatch.setattr(tide.cli, "calibrate", _no_calibration)
+    monkeypatch.setattr(tide.tools.cli, "calibrate", _no_calibration)
     before = sorted(p.name for p in base_dir.iterdir())
     assert main(["calibrate", str(base_dir), "--dataset", str(text_file), "--out", str(base_dir)]) == 2
     assert "model weights" in _one_error_line(capsys.readouterr().err, "calibrate")
@@ -176,10 +176,10 @@ def test_calibrate_refuses_the_base_models_folder_before_calibrating(base_dir, t
 
 
 def test_calibrate_refuses_an_empty_dataset_up_front(base_dir, tmp_path, capsys, monkeypatch):
-    from tide.data import DatasetLoadError, load_texts
+    from tide.calibration.data import DatasetLoadError, load_texts
 
     (tmp_path / "empty.txt").write_text("")
-    monkeypatch.setattr(tide.cli, "calibrate", _no_calibration)
+    monkeypatch.setattr(tide.tools.cli, "calibrate", _no_calibration)
     assert main(["calibrate", str(base_dir), "--dataset", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")]) == 2
     assert f"{tmp_path / 'empty.txt'} is empty" in _one_error_line(capsys.readouterr().err, "calibrate")
     with pytest.raises(DatasetLoadError, match="empty.txt is empty"):

@@ -10,8 +10,8 @@ import torch
 import tide
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
-calibration = importlib.import_module("tide.calibration")
-trials = importlib.import_module("tide.trials")
+calibration = importlib.import_module("tide.calibration.run")
+trials = importlib.import_module("tide.calibration.trials")
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
@@ -135,7 +135,7 @@ def test_other_targets_are_chosen_as_calibration_chooses_its_own(monkeypatch, ex
     strict = calibration.operating_point(model, 0.99999)  # no exit can keep this: nothing to time
     assert not strict.exits and strict.exit_timing is None
     assert calibration.thresholds_for_target(model, 0.05) == own.thresholds
-    variants, chosen = importlib.import_module("tide.bench")._variants(model, (0.05, 0.99999))
+    variants, chosen = importlib.import_module("tide.tools.bench")._variants(model, (0.05, 0.99999))
     assert variants["exit target 0.05"]["thresholds"] == own.thresholds
     assert chosen["exit target 0.05"]["exits"] == (exit_speed >= trials.KEEP_SPEEDUP)
     timing = chosen["exit target 0.05"]["exit_timing"]
@@ -167,7 +167,7 @@ def test_a_mode_is_kept_only_when_a_second_timing_agrees(monkeypatch):
 
 
 def test_draft_trials_keep_the_fastest_scheme_that_times_faster_again(monkeypatch):
-    from tide.costs import DraftScheme
+    from tide.calibration.costs import DraftScheme
 
     schemes = [DraftScheme(0, 1, 3, 1.3), DraftScheme(0, 1, 8, 1.2), DraftScheme(0, 2, 1, 1.1)]
     first = {3: 1.10, 8: 1.20, 1: 0.95}  # the tree of 8 times fastest once, and slower when timed again
@@ -283,7 +283,7 @@ def test_ngram_drafts_are_kept_unless_they_time_slower_than_the_scheme_alone(mon
 
 @pytest.mark.parametrize("ngram_speed", [1.1, 0.98])
 def test_where_no_head_scheme_pays_ngram_drafts_alone_are_timed(monkeypatch, ngram_speed):
-    from tide.costs import DraftScheme
+    from tide.calibration.costs import DraftScheme
 
     def timed(model, prompts, config, baseline="generate"):
         return ngram_speed if config.get("head_drafts") is False else 0.95

@@ -84,7 +84,7 @@ def test_calibration_offers_no_restricted_drafts_for_an_offloaded_head(monkeypat
     import importlib
     import types
 
-    calibrate = importlib.import_module("tide.calibration")
+    calibrate = importlib.import_module("tide.calibration.run")
     model = tide.TideForCausalLM.from_base(tiny_model("llama"))
     monkeypatch.setattr(calibrate, "candidate_sizes", lambda rows: [16])  # the tiny head is too small for any
     trainer, procs = types.SimpleNamespace(predicted=torch.arange(128)), types.SimpleNamespace(world=1)

@@ -167,7 +167,7 @@ def test_held_out_chain_ranks_read_the_previous_drafts_state():
     per text (a text's first token reads zeros), whatever the padding."""
     import importlib
 
-    calibration = importlib.import_module("tide.calibration")
+    calibration = importlib.import_module("tide.calibration.run")
     model = _model()
     ids = torch.randint(4, 100, (2, 7), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)

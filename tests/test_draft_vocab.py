@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tide
-from tide.costs import StepCosts, draft_candidates
-from tide.draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
+from tide.calibration.costs import StepCosts, draft_candidates
+from tide.heads.draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
 from tiny_models import FAMILIES, VOCAB, noisy_tide, prompt_ids, sample_texts, tiny_model, tiny_tokenizer
 
 
@@ -179,7 +179,7 @@ def test_estimates_price_a_restricted_draft_by_its_share_of_the_head():
 def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tmp_path):
     """Calibration ranks the full model's predictions, scores restricted drafts on held-out text, and keeps
     the vocabulary (cut to the chosen size) only when the chosen scheme uses one."""
-    calibration = __import__("tide.calibration", fromlist=["choose_draft"])
+    calibration = __import__("tide.calibration.run", fromlist=["choose_draft"])
     monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
     seen = {}
 
@@ -212,8 +212,8 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
 def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
     """The trials run `generate` with each scheme's draft vocabulary (timings replaced: a restricted draft is
     made the fastest), and the kept one decodes as the base model."""
-    calibration = __import__("tide.calibration", fromlist=["timed_schemes"])
-    trials = __import__("tide.trials", fromlist=["timed"])
+    calibration = __import__("tide.calibration.run", fromlist=["timed_schemes"])
+    trials = __import__("tide.calibration.trials", fromlist=["timed"])
     monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
     monkeypatch.setattr(calibration, "timed_schemes", lambda candidates, count: candidates[:count])
     ran = []
@@ -242,10 +242,10 @@ def test_draft_trials_stop_only_where_lossless_mode_is_unavailable(monkeypatch):
     error in a trial is a bug and propagates (it once hid a restricted trial's missing vocabulary)."""
     from types import SimpleNamespace
 
-    from tide.costs import DraftScheme
-    from tide.speculative import LosslessUnavailable
+    from tide.calibration.costs import DraftScheme
+    from tide.decode.speculative import LosslessUnavailable
 
-    trials = __import__("tide.trials", fromlist=["choose_draft"])
+    trials = __import__("tide.calibration.trials", fromlist=["choose_draft"])
     monkeypatch.setattr(trials, "timing_prompts", lambda *args: [])
     model, scheme = SimpleNamespace(base=SimpleNamespace(device="cpu")), DraftScheme(1, 1, 2, 1.2)
 
@@ -266,9 +266,9 @@ def test_draft_trials_stop_only_where_lossless_mode_is_unavailable(monkeypatch):
 def test_timed_schemes_spread_over_verification_widths():
     """Calibration times the best-estimated scheme, then the best-estimated one verifying at most half as many
     positions, else the next best shape; a shape differing only in its vocabulary is not timed twice."""
-    from tide.costs import DraftScheme
+    from tide.calibration.costs import DraftScheme
 
-    trials = __import__("tide.trials", fromlist=["timed_schemes"])
+    trials = __import__("tide.calibration.trials", fromlist=["timed_schemes"])
     tree8, tree8_vocab, tree7, tree3, chain2 = (DraftScheme(0, 1, 8, 1.3), DraftScheme(0, 1, 8, 1.29, 256),
                                                 DraftScheme(0, 1, 7, 1.28), DraftScheme(0, 1, 3, 1.2),
                                                 DraftScheme(1, 2, 1, 1.1))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tide
-from tide import fewrows
+from tide.layers import fewrows
 from tiny_models import FAMILIES, tiny_model
 
 

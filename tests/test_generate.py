@@ -6,7 +6,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 import tide
-from tide.support_matrix import reference_forced_exit, work_after_cache_write
+from tide.tools.support_matrix import reference_forced_exit, work_after_cache_write
 from generation_helpers import BanToken, StopAfter
 from tiny_models import FAMILIES, tiny_model
 
@@ -344,23 +344,23 @@ def test_prefill_exit_with_recompute_refuses_sliding_window_models():
 
 def test_recompute_keeps_at_most_max_pending_positions():
     """Past MAX_PENDING stale positions, the oldest keep their placeholder; generation goes on and stays bounded."""
-    from tide.recompute import MAX_PENDING
+    from tide.layers.recompute import MAX_PENDING
 
     model, _ = _wrap("llama", checkpoint_layers=[1])
     seen = []
-    original_after_step = tide.recompute.RecomputeState.after_step
+    original_after_step = tide.layers.recompute.RecomputeState.after_step
 
     def watching(self, steps, walk):
         original_after_step(self, steps, walk)
         seen.append(self.pending)
 
-    tide.recompute.RecomputeState.after_step = watching
+    tide.layers.recompute.RecomputeState.after_step = watching
     try:
         new = MAX_PENDING + 6
         out = model.generate(_prompt(), tide_config={"exit_threshold": -1, "kv_strategy": "recompute"},
                              do_sample=False, max_new_tokens=new)
     finally:
-        tide.recompute.RecomputeState.after_step = original_after_step
+        tide.layers.recompute.RecomputeState.after_step = original_after_step
     assert out.shape[1] == _prompt().shape[1] + new
     assert max(seen) == MAX_PENDING and seen[-1] == MAX_PENDING  # every token exits: none ever becomes exact
     stats = model.last_stats

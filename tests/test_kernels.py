@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-import tide.kernels as tk
-from tide.architectures import resolve
-from tide.router import Router
+import tide.heads.kernels as tk
+from tide.models.architectures import resolve
+from tide.heads.router import Router
 from tiny_models import FAMILIES, tiny_model
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "hub_kernels" / "tide_kernels"
@@ -51,7 +51,7 @@ def _final_norm(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reference_matches_the_model_norm_and_router(family):
     norm = _final_norm(family)
-    assert tk.norm_params(norm) is not None, f"add {type(norm).__name__} to tide.kernels.NORM_KINDS"
+    assert tk.norm_params(norm) is not None, f"add {type(norm).__name__} to tide.heads.kernels.NORM_KINDS"
     torch.manual_seed(0)
     router, hidden = Router(32, 8), torch.randn(3, 5, 32) * 2 + 0.3  # [B, T, H]
     with torch.no_grad():

@@ -8,10 +8,10 @@ import torch
 from transformers import DynamicCache
 
 import tide
-from tide import kvfill
-from tide.kvfill import fill_kv, fused_available
-from tide.kvprobe import kv_plan
-from tide.layercalls import capture_layer_calls, write_kv_only
+from tide.layers import kvfill
+from tide.layers.kvfill import fill_kv, fused_available
+from tide.layers.kvprobe import kv_plan
+from tide.layers.calls import capture_layer_calls, write_kv_only
 from tiny_models import FAMILIES, tiny_model
 
 FUSED = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma"}

@@ -9,10 +9,10 @@ from transformers import DynamicCache
 from transformers.pytorch_utils import Conv1D
 
 import tide
-from tide import kvprobe
-from tide.kvprobe import KVPlan, LayerPlan, clear_plans, kv_plan, write_kv
-from tide.layercalls import PartialRows, capture_layer_calls, write_kv_only
-from tide.support_matrix import check_forced_exit
+from tide.layers import kvprobe
+from tide.layers.kvprobe import KVPlan, LayerPlan, clear_plans, kv_plan, write_kv
+from tide.layers.calls import PartialRows, capture_layer_calls, write_kv_only
+from tide.tools.support_matrix import check_forced_exit
 from tiny_models import FAMILIES, tiny_model
 
 # what each table family's K/V-only pass must compute: (linears run in full, linears computed in part)
@@ -142,7 +142,7 @@ def test_the_stronger_check_catches_a_layer_that_computes_its_queries(monkeypatc
 
 
 def test_bench_reports_a_skipped_layers_kv_as_a_fraction_of_a_layer():
-    from tide.bench import kv_fill_costs, kv_fill_costs_text
+    from tide.tools.bench import kv_fill_costs, kv_fill_costs_text
 
     for family, batched in (("llama", True), ("gpt2", False)):
         model = tide.TideForCausalLM.from_base(tiny_model(family), tide.TideConfig(checkpoint_layers=[1]))

@@ -1,10 +1,10 @@
-"""Layer arguments from one capture per window of positions (`tide.layerargs`): every slice is the backbone's own."""
+"""Layer arguments from one capture per window of positions (`tide.layers.args`): every slice is the backbone's own."""
 
 import pytest
 import torch
 
 import tide
-import tide.layerargs as layerargs
+import tide.layers.args as layerargs
 from generation_helpers import exits_by_sign
 from tiny_models import FAMILIES, noisy_tide, prompt_ids, tiny_model, tiny_tokenizer
 
@@ -106,7 +106,7 @@ def test_request_wider_than_the_window():
     cache = DynamicCache(config=base_model.config)
     ids = prompt_ids(12)
     base_model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
-    args = layerargs.LayerArgs(tide.architectures.resolve(base_model), width=3)
+    args = layerargs.LayerArgs(tide.models.architectures.resolve(base_model), width=3)
     hidden, calls = args.calls(ids[:, 4:12], cache, position_ids=torch.arange(4, 12)[None])
     assert hidden.shape[1] == 8 and args.off_reason is None and parts.num_layers == len(calls)
 
@@ -115,7 +115,7 @@ def test_head_dim_equal_to_the_windows_key_length_and_caches_one_after_another()
     """A head dim of 32 equals the key length of a window of 31 opened after one cached position, and teacher-forced
     scoring runs one session over a new cache per text (a freed cache's id can come back): no axis or window is
     taken for another, and with no exits every token agrees with the full model."""
-    from tide.evaluate import teacher_forced
+    from tide.calibration.evaluate import teacher_forced
 
     base = tiny_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))

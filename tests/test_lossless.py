@@ -39,12 +39,12 @@ SDPA_FAMILIES = ["llama", "mistral", "qwen3", "gemma", "gpt2", "opt", "gpt_neox"
 @pytest.mark.parametrize("family", SDPA_FAMILIES)
 def test_sdpa_attention_is_token_identical(family, scheme, monkeypatch):
     """With SDPA, verification hands the layers additive float masks (converted once per pass)."""
-    import tide.layercalls as layercalls
+    import tide.layers.calls as layercalls
 
     model, base = noisy_tide(family, attention="sdpa")
     converted = []
     real = layercalls.additive_masks
-    for module in ("tide.layerargs", "tide.treedraft"):
+    for module in ("tide.layers.args", "tide.decode.treedraft"):
         monkeypatch.setattr(f"{module}.additive_masks", lambda parts, calls: converted.append(
             real(parts, calls)) or converted[-1])
     ids = prompt_ids()
@@ -60,8 +60,8 @@ def test_verification_attends_grouped_query_heads_in_place(monkeypatch):
     them transformers decides as before."""
     from transformers.integrations import sdpa_attention
 
-    from tide._hf_compat import grouped_query_attention_in_place
-    from tide.layercalls import additive_masks, capture_layer_calls
+    from tide.models.compat import grouped_query_attention_in_place
+    from tide.layers.calls import additive_masks, capture_layer_calls
 
     model, base = noisy_tide("llama", attention="sdpa")  # 4 query heads, 2 K/V heads
     parts, ids = model.parts, prompt_ids(length=10)
@@ -134,7 +134,7 @@ def test_sliding_window_models_stay_token_identical_past_the_window(family):
 
 
 def test_a_sliding_cache_that_cannot_roll_back_is_a_clear_error():
-    from tide.speculative import check_rollback
+    from tide.decode.speculative import check_rollback
     from transformers import DynamicCache
 
     base = tiny_model("mistral")

@@ -5,7 +5,7 @@ import torch
 from transformers import GenerationConfig, StaticCache
 
 import tide
-from tide.speculative import LosslessUnavailable
+from tide.decode.speculative import LosslessUnavailable
 from tiny_models import noisy_tide, prompt_ids
 
 GREEDY = dict(do_sample=False, max_new_tokens=12, pad_token_id=0)
@@ -14,7 +14,7 @@ GREEDY = dict(do_sample=False, max_new_tokens=12, pad_token_id=0)
 @pytest.fixture(scope="module")
 def shipped():
     """The shipped model (trained: tiny random models hardly notice shifted positions) with fresh routers."""
-    from tide.demo import _load_base
+    from tide.tools.demo import _load_base
 
     base, tokenizer = _load_base()
     return tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2)), base, tokenizer

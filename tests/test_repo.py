@@ -12,8 +12,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import tide
-from tide.data import DatasetLoadError
-from tide.hub import REPO_FILES
+from tide.calibration.data import DatasetLoadError
+from tide.hub.repos import REPO_FILES
 from tiny_models import FAMILIES, sample_texts, tiny_model, tiny_tokenizer
 
 FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1, validation_tokens=128)
@@ -179,7 +179,7 @@ def test_push_to_hub_uploads_only_the_repo_files(calibrated, monkeypatch):
             calls["files"] = sorted(os.listdir(folder_path))
             calls["allow"] = sorted(allow_patterns)
 
-    monkeypatch.setattr(tide.hub, "HfApi", FakeApi)
+    monkeypatch.setattr(tide.hub.repos, "HfApi", FakeApi)
     calibrated.push_to_hub("user/llama-tide")
     assert calls["repo"] == "user/llama-tide"
     assert calls["files"] == calls["allow"] == sorted(REPO_FILES)
@@ -189,7 +189,7 @@ def test_push_to_hub_uploads_only_the_repo_files(calibrated, monkeypatch):
 def test_model_card_front_matter_parses(tmp_path, base_name):
     from huggingface_hub import ModelCard
 
-    from tide.hub import model_card
+    from tide.hub.repos import model_card
 
     config = tide.TideConfig(checkpoint_layers=[1, 3], base_model_name_or_path=base_name, base_model_type="llama",
                              base_num_layers=6, base_hidden_size=32)

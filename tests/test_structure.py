@@ -1,8 +1,8 @@
-"""The package's shape: every module imports alone, no import cycles, and the transformers internals Tide uses exist."""
+"""The package's shape: every module imports alone, no import cycles, each package imports only the packages
+below it, and the transformers internals Tide uses exist."""
 
 import ast
 import importlib
-import os
 import pkgutil
 import subprocess
 import sys
@@ -11,56 +11,72 @@ from pathlib import Path
 import pytest
 
 import tide
-from tide import _hf_compat
+from tide.models import compat
 
 PACKAGE_DIR = Path(tide.__file__).parent
-MODULES = sorted(m.name for m in pkgutil.iter_modules([str(PACKAGE_DIR)]))
+MODULES = sorted(m.name for m in pkgutil.walk_packages([str(PACKAGE_DIR)], prefix="tide."))
+# The layers of the package, bottom first: each imports only those before it (and itself).
+LAYERS = ["config", "models", "heads", "layers", "decode", "generation", "hub", "modeling", "calibration", "tools"]
 
 
 def test_each_module_imports_alone():
-    """Every module imports first in a fresh interpreter (one process per module, a few at a time)."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Every module imports first in a fresh interpreter. One process imports torch and transformers, then forks
+    a child per module, which imports that module and nothing of Tide before it."""
+    code = (
+        "import os, sys, traceback\n"
+        "import torch, torch._dynamo, transformers, transformers.modeling_utils, transformers.generation.utils\n"
+        "import transformers.integrations.sdpa_attention, accelerate, safetensors.torch, huggingface_hub\n"
+        "failed = []\n"
+        "for m in sys.argv[1:]:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        try:\n"
+        "            __import__(m)\n"
+        "        except BaseException:\n"
+        "            traceback.print_exc()\n"
+        "            os._exit(1)\n"
+        "        os._exit(0)\n"
+        "    if os.waitpid(pid, 0)[1]:\n"
+        "        failed.append(m)\n"
+        "print(' '.join(failed))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, *MODULES], capture_output=True, text=True)
+    assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr[-4000:]
 
-    def run(module):
-        code = f"import importlib; importlib.import_module('tide.{module}')"
-        return module, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
 
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        failed = {module: result.stderr[-2000:] for module, result in pool.map(run, MODULES) if result.returncode}
-    assert not failed, failed
-
-
-def _sources(module: str) -> list[Path]:
-    """The files of a module, or of every module in a subpackage."""
-    path = PACKAGE_DIR / module
-    return sorted(path.glob("*.py")) if path.is_dir() else [PACKAGE_DIR / f"{module}.py"]
+def _file(module: str) -> Path:
+    path = PACKAGE_DIR.joinpath(*module.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
 def _imports(module: str) -> set[str]:
-    """The tide modules `module` imports at module level (function-level imports included: a cycle is a cycle);
-    for a subpackage, what its modules import from outside it."""
+    """The tide modules `module` imports (function-level imports included: a cycle is a cycle)."""
+    package = module if _file(module).name == "__init__.py" else module.rpartition(".")[0]
     out = set()
-    level = 2 if (PACKAGE_DIR / module).is_dir() else 1  # the import level that reaches tide's own modules
-    for source in _sources(module):
-        out |= _imports_in(ast.parse(source.read_text()), level)
-    return out & set(MODULES)
-
-
-def _imports_in(tree, level: int) -> set[str]:
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == level:
-            if node.module:
-                out.add(node.module.split(".")[0])
+    for node in ast.walk(ast.parse(_file(module).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
             else:
-                out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tide."):
-            out.add(node.module.split(".")[1])
-    return out
+                target = node.module or ""
+            for alias in node.names:  # `from . import fewrows` imports a module
+                if f"{target}.{alias.name}" in MODULES:
+                    out.add(f"{target}.{alias.name}")
+            if target in MODULES:
+                out.add(target)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in MODULES)
+    out.discard("tide")  # `from .. import __version__`
+    return out - {module}
+
+
+def _layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[1])
 
 
 def test_the_import_graph_has_no_cycle():
-    graph = {m: _imports(m) for m in MODULES if m != "__init__"}
+    graph = {m: _imports(m) for m in MODULES if m != "tide"}
     state = {}
 
     def visit(node, path):
@@ -78,14 +94,20 @@ def test_the_import_graph_has_no_cycle():
         visit(m, [])
 
 
+def test_each_package_imports_only_packages_below_it():
+    assert {m.split(".")[1] for m in MODULES if m != "tide"} == set(LAYERS), "a new package needs a place in LAYERS"
+    upward = [f"{m} imports {t}" for m in MODULES if m != "tide" for t in _imports(m) if _layer(t) > _layer(m)]
+    assert not upward, upward
+
+
 def test_transformers_internals_tide_relies_on_are_there():
-    _hf_compat.check()
+    compat.check()
 
 
 def test_every_public_name_resolves():
     for name in tide.__all__:
         assert getattr(tide, name) is not None
     for module in MODULES:
-        mod = importlib.import_module(f"tide.{module}")
+        mod = importlib.import_module(module)
         for name in getattr(mod, "__all__", []):
-            assert hasattr(mod, name), f"tide.{module}.__all__ names {name}, which it does not define"
+            assert hasattr(mod, name), f"{module}.__all__ names {name}, which it does not define"

@@ -5,7 +5,7 @@ import functools
 
 import pytest
 
-from tide.support_matrix import CHECKS, check_model_type, model_types
+from tide.tools.support_matrix import CHECKS, check_model_type, model_types
 
 
 @functools.cache

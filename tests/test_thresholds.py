@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from tide.thresholds import auc, binomial_upper_bound, calibrate_cascade, select_threshold
+from tide.calibration.thresholds import auc, binomial_upper_bound, calibrate_cascade, select_threshold
 
 
 def test_clopper_pearson_zero_errors_closed_form():

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import tide
-from tide.cli import build_parser
+from tide.tools.cli import build_parser
 from tide.config import draft_scheme_text
-from tide.hub import model_card
+from tide.hub.repos import model_card
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
-calibration = importlib.import_module("tide.calibration")
-trials = importlib.import_module("tide.trials")
+calibration = importlib.import_module("tide.calibration.run")
+trials = importlib.import_module("tide.calibration.trials")
 TRIAL_S = 10.0
 
 

@@ -10,7 +10,7 @@ import tide
 from generation_helpers import BoostInPlace
 from tiny_models import FAMILIES, noisy_tide, prompt_ids
 from tide.config import MAX_DRAFT_TOPK
-from tide.treedraft import tree_mask_calls
+from tide.decode.treedraft import tree_mask_calls
 
 
 def _wrap(family="llama"):
@@ -163,7 +163,7 @@ def test_bad_draft_topk_is_a_clear_error(bad):
 
 
 def test_tree_mask_blocks_only_siblings():
-    from tide.layercalls import LayerCall
+    from tide.layers.calls import LayerCall
 
     causal = torch.zeros(1, 1, 3, 5)
     causal[..., 0, 3:] = causal[..., 1, 4] = torch.finfo(torch.float32).min  # 2 cached keys, then a chunk of 3
@@ -181,7 +181,7 @@ def test_tree_mask_blocks_only_siblings():
 
 @pytest.mark.parametrize("attention, converts", [("sdpa", True), ("eager", False)])
 def test_additive_masks_are_what_sdpa_makes_of_boolean_ones(attention, converts):
-    from tide.layercalls import LayerCall, additive_masks, capture_layer_calls
+    from tide.layers.calls import LayerCall, additive_masks, capture_layer_calls
 
     model, _ = _wrap()
     model.base.config._attn_implementation = attention
@@ -218,7 +218,7 @@ def test_additive_masks_are_what_sdpa_makes_of_boolean_ones(attention, converts)
 
 
 def test_draft_candidates_weigh_chains_against_trees():
-    from tide.costs import StepCosts, draft_candidates
+    from tide.calibration.costs import StepCosts, draft_candidates
 
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=1.0, capture_s=0.5, device="cpu",
                       verify_extra_s={4: 0.5})
@@ -238,7 +238,7 @@ def test_draft_candidates_weigh_chains_against_trees():
 
 
 def test_chain_estimates_use_the_later_drafts_ranks():
-    from tide.costs import StepCosts, draft_candidates
+    from tide.calibration.costs import StepCosts, draft_candidates
 
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=1.0, capture_s=0.5, device="cpu",
                       verify_extra_s={4: 0.5})
@@ -255,7 +255,7 @@ def test_chain_estimates_use_the_later_drafts_ranks():
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "phi", "gpt_neox"])
 def test_one_capture_serves_both_tree_passes(family, monkeypatch):
     """The candidates' shallow calls are sliced from the deep chunk's calls (same keys, same positions)."""
-    import tide.treedraft as treedraft
+    import tide.decode.treedraft as treedraft
 
     model, base = _wrap(family)
     ids = prompt_ids()
@@ -270,8 +270,8 @@ def test_one_capture_serves_both_tree_passes(family, monkeypatch):
 
 
 def test_without_first_position_slices_every_per_position_argument():
-    from tide.layercalls import LayerCall
-    from tide.treedraft import without_first_position
+    from tide.layers.calls import LayerCall
+    from tide.decode.treedraft import without_first_position
 
     q = 3
     hidden, mask = torch.randn(1, q, 16), torch.randn(1, 1, q, 7)
@@ -289,7 +289,7 @@ def test_without_first_position_slices_every_per_position_argument():
 
 
 def test_verification_cost_follows_the_measured_points():
-    from tide.costs import StepCosts, draft_candidates
+    from tide.calibration.costs import StepCosts, draft_candidates
 
     costs = StepCosts(layer_s=2.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=2.0, capture_s=0.0, device="cpu",
                       verify_extra_s={4: 0.0, 8: 16.0})  # 4 positions cost nothing more, 8 cost 8 layers
@@ -302,7 +302,7 @@ def test_verification_cost_follows_the_measured_points():
 
 
 def test_a_jump_between_measured_points_is_not_smoothed_away():
-    from tide.costs import StepCosts, draft_candidates, verify_extras_text
+    from tide.calibration.costs import StepCosts, draft_candidates, verify_extras_text
 
     # three positions cost almost nothing more, four cost 8 layers more (a kernel switch at 4 rows)
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=1.0, capture_s=0.0, device="cpu",
@@ -325,7 +325,7 @@ def test_a_jump_between_measured_points_is_not_smoothed_away():
 def test_chain_estimates_follow_the_adaptive_cap():
     from collections import Counter
 
-    from tide.costs import StepCosts, chain_cycles, draft_candidates
+    from tide.calibration.costs import StepCosts, chain_cycles, draft_candidates
 
     assert chain_cycles([0] * 10, 4) == (10, Counter({4: 1, 1: 9}))  # a rejection drops the cap to 1 and keeps it
     assert chain_cycles([9] * 10, 4) == (10, Counter({4: 2}))  # every draft right: 4 drafts, 5 tokens a cycle
@@ -342,7 +342,7 @@ def test_chain_estimates_follow_the_adaptive_cap():
 @pytest.mark.real_timing
 @pytest.mark.parametrize("family, wide", [("llama", True), ("mistral", False)])
 def test_measure_costs_times_each_verification_point(family, wide, monkeypatch):
-    from tide.costs import LOOP_TOKENS, VERIFY_POINTS, measure_costs
+    from tide.calibration.costs import LOOP_TOKENS, VERIFY_POINTS, measure_costs
 
     model, _ = _wrap(family)
     runs = []
@@ -363,8 +363,8 @@ def test_measure_costs_times_each_verification_point(family, wide, monkeypatch):
 
 @pytest.mark.real_timing
 def test_loop_extras_are_zero_where_lossless_mode_cannot_run(monkeypatch):
-    from tide import costs as costs_module
-    from tide.speculative import LosslessUnavailable
+    from tide.calibration import costs as costs_module
+    from tide.decode.speculative import LosslessUnavailable
 
     model, _ = _wrap()
 
@@ -378,7 +378,7 @@ def test_loop_extras_are_zero_where_lossless_mode_cannot_run(monkeypatch):
 
 
 def test_estimates_charge_generates_own_work():
-    from tide.costs import StepCosts, draft_candidates, loop_extras_text
+    from tide.calibration.costs import StepCosts, draft_candidates, loop_extras_text
 
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=1.0, capture_s=0.5, device="cpu",
                       verify_extra_s={4: 0.5}, step_extra_s=2.0, cycle_extra_s=6.0)
@@ -392,7 +392,7 @@ def test_estimates_charge_generates_own_work():
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_candidates_captured_when_their_calls_cannot_be_sliced(padded, monkeypatch):
-    import tide.treedraft as treedraft
+    import tide.decode.treedraft as treedraft
 
     model, base = _wrap()
     ids = prompt_ids()

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tide
-from tide.demo import DEMO_MODEL_DIR
-from tide.demo_corpus import split_corpus
-from tide.distributed import Processes
+from tide.tools.demo import DEMO_MODEL_DIR
+from tide.tools.demo_corpus import split_corpus
+from tide.calibration.distributed import Processes
 
 
 def main() -> None:

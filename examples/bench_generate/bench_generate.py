@@ -104,7 +104,7 @@ def layer_seconds_by_rows(model, base, batches, prompt_tokens: int, repeats: int
     """Median time of one decoder layer call on a decode token, by the number of rows it runs."""
     from transformers import DynamicCache
 
-    from tide.layercalls import capture_layer_calls
+    from tide.layers.calls import capture_layer_calls
 
     parts, out = model.parts, {}
     for rows in batches:

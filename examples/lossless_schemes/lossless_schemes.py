@@ -19,11 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from tide import TideForCausalLM
-from tide._hf_compat import LengthView, keep_one_of_tail
-from tide.demo import DEMO_MODEL_DIR, DEMO_PROMPTS
-from tide.fewrows import few_row_linears
-from tide.layercalls import capture_layer_calls
-from tide.treedraft import tree_mask_calls, without_first_position
+from tide.models.compat import LengthView, keep_one_of_tail
+from tide.tools.demo import DEMO_MODEL_DIR, DEMO_PROMPTS
+from tide.layers.fewrows import few_row_linears
+from tide.layers.calls import capture_layer_calls
+from tide.decode.treedraft import tree_mask_calls, without_first_position
 
 
 def parse_schemes(text: str) -> list[tuple]:
@@ -95,7 +95,7 @@ def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
 
 @torch.no_grad()
 def pieces(model, layer: int, topk: int, repeats: int = 60) -> None:
-    """One tree cycle's parts, as `tide.treedraft` runs them, against one base decode step."""
+    """One tree cycle's parts, as `tide.decode.treedraft` runs them, against one base decode step."""
     parts, num_layers = model.parts, model.parts.num_layers
     ids = torch.randint(5, model.base.config.vocab_size - 1, (1, 41))
     blocked = torch.zeros(topk + 1, topk + 1, dtype=torch.bool)

@@ -13,7 +13,7 @@ checkpoints reachable by dropping one at a time while the estimate improves):
 The estimate charges every layer run 1, a consulted checkpoint `--checkpoint-cost`, a skipped layer
 `--skip-cost`, the head `--head-cost` (plus one more head per consulted checkpoint where the token stays, for
 "full"/"confonly"; 1/16 of it for "trunc"), and the step set-up `--setup-cost`, all in layers
-(defaults: `tide.costs.measure_costs` on a 2-core CPU, docs/benchmarks.md).
+(defaults: `tide.calibration.costs.measure_costs` on a 2-core CPU, docs/benchmarks.md).
 
     python examples/router_signals/router_signals.py
 """
@@ -28,10 +28,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tide  # noqa: E402
-from tide.calibration import CalibrationOptions, _batches, _capture  # noqa: E402
-from tide.demo import _load_base  # noqa: E402
-from tide.demo_corpus import split_corpus  # noqa: E402
-from tide.thresholds import auc, calibrate_cascade  # noqa: E402
+from tide.calibration.run import CalibrationOptions, _batches, _capture  # noqa: E402
+from tide.tools.demo import _load_base  # noqa: E402
+from tide.tools.demo_corpus import split_corpus  # noqa: E402
+from tide.calibration.thresholds import auc, calibrate_cascade  # noqa: E402
 
 KINDS = ("state", "trunc", "full", "confonly")
 

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import _tiny
 import tide
-from tide.data import load_texts
-from tide.evaluate import oracle_speedup, teacher_forced
+from tide.calibration.data import load_texts
+from tide.calibration.evaluate import oracle_speedup, teacher_forced
 
 parser = argparse.ArgumentParser(description="Tide threshold tuning")
 parser.add_argument("--model", help="Hub id or local directory of a causal LM")

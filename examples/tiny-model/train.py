@@ -1,7 +1,7 @@
 """Train the tiny demo Llama that ships in ``src/tide/assets/tiny-llama``.
 
 One-off script, CPU only.  The text is the running Python's own documentation
-(see ``tide.demo_corpus``), so nothing is downloaded.  Steps:
+(see ``tide.tools.demo_corpus``), so nothing is downloaded.  Steps:
 
 1. train a byte-level BPE tokenizer (``tokenizers``) on the train split;
 2. build a 12-layer ``LlamaForCausalLM`` with tied embeddings;
@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
-from tide.demo_corpus import split_corpus  # noqa: E402  (before torch: imports are quiet)
+from tide.tools.demo_corpus import split_corpus  # noqa: E402  (before torch: imports are quiet)
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -300,7 +300,7 @@ def main(argv=None):
                   "vocab_size": len(tokenizer), "tied_embeddings": True, "params": n_params,
                   "dtype": str(model.dtype).replace("torch.", ""),
                   "safetensors_bytes": weights.stat().st_size, "trained_context": args.seq_len},
-        "corpus": {"source": "pydoc_data.topics + stdlib docstrings (tide.demo_corpus)",
+        "corpus": {"source": "pydoc_data.topics + stdlib docstrings (tide.tools.demo_corpus)",
                    "python": platform.python_version(), "train_texts": len(train_texts),
                    "heldout_texts": len(held_texts), "train_tokens_per_epoch": n_train_tok},
         "training": {"steps": step, "batch": args.batch, "seq_len": args.seq_len, "tokens_seen": tokens_seen,

@@ -3,8 +3,8 @@
 Speculative verification (Tide's lossless mode) runs the model over the drafted positions at once. It pays
 only if that pass costs little more than a one-position decode step. This script measures, on random-init
 12-layer Llamas of a few widths, the time of one forward over 1, 2, 4, 8 and 16 new positions after a 40-token
-cache, with the plain `F.linear` and inside `tide.fewrows.few_row_linears(layout=...)` for the transposed
-product (`W @ x.T`) and MKL's packed weights, and which layouts Tide's own measurement (`tide.fewrows.layouts`)
+cache, with the plain `F.linear` and inside `tide.layers.fewrows.few_row_linears(layout=...)` for the transposed
+product (`W @ x.T`) and MKL's packed weights, and which layouts Tide's own measurement (`tide.layers.fewrows.layouts`)
 picks for the model.
 
     python examples/verify_cost/verify_cost.py --threads 2 --widths 192,384,768
@@ -18,8 +18,8 @@ import time
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from tide import fewrows
-from tide.architectures import resolve
+from tide.layers import fewrows
+from tide.models.architectures import resolve
 
 
 POSITIONS = (1, 2, 4, 8, 16)

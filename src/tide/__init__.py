@@ -2,11 +2,11 @@
 
 __version__ = "0.1.0"
 
-from .architectures import ARCHITECTURES, ArchSpec, register, supported_model_types  # noqa: E402
+from .calibration.run import calibrate  # noqa: E402
 from .config import TideConfig, TideGenerationConfig  # noqa: E402
 from .modeling import TideForCausalLM  # noqa: E402
-from .calibration import calibrate  # noqa: E402
-from .convert import convert_tide_routers  # noqa: E402
+from .models.architectures import ARCHITECTURES, ArchSpec, register, supported_model_types  # noqa: E402
+from .tools.convert import convert_tide_routers  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -47,7 +47,7 @@ class TideGenerationConfig:
             exits every token at the first checkpoint consulted.
         thresholds (`dict[str, float]`, *optional*):
             Per-checkpoint thresholds (keyed by layer index as a string) instead of the calibrated ones, e.g.
-            from `tide.calibration.thresholds_for_target`.
+            from `tide.calibration.run.thresholds_for_target`.
         min_layers (`int`, *optional*, defaults to 0):
             Layers every token runs before any router is consulted.
         kv_strategy (`str`, *optional*, defaults to `"propagate"`):

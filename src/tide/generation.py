@@ -16,18 +16,17 @@ import time
 import warnings
 
 import torch
-
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
-from ._hf_compat import cache_layer_kinds, is_static_layer
 from .config import TideConfig, TideGenerationConfig
-from .decode.baseline import BaseSession
-from .decode.spans import SpanRunner, compile_options, options_key
 from .decode import exit_decode, generate_with_loop, lossless_decode
-from .dispatch import activated, install
-from .engine import ExitSession
-from .speculative import LosslessSession, LosslessUnavailable
-from .stats import GenerationStats
+from .decode.baseline import BaseSession
+from .decode.dispatch import activated, install
+from .decode.engine import ExitSession
+from .decode.spans import SpanRunner, compile_options, options_key
+from .decode.speculative import LosslessSession, LosslessUnavailable
+from .decode.stats import GenerationStats
+from .models.compat import cache_layer_kinds, is_static_layer
 
 __all__ = ["generate_with_tide", "resolve_run_config", "attach_stats", "lossless_problem"]
 

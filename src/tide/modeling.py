@@ -15,16 +15,15 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel
 
-from . import fewrows
-from .architectures import ModelParts, resolve
 from .config import TideConfig
-from .draftvocab import restricted_logits
 from .generation import generate_with_tide
-from .hub import BaseModelTokenizerLoader, load_router_repo, push_router_repo, save_router_repo
-from .kernels import norm_params, router_exit
-from .kvprobe import kv_plan
-from .router import CheckpointTest, RouterBank
-from .thresholds import exit_decision
+from .heads.draftvocab import restricted_logits
+from .heads.kernels import norm_params, router_exit
+from .heads.router import CheckpointTest, RouterBank, exit_decision
+from .hub.repos import BaseModelTokenizerLoader, load_router_repo, push_router_repo, save_router_repo
+from .layers import fewrows
+from .layers.kvprobe import kv_plan
+from .models.architectures import ModelParts, resolve
 
 __all__ = ["TideForCausalLM"]
 

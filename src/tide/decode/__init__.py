@@ -8,7 +8,7 @@ and verification, `accept.py` the acceptance rules, `emit.py` what the loops han
 
 from __future__ import annotations
 
-from .. import _hf_compat
+from ..models import compat
 from .exits import exit_decode
 from .lossless import lossless_decode
 
@@ -18,7 +18,7 @@ __all__ = ["generate_with_loop", "exit_decode", "lossless_decode"]
 def generate_with_loop(base, session, loop, args: tuple, kwargs: dict):
     """`base.generate(*args, **kwargs)` with `loop(session, ...)` as its decoding method."""
     streamer = kwargs.get("streamer")  # generate streams the prompt; the loop streams what it accepts
-    kwargs = _hf_compat.stop_strings_as_criteria(base, kwargs)
+    kwargs = compat.stop_strings_as_criteria(base, kwargs)
 
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                **model_kwargs):

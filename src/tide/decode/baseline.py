@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
-from ..stats import GenerationStats
 from .spans import options_key
+from .stats import GenerationStats
 
 __all__ = ["BaseSession", "compiled_forward", "compiled_static_decoder"]
 

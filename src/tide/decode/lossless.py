@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .._hf_compat import crop_cache
+from ..models.compat import crop_cache
 from .accept import greedy_verdict, sampling_verdict
 from .emit import Emitted
 from .processors import process

@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from ..architectures import ModelParts
+from ..models.architectures import ModelParts
 
 __all__ = ["SpanRunner", "compile_options", "options_key"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .layercalls import LayerCall
+from .calls import LayerCall
 
 __all__ = ["RowSplitCache", "sliced_call", "can_slice"]
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .engine import ExitSession
-from .layercalls import capture_outputs
+from ..decode.engine import ExitSession
+from ..layers.calls import capture_outputs
 from .thresholds import oracle_depth
 
 __all__ = ["teacher_forced", "oracle_depths", "QualityReport"]

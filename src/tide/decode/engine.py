@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .config import TideGenerationConfig
+from ..config import TideGenerationConfig
+from ..layers.args import LayerArgs
+from ..layers.calls import LayerCall, additive_masks, capture_layer_calls, map_calls
+from ..layers.kvfill import fill_kv
+from ..layers.recompute import RecomputeState
+from ..layers.rowsplit import RowSplitCache, can_slice, sliced_call
 from .dispatch import base_forward
-from .kvfill import fill_kv
-from .decode.spans import SpanRunner
-from .layerargs import LayerArgs
-from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
-from .recompute import RecomputeState
-from .rowsplit import RowSplitCache, can_slice, sliced_call
+from .spans import SpanRunner
 from .stats import GenerationStats
 
 __all__ = ["ExitSession", "walk_layers", "WalkResult", "PropagateSteps", "BACKBONE_KEYS"]

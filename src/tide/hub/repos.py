@@ -20,9 +20,17 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, hf_hub_download
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .architectures import resolve
-from .config import (TideConfig, batches_text, budget_text, compiled_timing_text, draft_scheme_text, exit_timing_text,
-                     phases_text, work_text)
+from ..config import (
+    TideConfig,
+    batches_text,
+    budget_text,
+    compiled_timing_text,
+    draft_scheme_text,
+    exit_timing_text,
+    phases_text,
+    work_text,
+)
+from ..models.architectures import resolve
 
 __all__ = [
     "CONFIG_NAME",

@@ -14,9 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .thresholds import exit_decision
+__all__ = ["CheckpointTest", "DraftHead", "Router", "RouterBank", "Translator", "exit_decision"]
 
-__all__ = ["CheckpointTest", "DraftHead", "Router", "RouterBank", "Translator"]
+
+def exit_decision(scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The exit rule, everywhere: a token exits when its score is strictly above the threshold. -> bool, scores' shape."""
+    return scores > threshold
 
 
 class Translator(nn.Module):

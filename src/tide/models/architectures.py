@@ -11,16 +11,15 @@ the error lists the supported types and shows how to `register` one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import inspect
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import transformers
 from torch import nn
 
-from ._hf_compat import cache_layer_kinds
+from .compat import cache_layer_kinds
 
 __all__ = ["ArchSpec", "KVProjections", "ModelParts", "ARCHITECTURES", "register", "resolve", "supported_model_types",
            "refusal_reason"]

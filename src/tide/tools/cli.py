@@ -15,15 +15,15 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
+from ..calibration.data import check_local_dataset
+from ..calibration.distributed import Processes
+from ..calibration.run import calibrate, calibration_table
+from ..config import MAX_DRAFT_TOPK, TideConfig
+from ..hub.repos import check_save_directory
+from ..modeling import TideForCausalLM
 from .bench import plot_bench, run_bench, save_results
-from .calibration import calibrate, calibration_table
-from .config import MAX_DRAFT_TOPK, TideConfig
 from .convert import convert_tide_routers
-from .data import check_local_dataset
 from .demo import demo_model_and_texts, run_demo
-from .distributed import Processes
-from .hub import check_save_directory
-from .modeling import TideForCausalLM
 
 __all__ = ["main"]
 

@@ -22,13 +22,13 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
-from ._hf_compat import grouped_query_attention_in_place
-from .config import MAX_DRAFT_TOPK
-from .fewrows import few_row_linears
-from .kvfill import fill_kv
-from .layerargs import LayerArgs
-from .layercalls import additive_masks, capture_layer_calls
-from .speculative import LosslessUnavailable, next_cap
+from ..config import MAX_DRAFT_TOPK
+from ..decode.speculative import LosslessUnavailable, next_cap
+from ..layers.args import LayerArgs
+from ..layers.calls import additive_masks, capture_layer_calls
+from ..layers.fewrows import few_row_linears
+from ..layers.kvfill import fill_kv
+from ..models.compat import grouped_query_attention_in_place
 
 __all__ = ["StepCosts", "DraftScheme", "VERIFY_POSITIONS", "WIDE_VERIFY_POSITIONS", "VERIFY_POINTS", "draft_candidates",
            "measure_costs", "measured_speedup", "prune_checkpoints", "verify_extras_text", "loop_extras_text",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .architectures import ModelParts
+from ..models.architectures import ModelParts
 
 __all__ = ["LayerCall", "PartialRows", "capture_layer_calls", "capture_outputs", "write_kv_only", "run_to_cache_write",
            "additive_masks", "map_calls"]

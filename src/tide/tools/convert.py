@@ -13,9 +13,9 @@ import warnings
 
 import torch
 
-from .architectures import resolve
-from .config import TideConfig
-from .modeling import TideForCausalLM
+from ..config import TideConfig
+from ..modeling import TideForCausalLM
+from ..models.architectures import resolve
 
 __all__ = ["convert_tide_routers"]
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache
 
-from ._hf_compat import LengthView, has_sliding_layers, sliding_window_of
-from .architectures import ModelParts
-from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
+from ..models.architectures import ModelParts
+from ..models.compat import LengthView, has_sliding_layers, sliding_window_of
+from .calls import LayerCall, additive_masks, capture_layer_calls, map_calls
 
 __all__ = ["LayerArgs", "grown_mask", "new_positions"]
 

@@ -32,8 +32,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .calls import LayerCall
 from .kvprobe import write_kv
-from .layercalls import LayerCall
 
 __all__ = ["fill_kv", "fused_available", "clear_stacks"]
 

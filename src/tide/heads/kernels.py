@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .router import GEMMA_RMS_NORM, LAYER_NORM, RMS_NORM  # the op's norm_kind
-from .thresholds import exit_decision
+from .router import GEMMA_RMS_NORM, LAYER_NORM, RMS_NORM, exit_decision  # the op's norm_kind
 
 __all__ = ["GEMMA_RMS_NORM", "KERNEL_REPO", "KERNEL_VERSION", "LAYER_NORM", "RMS_NORM", "load_router_kernel",
            "norm_params", "router_exit", "router_exit_reference"]
@@ -139,7 +138,7 @@ def norm_params(norm: nn.Module):
 def router_exit(hidden: torch.Tensor, norm: nn.Module, router: nn.Module, threshold: float, mode: str | None = None):
     """Scores fp32 [...] and exit mask bool [...] of `router` on `norm(hidden)`. hidden: [..., H].
 
-    `router` has `down` and `up` nn.Linear layers (tide.router.Router). A norm that `norm_params` does not
+    `router` has `down` and `up` nn.Linear layers (tide.heads.router.Router). A norm that `norm_params` does not
     know is run as a module and the router on its output, in the reference path.
     """
     params = norm_params(norm)

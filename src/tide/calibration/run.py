@@ -20,19 +20,50 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import (MAX_DRAFT_TOPK, TideConfig, batches_text, budget_text, compiled_timing_text, draft_scheme_text,
-                     exit_timing_text, phases_text, timings_text, work_text)
-from .costs import (draft_candidates, layer_cost_of_cascade, loop_extras_text, measure_costs, prune_checkpoints,
-                    verify_extras_text)
+from ..config import (
+    MAX_DRAFT_TOPK,
+    TideConfig,
+    batches_text,
+    budget_text,
+    compiled_timing_text,
+    draft_scheme_text,
+    exit_timing_text,
+    phases_text,
+    timings_text,
+    work_text,
+)
+from ..heads.draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
+from ..layers.calls import capture_outputs
+from ..modeling import TideForCausalLM
+from .costs import (
+    draft_candidates,
+    layer_cost_of_cascade,
+    loop_extras_text,
+    measure_costs,
+    prune_checkpoints,
+    verify_extras_text,
+)
 from .data import load_texts
-from .draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
 from .distributed import Processes
 from .evaluate import teacher_forced
-from .layercalls import capture_outputs
-from .modeling import TideForCausalLM
-from .thresholds import EXIT_ERROR_BUDGETS, CheckpointCalibration, auc, binomial_upper_bound, calibrate_cascade, oracle_depth
-from .trials import (KEEP_SPEEDUP, choose_draft, lossless_config, time_compiled, time_exit, timed_schemes, timing_batch,
-                     timing_prompts)
+from .thresholds import (
+    EXIT_ERROR_BUDGETS,
+    CheckpointCalibration,
+    auc,
+    binomial_upper_bound,
+    calibrate_cascade,
+    oracle_depth,
+)
+from .trials import (
+    KEEP_SPEEDUP,
+    choose_draft,
+    lossless_config,
+    time_compiled,
+    time_exit,
+    timed_schemes,
+    timing_batch,
+    timing_prompts,
+)
 
 __all__ = ["calibrate", "calibration_table", "thresholds_for_target", "operating_point", "OperatingPoint", "CalibrationOptions"]
 

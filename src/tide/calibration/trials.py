@@ -13,8 +13,8 @@ import itertools
 
 import torch
 
+from ..decode.speculative import LosslessUnavailable
 from .costs import measured_speedup
-from .speculative import LosslessUnavailable
 
 __all__ = ["KEEP_SPEEDUP", "BATCH_TIMING_ROWS", "timing_prompts", "timing_batch", "timed", "kept", "time_exit",
            "time_compiled", "time_ngram", "timed_schemes", "choose_draft", "lossless_config", "NGRAM"]

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from . import fewrows
-from .calibration import operating_point
-from .config import batches_text, draft_scheme_text, exit_timing_text, timings_text
-from .costs import loop_extras_text, measure_costs, verify_extras_text
-from .decode.baseline import compiled_static_decoder
-from .evaluate import oracle_depths, teacher_forced
-from .kvfill import fill_kv, fused_available
-from .kvprobe import kv_plan
-from .layercalls import capture_layer_calls, write_kv_only
+from ..calibration.costs import loop_extras_text, measure_costs, verify_extras_text
+from ..calibration.evaluate import oracle_depths, teacher_forced
+from ..calibration.run import operating_point
+from ..config import batches_text, draft_scheme_text, exit_timing_text, timings_text
+from ..decode.baseline import compiled_static_decoder
+from ..layers import fewrows
+from ..layers.calls import capture_layer_calls, write_kv_only
+from ..layers.kvfill import fill_kv, fused_available
+from ..layers.kvprobe import kv_plan
 
 __all__ = ["run_bench", "plot_bench", "kv_fill_costs", "kv_fill_costs_text"]
 
@@ -400,14 +400,14 @@ def kv_fill_costs_text(costs: dict) -> str:
 
 
 def _kv_cost_main(argv: list[str] | None = None) -> int:
-    """`python -m tide.bench TYPE [TYPE ...] --hidden 2048 --heads 32 --kv-heads 4`: the K/V cost of a skipped
+    """`python -m tide.tools.bench TYPE [TYPE ...] --hidden 2048 --heads 32 --kv-heads 4`: the K/V cost of a skipped
     layer on random-init models of these model types and shape (no download), one table row each."""
     import argparse
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .config import TideConfig
-    from .modeling import TideForCausalLM
+    from ..config import TideConfig
+    from ..modeling import TideForCausalLM
 
     parser = argparse.ArgumentParser(description=_kv_cost_main.__doc__.splitlines()[0])
     parser.add_argument("model_types", nargs="+")

@@ -25,13 +25,20 @@ from __future__ import annotations
 import time
 
 import torch
-from ._hf_compat import (LengthView, grouped_query_attention_in_place, is_static_layer, keep_one_of_tail,
-                         layer_length, plain_dynamic_layers)
-from .decode.processors import process
-from .decode.records import Draft
-from .fewrows import few_row_linears
-from .layerargs import new_positions
-from .layercalls import LayerCall, additive_masks, capture_layer_calls, map_calls
+
+from ..layers.args import new_positions
+from ..layers.calls import LayerCall, additive_masks, capture_layer_calls, map_calls
+from ..layers.fewrows import few_row_linears
+from ..models.compat import (
+    LengthView,
+    grouped_query_attention_in_place,
+    is_static_layer,
+    keep_one_of_tail,
+    layer_length,
+    plain_dynamic_layers,
+)
+from .processors import process
+from .records import Draft
 
 __all__ = ["TreeDrafter", "tree_mask_calls", "without_first_position"]
 

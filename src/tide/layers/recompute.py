@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ._hf_compat import LengthView, grouped_query_attention_in_place, has_sliding_layers, layer_kv
+from ..models.compat import LengthView, grouped_query_attention_in_place, has_sliding_layers, layer_kv
+from .calls import additive_masks, capture_layer_calls
 from .fewrows import few_row_linears
 from .kvprobe import write_kv
-from .layercalls import additive_masks, capture_layer_calls
 
 __all__ = ["RecomputeState", "RecomputeSteps", "MAX_PENDING"]
 

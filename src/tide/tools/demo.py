@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
+from ..calibration.run import calibrate, calibration_table
+from ..config import TideConfig
+from ..modeling import TideForCausalLM
 from .bench import run_bench
-from .calibration import calibrate, calibration_table
-from .config import TideConfig
 from .demo_corpus import split_corpus
-from .modeling import TideForCausalLM
 
-DEMO_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llama"
+DEMO_MODEL_DIR = Path(__file__).parents[1] / "assets" / "tiny-llama"
 DEMO_PROMPTS = ["The list type", "An exception is raised when", "The for statement is used to"]
 # Measured on the shipped model (docs/benchmarks.md): it converges late, and the oracle bound is x1.60 with a
 # checkpoint after every layer against x1.44 with every second one, so every layer is a checkpoint.

@@ -20,16 +20,16 @@ import inspect
 import time
 
 import torch
-from ._hf_compat import (crop_layer, grouped_query_attention_in_place, layer_length,
-                         unrecoverable_sliding_layers)
-from .decode.ngram import NgramLookup
-from .decode.processors import process
-from .decode.records import Draft
-from .decode.spans import SpanRunner
+
+from ..layers.args import LayerArgs, grown_mask, new_positions
+from ..layers.calls import capture_outputs
+from ..layers.fewrows import few_row_linears
+from ..models.compat import crop_layer, grouped_query_attention_in_place, layer_length, unrecoverable_sliding_layers
 from .dispatch import base_forward
-from .fewrows import few_row_linears
-from .layerargs import LayerArgs, grown_mask, new_positions
-from .layercalls import capture_outputs
+from .ngram import NgramLookup
+from .processors import process
+from .records import Draft
+from .spans import SpanRunner
 from .stats import GenerationStats
 from .treedraft import TreeDrafter
 

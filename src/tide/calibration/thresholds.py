@@ -17,17 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..heads.router import exit_decision
+
 __all__ = ["auc", "binomial_upper_bound", "select_threshold", "calibrate_cascade", "CascadeSelection", "CheckpointCalibration",
-           "exit_decision", "oracle_depth"]
+           "oracle_depth"]
 
 NEVER = 1.0  # scores are sigmoids in [0, 1] and a token exits when score > threshold
 # Per-exit error budgets tried, in this fixed order, by `calibrate_cascade`.
 EXIT_ERROR_BUDGETS = tuple(round(0.001 * 1.25**i, 6) for i in range(30))  # 0.001 ... ~0.65
-
-
-def exit_decision(scores: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The exit rule, everywhere: a token exits when its score is strictly above the threshold. -> bool, scores' shape."""
-    return scores > threshold
 
 
 def _binom_cdf(k: int, n: int, p: float) -> float:

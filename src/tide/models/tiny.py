@@ -4,7 +4,7 @@
 widths, heads, experts, vocabulary, positions. Nested text configs (`text_config`) are shrunk the same way.
 Where the generic shrink cannot work, `OVERRIDES` adds a few per-type values. Nothing is downloaded.
 
-Used by the support matrix (`tide.support_matrix`), the tests and the examples' offline mode.
+Used by the support matrix (`tide.tools.support_matrix`), the tests and the examples' offline mode.
 """
 
 from __future__ import annotations

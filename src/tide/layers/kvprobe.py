@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .architectures import ModelParts
-from .layercalls import LayerCall, PartialRows, capture_layer_calls, run_to_cache_write, write_kv_only
+from ..models.architectures import ModelParts
+from .calls import LayerCall, PartialRows, capture_layer_calls, run_to_cache_write, write_kv_only
 
 __all__ = ["KVPlan", "LayerPlan", "kv_plan", "write_kv", "is_linear", "clear_plans"]
 
