@@ -80,6 +80,18 @@ def timed(fn, *args):
     return time.perf_counter() - start, out
 
 
+def accepted_per_cycle(fn, prompts, model) -> float | None:
+    """Drafted tokens accepted per verification cycle over one untimed run of every prompt (lossless rows;
+    None where the row ran no verification: exit mode, or the base model)."""
+    accepted = cycles = 0
+    for ids in prompts:
+        fn(ids)
+        stats = model.last_stats
+        if stats is not None and stats.verify_passes:
+            accepted, cycles = accepted + stats.accepted, cycles + stats.verify_passes
+    return accepted / cycles if cycles else None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--routers", help="router repo for the shipped model")
@@ -166,19 +178,22 @@ def main(argv=None):
                 same[name] += int(torch.equal(out, ref))
     per_prompt = {name: [statistics.median(t[i * args.repeats:(i + 1) * args.repeats]) for i in range(len(prompts))]
                   for name, t in times.items()}
+    cycles = {name: accepted_per_cycle(rows[name], prompts, model) for name in rows if name.startswith("tide")}
     result = {"tokens": n, "prompts": len(prompts), "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
               "threads": torch.get_num_threads(), "rows": {}}
     print(f"{len(prompts)} prompts x {n} tokens, median of {args.repeats}; first compiled calls (s): "
           + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
-    print(f"{'row':<31}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}")
+    print(f"{'row':<31}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}{'accepted/cycle':>16}")
     for name, secs in per_prompt.items():
-        row = {"ms_per_token": statistics.median(secs) / n * 1e3, "identical_runs": same[name] / len(times[name])}
+        row = {"ms_per_token": statistics.median(secs) / n * 1e3, "identical_runs": same[name] / len(times[name]),
+               "accepted_per_cycle": cycles.get(name)}
         for baseline in ("generate", "static+compile"):
             ratios = [b / s for b, s in zip(per_prompt[baseline], secs)]
             row[f"vs {baseline}"] = (statistics.median(ratios), min(ratios), max(ratios))
         result["rows"][name] = row
         cells = [f"x{m:.2f} [{lo:.2f}-{hi:.2f}]" for m, lo, hi in (row["vs generate"], row["vs static+compile"])]
-        print(f"{name:<31}{row['ms_per_token']:>9.2f}{cells[0]:>22}{cells[1]:>24}{row['identical_runs']:>11.2f}")
+        accepted = "" if row["accepted_per_cycle"] is None else f"{row['accepted_per_cycle']:.2f}"
+        print(f"{name:<31}{row['ms_per_token']:>9.2f}{cells[0]:>22}{cells[1]:>24}{row['identical_runs']:>11.2f}{accepted:>16}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
