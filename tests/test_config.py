@@ -1,5 +1,6 @@
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,64 @@ def test_old_config_files_with_top_level_generation_keys_load(tmp_path):
     cfg = TideConfig.from_pretrained(tmp_path)
     assert cfg.generation == {"max_draft": 0, "exit_threshold": 0.7}
     assert cfg.resolve_generation().threshold_for(1) == 0.7
+
+
+# Calibration records. tests/fixtures/: config.json files written before the records existed (`calibrated`: a
+# tiny Llama calibrated with fixed timings; `older`: the same without the fields older Tide versions did not
+# write; `variety`: the other branches: n-gram drafts only, cut trials, two processes), and the model card and
+# calibration table that code rendered from each.
+FIXTURES = Path(__file__).parent / "fixtures"
+LAYOUTS = ("calibrated", "older", "variety")
+
+
+def _saved(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}_config.json").read_text())
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_saved_calibrations_load_as_records_and_render_as_before(name):
+    from tide.hub.card import calibration_table, model_card
+    from tide.records import CalibrationRecord
+
+    cfg = TideConfig.from_pretrained(FIXTURES / f"{name}_config.json")
+    assert cfg.calibration == _saved(name)["calibration"]  # the config keeps the saved description
+    record = CalibrationRecord.from_dict(cfg.calibration)
+    written = json.loads(json.dumps(record.to_dict()))
+    # the same layout back; an older one gains only empty (None) fields
+    assert {k: v for k, v in written.items() if v is not None or k in cfg.calibration} == cfg.calibration
+    assert model_card(cfg) == (FIXTURES / f"{name}_card.md").read_text()
+    assert calibration_table(cfg) + "\n" == (FIXTURES / f"{name}_table.txt").read_text()
+
+
+def test_calibration_records_are_typed():
+    from tide.records import BatchTiming, CalibrationRecord, CostsRecord, DraftRecord
+
+    new = CalibrationRecord.from_dict(_saved("calibrated")["calibration"])
+    assert new.checkpoints["1"].exits == 155 and new.checkpoints["3"].heldout_agreement is None
+    assert isinstance(new.costs, CostsRecord) and new.costs.verify_extras["8"] > new.costs.verify_extras["2"]
+    assert new.exit_timing.timings == [1.3, 1.3] and new.exit_timing.batch == BatchTiming(0.95, False, [0.95], rows=5)
+    chosen = new.draft_selection.chosen
+    assert isinstance(chosen, DraftRecord) and (chosen.draft_layer, chosen.max_draft, chosen.draft_ngram) == (3, 2, 3)
+    assert new.draft_selection.ngram.active and new.compiled_timing.active and new.decode_validation.tokens == 64
+    assert new.timing_budget.cut == [] and new.processes == 1
+
+    old = CalibrationRecord.from_dict(_saved("older")["calibration"])
+    assert old.exit_head is None and old.agreement_lower_bound is None and old.compiled_timing is None
+    assert old.exit_timing.timings is None and old.exit_timing.batch is None
+    assert old.costs.verify_extras is None and old.costs.verify_extra > 0 and old.checkpoints["1"].exits is None
+    assert old.draft_selection.chosen.draft_vocab_size is None and old.decode_validation.tokens_per_rank is None
+
+    variety = CalibrationRecord.from_dict(_saved("variety")["calibration"])
+    assert variety.draft_selection.chosen.head_drafts is False and variety.draft_selection.ngram_only.active
+    assert variety.draft_selection.cut[0].draft_topk == 3 and variety.processes == 2
+
+
+def test_calibration_records_ignore_newer_keys_and_name_missing_ones():
+    from tide.records import CalibrationRecord
+
+    saved = _saved("calibrated")["calibration"]
+    saved["from_a_newer_tide"] = 1
+    saved["exit_timing"]["from_a_newer_tide"] = 1
+    assert CalibrationRecord.from_dict(saved).exit_timing.measured == 1.3
+    with pytest.raises(KeyError, match="label_rate"):
+        CalibrationRecord.from_dict({"checkpoints": {"2": {}}})

@@ -298,6 +298,6 @@ def test_where_no_head_scheme_pays_ngram_drafts_alone_are_timed(monkeypatch, ngr
         assert chosen["head_drafts"] is False and chosen["draft_ngram"] == trials.NGRAM
         config = tide.TideGenerationConfig(mode="auto", **{k: v for k, v in chosen.items()
                                                           if k not in ("measured", "timings")})
-        assert "n-gram drafts only" in tide.config.draft_scheme_text(config.to_dict())
+        assert "n-gram drafts only" in tide.hub.card.draft_scheme_text(config.to_dict())
     else:
         assert chosen is None

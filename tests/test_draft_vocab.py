@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tide
-from tide.calibration.costs import StepCosts, draft_candidates
+from tide.calibration.costs import draft_candidates
+from tide.calibration.measure import StepCosts
 from tide.heads.draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
 from tiny_models import FAMILIES, VOCAB, noisy_tide, prompt_ids, sample_texts, tiny_model, tiny_tokenizer
 

@@ -53,6 +53,18 @@ def test_cosine_label_rule(calibrated):
     assert any(row["label_rate"] > 0.0 for row in top1.values())
 
 
+def test_the_calibration_record_is_saved_and_read_back(calibrated, tmp_path):
+    """config.json holds the calibration record's dict; reading it back as records and writing them gives it again."""
+    from tide.records import CalibrationRecord
+
+    calibrated.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["calibration"]
+    record = CalibrationRecord.from_dict(saved)
+    assert json.loads(json.dumps(record.to_dict())) == saved
+    assert set(record.checkpoints) == {"1", "3"} and record.costs.device == "cpu"
+    assert record.decode_validation.tokens > 0 and record.draft_selection.trials
+
+
 def test_router_file_is_safetensors_with_metadata(calibrated, tmp_path):
     calibrated.save_pretrained(tmp_path)
     with safe_open(tmp_path / "routers.safetensors", "pt") as f:
@@ -189,7 +201,7 @@ def test_push_to_hub_uploads_only_the_repo_files(calibrated, monkeypatch):
 def test_model_card_front_matter_parses(tmp_path, base_name):
     from huggingface_hub import ModelCard
 
-    from tide.hub.repos import model_card
+    from tide.hub.card import model_card
 
     config = tide.TideConfig(checkpoint_layers=[1, 3], base_model_name_or_path=base_name, base_model_type="llama",
                              base_num_layers=6, base_hidden_size=32)

@@ -9,8 +9,7 @@ import torch
 
 import tide
 from tide.tools.cli import build_parser
-from tide.config import draft_scheme_text
-from tide.hub.repos import model_card
+from tide.hub.card import draft_scheme_text, model_card
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
 calibration = importlib.import_module("tide.calibration.run")

@@ -107,7 +107,7 @@ def main(argv=None):
     parser.add_argument("--model", help="a local causal LM folder (with its tokenizer) instead of the shipped model")
     parser.add_argument("--random-shape", choices=sorted(SHAPES), help="a random-weight Llama of this shape instead of "
                         "the shipped model (costs and overheads; fresh heads)")
-    parser.add_argument("--costs", action="store_true", help="also print Tide's cost table (tide.calibration.costs.measure_costs)")
+    parser.add_argument("--costs", action="store_true", help="also print Tide's cost table (tide.calibration.measure.measure_costs)")
     parser.add_argument("--text", choices=["heldout", "code", "quote"], default="heldout",
                         help="prompts: held-out prose; the start of Python standard-library source files (a code "
                         "continuation); or a held-out paragraph followed by its own opening (text that repeats)")
@@ -131,7 +131,7 @@ def main(argv=None):
     model = (tide.TideForCausalLM.from_pretrained(args.routers, base_model=base) if args.routers
              else tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=1)))
     if args.costs:
-        from tide.calibration.costs import measure_costs
+        from tide.calibration.measure import measure_costs
 
         costs = measure_costs(model)
         print("cost table (layers):", {k: round(v, 3) for k, v in costs.as_dict().items() if isinstance(v, float)

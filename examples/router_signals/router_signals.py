@@ -13,7 +13,7 @@ checkpoints reachable by dropping one at a time while the estimate improves):
 The estimate charges every layer run 1, a consulted checkpoint `--checkpoint-cost`, a skipped layer
 `--skip-cost`, the head `--head-cost` (plus one more head per consulted checkpoint where the token stays, for
 "full"/"confonly"; 1/16 of it for "trunc"), and the step set-up `--setup-cost`, all in layers
-(defaults: `tide.calibration.costs.measure_costs` on a 2-core CPU, docs/benchmarks.md).
+(defaults: `tide.calibration.measure.measure_costs` on a 2-core CPU, docs/benchmarks.md).
 
     python examples/router_signals/router_signals.py
 """

@@ -18,8 +18,8 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-__all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "draft_scheme_text",
-           "timings_text", "exit_timing_text", "compiled_timing_text", "phases_text", "work_text", "budget_text", "batches_text", "LABEL_RULES", "KV_STRATEGIES", "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
+__all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "LABEL_RULES", "KV_STRATEGIES",
+           "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
 
 LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
@@ -215,78 +215,6 @@ class TideGenerationConfig:
         return next((k for k in checkpoints if k + 1 >= num_layers // 4), checkpoints[-1])
 
 
-def draft_scheme_text(scheme: dict) -> str:
-    """'drafts from layer E, up to N per verification' or 'tree drafts from layer E, k candidates' for a dict
-    with draft_layer, max_draft and (optionally) draft_topk."""
-    vocab = f", over the {scheme['draft_vocab_size']} most predicted tokens" if scheme.get("draft_vocab_size") else ""
-    if scheme.get("draft_ngram"):
-        vocab += f"; n-gram drafts where the last {scheme['draft_ngram']} tokens (down to 2) occurred before"
-    if scheme.get("head_drafts") is False:
-        return f"n-gram drafts only, up to {scheme['max_draft']} per verification, where the last " \
-               f"{scheme['draft_ngram']} tokens (down to 2) occurred before; plain steps elsewhere"
-    if scheme.get("draft_topk", 1) > 1:
-        return f"tree drafts from layer {scheme['draft_layer']}, {scheme['draft_topk']} candidates per verification{vocab}"
-    return f"drafts from layer {scheme['draft_layer']}, up to {scheme['max_draft']} per verification{vocab}"
-
-
-def timings_text(entry: dict) -> str:
-    """'measured x1.172' or, for a mode timed again before it was kept, 'measured x1.172, then x1.150'."""
-    timings = entry.get("timings") or [entry["measured"]]
-    return "measured " + ", then ".join(f"x{t:.3f}" for t in timings)
-
-
-def exit_timing_text(timing: dict) -> str:
-    """Calibration's timing of exit mode against the base model (`exit_timing` of the calibration summary), in
-    words: what was measured, for one sequence and for a batch, and what was kept."""
-    text = timings_text(timing) + " against the base model"
-    if not timing["active"]:
-        return text + "; not faster by calibration's margin, so its exits are off (exit mode runs the base model)"
-    batch = timing.get("batch")
-    if batch:
-        text += f"; on a batch of {batch['rows']}: {timings_text(batch)}"
-        text += "" if batch["active"] else ", not faster, so batches run the base model"
-    return text
-
-
-def compiled_timing_text(timing: dict) -> str:
-    """Calibration's timing of the default mode compiled against the base model's compiled static-cache decode
-    (`compiled_timing` of the calibration summary), in words."""
-    text = timings_text(timing) + " against the base model's compiled static-cache decode"
-    if timing["active"]:
-        return text + "; calls with compile=True run it compiled"
-    return text + "; not faster by calibration's margin, so calls with compile=True run that decode"
-
-
-def phases_text(seconds: dict) -> str:
-    """'143.2 s: data 3.1, training 80.4, ...' for a calibration's `phase_seconds` (phases under 0.05 s left out)."""
-    parts = [f"{name} {value:.1f}" for name, value in seconds.items() if value >= 0.05]
-    return f"{sum(seconds.values()):.1f} s" + (": " + ", ".join(parts) if parts else "")
-
-
-def work_text(work: dict) -> str:
-    """'training 2,048/2,040 tokens, held-out scoring 512/498 tokens, ...' for a calibration's `work_per_rank`
-    (each process's share, in rank order)."""
-    parts = []
-    for phase in ("training", "held-out scoring", "decode validation"):
-        tokens = (work.get(phase) or {}).get("tokens")
-        if tokens and any(tokens):
-            parts.append(f"{phase} " + "/".join(f"{t:,}" for t in tokens) + " tokens")
-    return ", ".join(parts) or "none"
-
-
-def budget_text(budget: dict) -> str:
-    """Calibration's `timing_budget` in words: the budget, the seconds the trials took and the trials it cut."""
-    text = f"budget {budget['seconds']:g} s, took {budget['spent']:.1f} s"
-    return text + ("; cut: " + "; ".join(budget["cut"]) if budget["cut"] else "; none cut")
-
-
-def batches_text(config: "TideConfig") -> str:
-    """What a plain `generate` on a batch runs with these routers' calibrated defaults: 'exit mode for batches' or
-    'the base model for batches' (no exit, or exits that calibration timed no faster on a batch)."""
-    exits = config.resolve_generation().has_operating_point and config.generation_config.batch_exits
-    return "exit mode for batches" if exits else "the base model for batches"
-
-
 # Keys that transformers itself writes into every config.json, never "unknown".
 _TRANSFORMERS_KEYS = {"model_type", "transformers_version", "architectures", "_name_or_path", "name_or_path", "torch_dtype", "dtype"}
 
@@ -342,7 +270,8 @@ class TideConfig(PreTrainedConfig):
         base_model_type, base_hidden_size, base_num_layers (*optional*):
             The base model's `model_type`, hidden size and decoder layer count, checked when routers are loaded.
         calibration (`dict`, *optional*):
-            The calibration summary (see docs/router-repo-format.md); written by `tide.calibrate`.
+            The calibration summary as saved (see docs/router-repo-format.md); written by `tide.calibrate`.
+            `tide.records.CalibrationRecord.from_dict` reads it as typed records.
         tide_version (`str`, *optional*):
             The Tide version that wrote the config.
     """

@@ -20,32 +20,26 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config import (
-    MAX_DRAFT_TOPK,
-    TideConfig,
-    batches_text,
-    budget_text,
-    compiled_timing_text,
-    draft_scheme_text,
-    exit_timing_text,
-    phases_text,
-    timings_text,
-    work_text,
-)
+from ..config import MAX_DRAFT_TOPK, TideConfig
 from ..heads.draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
+from ..hub.card import calibration_table, draft_scheme_text
 from ..layers.calls import capture_outputs
 from ..modeling import TideForCausalLM
-from .costs import (
-    draft_candidates,
-    layer_cost_of_cascade,
-    loop_extras_text,
-    measure_costs,
-    prune_checkpoints,
-    verify_extras_text,
-)
+from .costs import draft_candidates, layer_cost_of_cascade, prune_checkpoints
 from .data import load_texts
 from .distributed import Processes
 from .evaluate import teacher_forced
+from .measure import measure_costs
+from ..records import (
+    CalibrationRecord,
+    CheckpointRecord,
+    DraftSelection,
+    ExitTiming,
+    Timing,
+    TimingBudget,
+    Validation,
+    as_record,
+)
 from .thresholds import (
     EXIT_ERROR_BUDGETS,
     CheckpointCalibration,
@@ -125,146 +119,202 @@ def calibrate(
     `model` is a base causal LM (fresh routers are created from `config`) or a `TideForCausalLM` (its
     routers are retrained). Extra keyword arguments set `CalibrationOptions` fields.
     """
+    opts = _options(options)
+    tide = _model_to_calibrate(model, config, opts)
+    run = _Run(tide, tokenizer, opts, PhaseTimes())
+    run.read_texts(dataset, dataset_config=dataset_config, split=split, text_column=text_column)
+    run.train_and_score()
+    run.measure_costs()
+    run.choose_thresholds()
+    run.choose_drafts()
+    run.time_compiled()
+    tide.config.calibration = run.record(dataset).to_dict()
+    return tide
+
+
+def _options(options: dict) -> CalibrationOptions:
     known = {f.name for f in fields(CalibrationOptions)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"calibrate: unknown option(s) {unknown}; the options are {sorted(known)}.")
-    opts = CalibrationOptions(**options)
+    return CalibrationOptions(**options)
+
+
+def _model_to_calibrate(model, config: TideConfig | None, opts: CalibrationOptions) -> TideForCausalLM:
+    """`model` itself (a `TideForCausalLM`, with `config`'s recipe), or new routers from `config` on a base model."""
     if isinstance(model, TideForCausalLM):
-        tide = model
         if config is not None:
-            _apply_recipe(tide, config)
-    else:
-        tide = TideForCausalLM.from_base(model, config or TideConfig(), seed=opts.seed)  # copies the config
-    cfg = tide.config
-    phases = PhaseTimes()
-    with phases("data"):
-        texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_column=text_column)
-    random.Random(opts.seed).shuffle(texts)
-    texts = texts[: opts.num_samples]
-    if len(texts) < 2:
-        raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
-    n_held = min(len(texts) - 1, max(1, round(len(texts) * opts.heldout_fraction)))
-    train_texts, held_texts = texts[n_held:], texts[:n_held]
-    procs = Processes.current(tide.base.device)  # one, or those `accelerate launch` started: each takes a shard
-    if procs.world > min(len(train_texts), len(held_texts)):
-        raise ValueError(f"Calibration on {procs.world} processes needs at least {procs.world} training and "
-                         f"{procs.world} held-out texts; got {len(train_texts)} and {len(held_texts)}.")
-    all_held = held_texts  # the check through the decode step and the timing trials read the same as in one process
-    train_texts, held_texts = procs.shard(train_texts), procs.shard(held_texts)
-    layers = cfg.generation_config.consulted_checkpoints(tide.checkpoints)
+            _apply_recipe(model, config)
+        return model
+    return TideForCausalLM.from_base(model, config or TideConfig(), seed=opts.seed)  # copies the config
 
-    was_training = tide.base.training
-    tide.base.eval()
-    bar = tqdm(total=len(train_texts) + len(held_texts), desc="Tide calibration", unit="text",
-               disable=not (opts.progress and procs.is_main))
-    try:
-        local_batches = math.ceil(len(train_texts) / opts.batch_size)
-        num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
-        trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs)
-        for batch in phases.counted("data", _batches(train_texts, tokenizer, opts, tide.base.device)):
+
+class _Run:
+    """One calibration's phases, in order, and what each leaves for the next (`calibrate` runs them)."""
+
+    def __init__(self, tide: TideForCausalLM, tokenizer, opts: CalibrationOptions, phases: "PhaseTimes"):
+        self.tide, self.cfg, self.tokenizer, self.opts, self.phases = tide, tide.config, tokenizer, opts, phases
+        self.procs = Processes.current(tide.base.device)  # one, or those `accelerate launch` started: each takes a shard
+        self.budget = _TrialBudget(opts.timing_budget_s, phases)
+        self.num_layers = tide.parts.num_layers
+        self.draft_selection = self.compiled_timing = None
+
+    def read_texts(self, dataset, **load) -> None:
+        """Read, shuffle and split the texts; each process keeps its shard of the training and held-out ones."""
+        opts, procs = self.opts, self.procs
+        with self.phases("data"):
+            texts = load_texts(dataset, **load)
+        random.Random(opts.seed).shuffle(texts)
+        texts = texts[: opts.num_samples]
+        if len(texts) < 2:
+            raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
+        n_held = min(len(texts) - 1, max(1, round(len(texts) * opts.heldout_fraction)))
+        train_texts, held_texts = texts[n_held:], texts[:n_held]
+        if procs.world > min(len(train_texts), len(held_texts)):
+            raise ValueError(f"Calibration on {procs.world} processes needs at least {procs.world} training and "
+                             f"{procs.world} held-out texts; got {len(train_texts)} and {len(held_texts)}.")
+        self.num_texts = len(texts)
+        self.all_held = held_texts  # the check through the decode step and the timing trials read the same as in one process
+        self.train_texts, self.held_texts = procs.shard(train_texts), procs.shard(held_texts)
+
+    def train_and_score(self) -> None:
+        """Stream the training texts (exit heads, draft heads, then routers), then score the held-out texts."""
+        tide, opts, procs, phases, cfg = self.tide, self.opts, self.procs, self.phases, self.cfg
+        device = tide.base.device
+        was_training = tide.base.training
+        tide.base.eval()
+        bar = tqdm(total=len(self.train_texts) + len(self.held_texts), desc="Tide calibration", unit="text",
+                   disable=not (opts.progress and procs.is_main))
+        try:
+            local_batches = math.ceil(len(self.train_texts) / opts.batch_size)
+            num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
+            trainer = self.trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs)
+            for batch in phases.counted("data", _batches(self.train_texts, self.tokenizer, opts, device)):
+                with phases("training"):
+                    trainer.add(_capture(tide, batch))
+                bar.update(batch["input_ids"].shape[0])
+                bar.set_postfix(kl=f"{trainer.last_kl:.3f}")
             with phases("training"):
-                trainer.add(_capture(tide, batch))
-            bar.update(batch["input_ids"].shape[0])
-            bar.set_postfix(kl=f"{trainer.last_kl:.3f}")
-        with phases("training"):
-            for _ in range(num_batches - local_batches):
-                trainer.add(None)
-            trainer.finish()
-            ranked = _ranked_vocabulary(tide, trainer, procs) if opts.draft_trials else None
-        held = _Heldout()
-        for batch in phases.counted("data", _batches(held_texts, tokenizer, opts, tide.base.device)):
+                for _ in range(num_batches - local_batches):
+                    trainer.add(None)
+                trainer.finish()
+                self.ranked = _ranked_vocabulary(tide, trainer, procs) if opts.draft_trials else None
+            held = _Heldout()
+            for batch in phases.counted("data", _batches(self.held_texts, self.tokenizer, opts, device)):
+                with phases("held-out scoring"):
+                    held.add(_score(tide, _capture(tide, batch), cfg, self.ranked))
+                bar.update(batch["input_ids"].shape[0])
+            self.held_local = (len(self.held_texts), held.num_tokens if self.held_texts else 0)
             with phases("held-out scoring"):
-                held.add(_score(tide, _capture(tide, batch), cfg, ranked))
-            bar.update(batch["input_ids"].shape[0])
-        held_local_tokens = held.num_tokens if held_texts else 0
-        with phases("held-out scoring"):
-            held = held.gathered(procs)
-    finally:
-        bar.close()
-        tide.base.train(was_training)
+                self.held = held.gathered(procs)
+        finally:
+            bar.close()
+            tide.base.train(was_training)
 
-    held_local = (len(held_texts), held_local_tokens)
-    num_layers = tide.parts.num_layers
-    budget = _TrialBudget(opts.timing_budget_s, phases)
-    with phases("cost measurement"):
-        costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
-    with phases("data"):
-        # this process's share of the token lists one process would check, balanced by length (possibly none, but
-        # every process takes part in the check when there are any)
-        tokens = _validation_tokens(all_held, tokenizer, opts) if opts.validation_tokens else None
-        tokens = procs.shard_by_size(tokens, [len(ids) for ids in tokens]) if tokens else None
-        prompts = timing_prompts(tokenizer, all_held, tide.base.device) if costs is not None else None
-        batch = timing_batch(tokenizer, all_held, tide.base.device) if costs is not None else None
-    tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(), held.num_tokens,
-                                               num_layers, cfg.confidence, costs, tokens, prompts, batch)
-    point = operating_point(tide, cfg.target_agreement, procs, phases, budget)
-    selection, dropped, validation, exit_timing = point.selection, point.dropped, point.validation, point.exit_timing
-    cfg.thresholds = point.thresholds
-    cfg.set_generation_defaults(batch_exits=point.batch_exits)
-    draft_selection = None
-    if costs is not None and opts.draft_trials:
-        candidates = timed_schemes(draft_candidates(held.ranks(), num_layers, costs,
-                                                       cfg.generation_config.max_draft or 8,
-                                                       chain_ranks=held.chain_ranks(), restricted=held.restricted(),
-                                                       head_rows=tide.num_head_rows), opts.draft_trials)
-        tide.draft_vocabulary = ranked  # for the trials; cut to the chosen scheme's below
-        limit = {"spent": budget.spent} if budget.seconds is not None else {}  # the trials cut when it is spent
-        with phases("timing trials"):
-            draft_selection = procs.broadcast(choose_draft(tide, tokenizer, all_held, candidates, **limit)
-                                              if procs.is_main else None)
-        chosen = draft_selection.get("chosen")
-        exit_speed = exit_timing["measured"] if exit_timing and exit_timing["active"] else 1.0
-        lossless_wins = chosen is not None and chosen["measured"] > exit_speed
-        vocab = chosen["draft_vocab_size"] if chosen else 0
-        tide.draft_vocabulary = ranked[:vocab].clone() if vocab else None  # kept: what the chosen drafts read
-        tide.config.set_generation_defaults(draft_layer=chosen["draft_layer"] if chosen else None,
-                                            max_draft=chosen["max_draft"] if chosen else 0,
-                                            draft_topk=chosen["draft_topk"] if chosen else 1,
-                                            draft_vocab_size=vocab, draft_ngram=chosen.get("draft_ngram", 0) if chosen else 0,
-                                            head_drafts=chosen.get("head_drafts", True) if chosen else True,
-                                            mode="auto" if lossless_wins else "exit")
-    compiled_timing = None
-    default = _default_run(cfg) if prompts is not None and opts.compiled_trials else None
-    if default is not None:
-        with phases("timing trials"):
-            compiled_timing = procs.broadcast(time_compiled(tide, prompts, default)
-                                              if procs.is_main and budget.allows("the default mode compiled") else None)
-        if compiled_timing is not None:
-            cfg.set_generation_defaults(compiled_modes=compiled_timing["active"])
-    train_tokens = int(procs.sum([trainer.train_tokens])[0])
-    cfg.calibration = _summary(selection, held, cfg, num_layers, dataset, len(texts), train_tokens)
-    cfg.calibration.update(
-        costs=costs.as_dict() if costs else None,
-        dropped_checkpoints={str(k): why for k, why in dropped.items()},
-        expected_layer_cost=layer_cost_of_cascade(selection.checkpoints, held.num_tokens, num_layers, costs) if costs else None,
-        draft_selection=draft_selection,
-        exit_timing=exit_timing,
-        compiled_timing=compiled_timing,
-        decode_validation=validation,
-        phase_seconds=phases.rounded(),
-        work_per_rank=_work_per_rank(procs, (len(train_texts), trainer.train_tokens), held_local,
-                                     getattr(tide.heldout_selection, "decoded_per_rank", None), trainer.head_rows),
-    )
-    if procs.world > 1:
-        per_rank = procs.per_rank(list(phases.seconds.values()))
-        cfg.calibration["phase_seconds_per_rank"] = {name: [round(r[i], 2) for r in per_rank]
-                                                     for i, name in enumerate(phases.NAMES)}
-    if budget.seconds is not None:
-        cfg.calibration["timing_budget"] = {"seconds": budget.seconds, "spent": round(phases.seconds["timing trials"], 2),
-                                            "cut": procs.broadcast(_cut_trials(budget, draft_selection))}
-    return tide
+    def measure_costs(self) -> None:
+        """Time a decode step's pieces (main process), and prepare what the check and the timing trials read."""
+        tide, opts, procs, device = self.tide, self.opts, self.procs, self.tide.base.device
+        with self.phases("cost measurement"):
+            self.costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
+        with self.phases("data"):
+            # this process's share of the token lists one process would check, balanced by length (possibly none,
+            # but every process takes part in the check when there are any)
+            tokens = _validation_tokens(self.all_held, self.tokenizer, opts) if opts.validation_tokens else None
+            self.validation_tokens = procs.shard_by_size(tokens, [len(ids) for ids in tokens]) if tokens else None
+            timed = self.costs is not None
+            self.prompts = timing_prompts(self.tokenizer, self.all_held, device) if timed else None
+            self.batch = timing_batch(self.tokenizer, self.all_held, device) if timed else None
+
+    def choose_thresholds(self) -> None:
+        """Exit mode's thresholds for the target: selection, the check through the decode step, timing."""
+        held, cfg = self.held, self.cfg
+        layers = cfg.generation_config.consulted_checkpoints(self.tide.checkpoints)
+        self.tide.heldout_selection = _HeldoutSelection(layers, held.scores(), held.agree(), held.labels(),
+                                                        held.num_tokens, self.num_layers, cfg.confidence, self.costs,
+                                                        self.validation_tokens, self.prompts, self.batch)
+        self.point = operating_point(self.tide, cfg.target_agreement, self.procs, self.phases, self.budget)
+        cfg.thresholds = self.point.thresholds
+        cfg.set_generation_defaults(batch_exits=self.point.batch_exits)
+
+    def choose_drafts(self) -> None:
+        """Time the best-estimated drafting schemes; keep the fastest that holds, and make lossless mode the
+        default (`"auto"`) where it timed faster than exit mode."""
+        tide, held, opts, costs = self.tide, self.held, self.opts, self.costs
+        if costs is None or not opts.draft_trials:
+            return
+        candidates = timed_schemes(draft_candidates(held.ranks(), self.num_layers, costs,
+                                                    self.cfg.generation_config.max_draft or 8,
+                                                    chain_ranks=held.chain_ranks(), restricted=held.restricted(),
+                                                    head_rows=tide.num_head_rows), opts.draft_trials)
+        tide.draft_vocabulary = self.ranked  # for the trials; cut to the chosen scheme's below
+        limit = {"spent": self.budget.spent} if self.budget.seconds is not None else {}  # the trials cut when it is spent
+        with self.phases("timing trials"):
+            selection = self.procs.broadcast(choose_draft(tide, self.tokenizer, self.all_held, candidates, **limit)
+                                             if self.procs.is_main else None)
+        self.draft_selection = DraftSelection.from_dict(selection)
+        chosen = self.draft_selection.chosen
+        exit_timing = as_record(self.point.exit_timing, ExitTiming)
+        exit_speed = exit_timing.measured if exit_timing and exit_timing.active else 1.0
+        lossless_wins = chosen is not None and chosen.measured > exit_speed
+        vocab = (chosen.draft_vocab_size or 0) if chosen else 0
+        tide.draft_vocabulary = self.ranked[:vocab].clone() if vocab else None  # kept: what the chosen drafts read
+        self.cfg.set_generation_defaults(draft_layer=chosen.draft_layer if chosen else None,
+                                         max_draft=chosen.max_draft if chosen else 0,
+                                         draft_topk=chosen.draft_topk if chosen else 1,
+                                         draft_vocab_size=vocab, draft_ngram=(chosen.draft_ngram or 0) if chosen else 0,
+                                         head_drafts=(chosen.head_drafts is not False) if chosen else True,
+                                         mode="auto" if lossless_wins else "exit")
+
+    def time_compiled(self) -> None:
+        """Time the default mode compiled against the base model's compiled decode (`compiled_modes`)."""
+        opts, procs = self.opts, self.procs
+        default = _default_run(self.cfg) if self.prompts is not None and opts.compiled_trials else None
+        if default is None:
+            return
+        with self.phases("timing trials"):
+            timing = procs.broadcast(time_compiled(self.tide, self.prompts, default) if procs.is_main and
+                                     self.budget.allows("the default mode compiled") else None)
+        if timing is not None:
+            self.compiled_timing = Timing.from_dict(timing)
+            self.cfg.set_generation_defaults(compiled_modes=self.compiled_timing.active)
+
+    def record(self, dataset) -> CalibrationRecord:
+        """What the calibration found, as saved in the config (`TideConfig.calibration`)."""
+        procs, phases, held, costs, point = self.procs, self.phases, self.held, self.costs, self.point
+        selection, trainer = point.selection, self.trainer
+        train_tokens = int(procs.sum([trainer.train_tokens])[0])
+        record = _summary(selection, held, self.cfg, self.num_layers, dataset, self.num_texts, train_tokens)
+        record.costs = costs.record() if costs else None
+        record.dropped_checkpoints = {str(k): why for k, why in point.dropped.items()}
+        record.expected_layer_cost = layer_cost_of_cascade(selection.checkpoints, held.num_tokens, self.num_layers,
+                                                           costs) if costs else None
+        record.draft_selection = self.draft_selection
+        record.exit_timing = as_record(point.exit_timing, ExitTiming)
+        record.compiled_timing = self.compiled_timing
+        record.decode_validation = as_record(point.validation, Validation)
+        record.phase_seconds = phases.rounded()
+        record.work_per_rank = _work_per_rank(procs, (len(self.train_texts), trainer.train_tokens), self.held_local,
+                                              getattr(self.tide.heldout_selection, "decoded_per_rank", None),
+                                              trainer.head_rows)
+        if procs.world > 1:
+            per_rank = procs.per_rank(list(phases.seconds.values()))
+            record.phase_seconds_per_rank = {name: [round(r[i], 2) for r in per_rank]
+                                             for i, name in enumerate(phases.NAMES)}
+        if self.budget.seconds is not None:
+            record.timing_budget = TimingBudget(self.budget.seconds, round(phases.seconds["timing trials"], 2),
+                                                procs.broadcast(_cut_trials(self.budget, self.draft_selection)))
+        return record
 
 
-def _cut_trials(budget: "_TrialBudget", draft_selection: dict | None) -> list[str]:
+def _cut_trials(budget: "_TrialBudget", draft: DraftSelection | None) -> list[str]:
     """The timing trials that `timing_budget_s` cut, in words, in the order they would have run."""
-    draft = draft_selection or {}
+    draft = draft or DraftSelection()
     cut = [c for c in budget.cut if c == "exit mode"]
-    cut += [f"lossless {draft_scheme_text(c)} (estimated x{c['estimate']:.3f})" for c in draft.get("cut", [])]
-    if draft.get("chosen") is None:  # timed faster once, not timed again: not kept
-        cut += [f"second timing of lossless {draft_scheme_text(t)} (measured x{t['measured']:.3f})"
-                for t in draft.get("trials", []) if "timings" not in t and t["measured"] >= KEEP_SPEEDUP]
-    if draft.get("ngram_cut"):
+    cut += [f"lossless {draft_scheme_text(c)} (estimated x{c.estimate:.3f})" for c in draft.cut]
+    if draft.chosen is None:  # timed faster once, not timed again: not kept
+        cut += [f"second timing of lossless {draft_scheme_text(t)} (measured x{t.measured:.3f})"
+                for t in draft.trials if t.timings is None and t.measured >= KEEP_SPEEDUP]
+    if draft.ngram_cut:
         cut.append("the chosen scheme with n-gram drafts")
     return cut + [c for c in budget.cut if c != "exit mode"]
 
@@ -818,7 +868,8 @@ class _Heldout:
         return sum(v.numel() for v in next(iter(self._scores.values())))
 
 
-def _summary(selection, held: _Heldout, cfg, num_layers, dataset, num_samples, train_tokens) -> dict:
+def _summary(selection, held: _Heldout, cfg, num_layers, dataset, num_samples, train_tokens) -> CalibrationRecord:
+    """The held-out part of the record: data, per-checkpoint results, expected agreement and depth."""
     labels, chosen = held.labels(), {r.layer: r for r in selection.checkpoints}
     results = [chosen.get(k) or CheckpointCalibration(k, 1.0, float(labels[k].float().mean()), 0.0, None, 0, 0)
                for k in sorted(labels)]  # dropped checkpoints: never consulted
@@ -827,78 +878,22 @@ def _summary(selection, held: _Heldout, cfg, num_layers, dataset, num_samples, t
     disagreements = sum(r.errors for r in results)
     total = held.num_tokens
     mean_layers = (sum(r.exits * (r.layer + 1) for r in results) + (total - exits) * num_layers) / max(total, 1)
-    return {
-        "dataset": dataset if isinstance(dataset, str) else f"<{type(dataset).__name__}>",
-        "num_samples": num_samples,
-        "train_tokens": train_tokens,
-        "heldout_tokens": total,
-        "expected_agreement": 1.0 - disagreements / max(total, 1),
-        "agreement_lower_bound": selection.agreement_bound,
-        "exit_error_budget": selection.exit_error_budget,
-        "exit_head": cfg.exit_head,
-        "expected_mean_layers": mean_layers,
-        "oracle_mean_layers": _oracle_mean_layers(agree, cfg.resolve_checkpoints(num_layers), num_layers),
-        "checkpoints": {str(r.layer): r.as_dict() for r in results},
-        "router_auc": {str(k): auc(scores, agree[k]) for k, scores in held.scores().items()},
-    }
+    return CalibrationRecord(
+        dataset=dataset if isinstance(dataset, str) else f"<{type(dataset).__name__}>",
+        num_samples=num_samples,
+        train_tokens=train_tokens,
+        heldout_tokens=total,
+        expected_agreement=1.0 - disagreements / max(total, 1),
+        agreement_lower_bound=selection.agreement_bound,
+        exit_error_budget=selection.exit_error_budget,
+        exit_head=cfg.exit_head,
+        expected_mean_layers=mean_layers,
+        oracle_mean_layers=_oracle_mean_layers(agree, cfg.resolve_checkpoints(num_layers), num_layers),
+        checkpoints={str(r.layer): CheckpointRecord(**r.as_dict()) for r in results},
+        router_auc={str(k): auc(scores, agree[k]) for k, scores in held.scores().items()},
+    )
 
 
 def _oracle_mean_layers(agree: dict[int, torch.Tensor], layers: list[int], num_layers: int) -> float:
     """Mean depth if every token left at the first checkpoint whose top-1 already matches the full model."""
     return float(oracle_depth(agree, layers, num_layers).mean())
-
-
-def calibration_table(config) -> str:
-    """A readable summary of a calibration: thresholds, exits, dropped checkpoints, measured costs, drafts."""
-    cal = config.calibration or {}
-    lines = ["checkpoint  threshold  label rate  exit rate  agreement of exits"]
-    for layer, row in cal.get("checkpoints", {}).items():
-        agreement = "n/a" if row["heldout_agreement"] is None else f"{row['heldout_agreement']:.3f}"
-        lines.append(f"{layer:>10}  {row['threshold']:9.4f}  {row['label_rate']:10.3f}  {row['exit_rate']:9.3f}  {agreement:>18}")
-    if not cal:
-        return "\n".join(lines)
-    active = [k for k, t in (config.thresholds or {}).items() if t < 1.0]
-    lines.append(f"exit head: {cal.get('exit_head', 'lens')}; active checkpoints (consulted): {', '.join(active) or 'none'}")
-    for layer, why in (cal.get("dropped_checkpoints") or {}).items():
-        lines.append(f"  checkpoint {layer} dropped: {why}")
-    lines.append(f"expected agreement {cal['expected_agreement']:.4f} (lower bound {cal.get('agreement_lower_bound', 0):.4f}), "
-                 f"mean layers {cal['expected_mean_layers']:.2f} of {config.base_num_layers} "
-                 f"(oracle {cal['oracle_mean_layers']:.2f})")
-    costs = cal.get("costs")
-    if costs:
-        lines.append(f"measured on {costs['device']}: a consulted checkpoint costs {costs['checkpoint']:.2f} layer, a skipped "
-                     f"layer's K/V {costs['skipped_layer']:.2f} layer, the head {costs['head']:.2f} layer"
-                     + "".join(f", {text}" for text in (verify_extras_text(costs), loop_extras_text(costs)) if text))
-        lines.append(f"expected cost per token {cal['expected_layer_cost']:.2f} layers -> x{config.base_num_layers / cal['expected_layer_cost']:.3f} "
-                     "in layer work")
-    timing = cal.get("exit_timing")
-    if timing:
-        lines.append(f"exit mode at these thresholds: {exit_timing_text(timing)}")
-    draft = cal.get("draft_selection") or {}
-    for trial in draft.get("trials", []):
-        lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, {timings_text(trial)}")
-    if draft.get("ngram_only"):
-        lines.append(f"no head scheme pays; n-gram drafts alone (plain steps elsewhere): "
-                     f"{timings_text(draft['ngram_only'])}, " + ("kept" if draft["ngram_only"]["active"] else "not kept"))
-    ngram = draft.get("ngram")
-    if ngram:
-        lines.append(f"the chosen scheme with n-gram drafts (draft_ngram={ngram['draft_ngram']}): {timings_text(ngram)}, "
-                     + ("kept" if ngram["active"] else "slower than the scheme alone, not kept"))
-    if draft:
-        generation = config.generation_config
-        lines.append(f"lossless mode: {draft_scheme_text(generation.to_dict())}" if generation.max_draft
-                     else "lossless mode: no draft pays on this model and machine (it decodes plainly)")
-        lines.append("default mode: " + (f"auto (lossless, measured faster than exit mode; {batches_text(config)})"
-                                         if generation.mode == "auto" else "exit"))
-    if cal.get("compiled_timing"):
-        lines.append(f"default mode compiled: {compiled_timing_text(cal['compiled_timing'])}")
-    if cal.get("phase_seconds"):
-        lines.append(f"calibration took {phases_text(cal['phase_seconds'])}")
-    work = cal.get("work_per_rank") or {}
-    if work.get("processes", 1) > 1:
-        lines.append(f"on {work['processes']} processes, each one's share: {work_text(work)}")
-    budget = cal.get("timing_budget")
-    if budget:
-        lines.append(f"timing trials: {budget_text(budget)}")
-    return "\n".join(lines)
-

@@ -4,20 +4,56 @@ A mode is kept only when it is `KEEP_SPEEDUP` times faster than the base model's
 this machine (`kept`); exits kept for one sequence are also timed on a batch (`time_exit`). Drafting schemes are
 chosen for timing by their estimates (`timed_schemes`) and the fastest that holds is kept (`choose_draft`).
 The repo's default mode is then timed compiled against the base model's compiled decode (`time_compiled`), the
-baseline of a call with `compile=True`. This module times `generate`; it trains nothing and selects no threshold.
+baseline of a call with `compile=True`. Every timing is `measured_speedup`: a mode's decode speed over the base
+model's, runs alternating. This module times `generate`; it trains nothing and selects no threshold.
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
 
 import torch
 
 from ..decode.speculative import LosslessUnavailable
-from .costs import measured_speedup
+from .measure import seconds_of, timing_kwargs
 
-__all__ = ["KEEP_SPEEDUP", "BATCH_TIMING_ROWS", "timing_prompts", "timing_batch", "timed", "kept", "time_exit",
-           "time_compiled", "time_ngram", "timed_schemes", "choose_draft", "lossless_config", "NGRAM"]
+__all__ = ["measured_speedup", "COMPILED_BASE", "KEEP_SPEEDUP", "BATCH_TIMING_ROWS", "timing_prompts", "timing_batch",
+           "timed", "kept", "time_exit", "time_compiled", "time_ngram", "timed_schemes", "choose_draft", "lossless_config",
+           "NGRAM"]
+
+
+# `tide_config` that runs the base model's compiled static-cache decode (`decode.baseline.BaseSession`).
+COMPILED_BASE = {"compile": True, "compiled_modes": False}
+
+
+def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_tokens: int = 24, repeats: int = 3,
+                     baseline: str = "generate") -> float:
+    """Decode tokens/s of `model.generate(..., tide_config=...)` over the base model's, greedy, measured here.
+
+    `baseline`: "generate" (the base model's `generate`) or "compiled" (its compiled static-cache decode; the
+    config then runs compiled too). Runs alternate between the two and the median of the per-repeat ratios is
+    returned.
+    """
+    if baseline not in ("generate", "compiled"):
+        raise ValueError(f"baseline must be 'generate' or 'compiled', got {baseline!r}.")
+    kwargs = timing_kwargs(model, new_tokens)
+    if baseline == "compiled":
+        tide_config = {**tide_config, "compile": True}
+
+    def seconds(fn):
+        return sum(seconds_of(lambda ids=ids: fn(ids)) for ids in prompts)
+
+    def tide_run(ids):
+        return model.generate(ids, tide_config=tide_config, **kwargs)
+
+    def base_run(ids):
+        if baseline == "compiled":
+            return model.generate(ids, tide_config=COMPILED_BASE, **kwargs)
+        return model.base.generate(ids, **kwargs)
+
+    seconds(tide_run), seconds(base_run)  # warm-up
+    return statistics.median(seconds(base_run) / seconds(tide_run) for _ in range(repeats))
 
 
 def timing_prompts(tokenizer, texts, device) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """All file and Hub I/O for router repos: save, load, push, and the model card.
 
 A router repo holds exactly three small files: `config.json` (the `TideConfig`), `routers.safetensors`
-(router weights, fp32, with metadata) and `README.md` (a generated model card). Never base weights,
+(router weights, fp32, with metadata) and `README.md` (the model card, `card.py`). Never base weights,
 never pickle. Loading resolves a local directory or a Hub repo id (the local Hugging Face cache is used
 when `HF_HUB_OFFLINE=1`), loads or reuses the base model, and checks that the routers fit it.
 """
@@ -16,21 +16,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from huggingface_hub import HfApi, ModelCard, ModelCardData, hf_hub_download
+from huggingface_hub import HfApi, hf_hub_download
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..config import (
-    TideConfig,
-    batches_text,
-    budget_text,
-    compiled_timing_text,
-    draft_scheme_text,
-    exit_timing_text,
-    phases_text,
-    work_text,
-)
+from ..config import TideConfig
 from ..models.architectures import resolve
+from .card import model_card
 
 __all__ = [
     "CONFIG_NAME",
@@ -313,102 +305,3 @@ class BaseModelTokenizerLoader:
         if config.base_model_revision is not None:
             kwargs.setdefault("revision", config.base_model_revision)
         return AutoTokenizer.from_pretrained(config.base_model_name_or_path, *args, **kwargs)
-
-
-# ---------------------------------------------------------------------- model card
-def model_card(config: TideConfig) -> str:
-    base = config.base_model_name_or_path or "(unnamed base model)"
-    cal = config.calibration or {}
-    lines = [
-        f"# Tide routers for {base}",
-        "",
-        "Learned per-token early-exit routers for use with [Tide](https://pypi.org/project/tide-transformers/). "
-        "This repo holds only the routers and their configuration; the base model is loaded from its own repo.",
-        "",
-        f"- Base model: `{base}` ({config.base_model_type}, {config.base_num_layers} layers, hidden {config.base_hidden_size})",
-        f"- Checkpoints (0-based layer indices): {config.resolve_checkpoints()}",
-        f"- Router: hidden -> {config.router_hidden_size} -> 1, label rule `{config.label}`",
-        f"- Exit head: `{config.exit_head}`" + (f" (rank {config.exit_head_rank})" if config.exit_head_rank else "")
-        + (" (a learned affine map per checkpoint before the model's own final norm and head)" if config.exit_head == "tuned" else
-           " (the model's own final norm and head on the raw state)"),
-        f"- Draft head: `{config.draft_head}`{_draft_head_text(config)}",
-        f"- Quality target: top-1 agreement >= {config.target_agreement} with confidence {config.confidence}",
-    ]
-    if cal:
-        lines += [
-            f"- Calibration data: `{cal.get('dataset')}`, {cal.get('num_samples')} samples, "
-            f"{cal.get('train_tokens')} training tokens, {cal.get('heldout_tokens')} held-out tokens",
-            "",
-            "| checkpoint | threshold | label rate | held-out agreement of exits | expected exit rate |",
-            "|---|---|---|---|---|",
-        ]
-        for layer, row in cal.get("checkpoints", {}).items():
-            lines.append(
-                f"| {layer} | {(config.thresholds or {}).get(str(layer), 1.0):.4f} | {row['label_rate']:.3f} | "
-                f"{_fmt(row.get('heldout_agreement'))} | {row['exit_rate']:.3f} |"
-            )
-        lines += ["", f"Expected overall held-out top-1 agreement: {_fmt(cal.get('expected_agreement'))}; "
-                  f"expected mean layers per token: {_fmt(cal.get('expected_mean_layers'))}."]
-        for layer, why in (cal.get("dropped_checkpoints") or {}).items():
-            lines.append(f"Checkpoint {layer} is not consulted: {why}.")
-        costs = cal.get("costs")
-        if costs:
-            lines.append(f"Costs measured on {costs['device']} at calibration: a consulted checkpoint "
-                         f"{costs['checkpoint']:.2f} decoder layer, a skipped layer's K/V {costs['skipped_layer']:.2f} layer.")
-        timing = cal.get("exit_timing")
-        if timing:
-            lines.append(f"Exit mode at these thresholds, at calibration: {exit_timing_text(timing)}.")
-        generation = config.generation_config
-        if generation.draft_layer is not None or (generation.max_draft and not generation.head_drafts):
-            lines.append(f"Lossless mode: {draft_scheme_text(generation.to_dict())}.")
-        if generation.mode == "auto":
-            lines.append(f"Default mode: `auto` (lossless, timed faster than exit mode at calibration; {batches_text(config)}).")
-        if cal.get("phase_seconds"):
-            lines.append(f"Calibration took {phases_text(cal['phase_seconds'])} (seconds per phase, main process).")
-        if (cal.get("work_per_rank") or {}).get("processes", 1) > 1:
-            lines.append(f"Calibrated on {cal['work_per_rank']['processes']} processes; each one's share: "
-                         f"{work_text(cal['work_per_rank'])}.")
-        if cal.get("timing_budget"):
-            lines.append(f"Timing trials, capped by `timing_budget_s`: {budget_text(cal['timing_budget'])}.")
-        if cal.get("compiled_timing"):
-            lines.append(f"The default mode compiled (`tide_config={{\"compile\": True}}`), at calibration: "
-                         f"{compiled_timing_text(cal['compiled_timing'])}.")
-    lines += [
-        "",
-        "## Use",
-        "```python",
-        "import tide",
-        "from transformers import AutoTokenizer",
-        f"model = tide.TideForCausalLM.from_pretrained(\"<this repo>\")",
-        f"tok = AutoTokenizer.from_pretrained(\"{base}\")",
-        "out = model.generate(**tok(\"Hello\", return_tensors=\"pt\"), max_new_tokens=32)",
-        "```",
-        "",
-        "## Reproduce",
-        "```python",
-        "import tide",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f"base = AutoModelForCausalLM.from_pretrained(\"{base}\")",
-        f"tok = AutoTokenizer.from_pretrained(\"{base}\")",
-        f"model = tide.calibrate(base, tok, dataset={cal.get('dataset')!r}, num_samples={cal.get('num_samples')},",
-        f"                       config=tide.TideConfig(checkpoint_layers={config.resolve_checkpoints()}, "
-        f"target_agreement={config.target_agreement}, label={config.label!r}))",
-        "model.save_pretrained(\"routers\")",
-        "```",
-        "",
-    ]
-    data = ModelCardData(library_name="tide-transformers", base_model=config.base_model_name_or_path or None,
-                         tags=["tide", "early-exit"])
-    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n" + "\n".join(lines)))
-
-
-def _draft_head_text(config: TideConfig) -> str:
-    if config.draft_head != "context":
-        return " (lossless drafts from the exit heads)"
-    term = f" plus a two-layer term of width {config.draft_head_mlp}" if config.draft_head_mlp else ""
-    return (f" (layers {config.draft_head_layers()}: affine in the token's state there and the full model's state at "
-            f"the position before it{term})")
-
-
-def _fmt(value) -> str:
-    return "n/a" if value is None else f"{value:.4f}"

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ..calibration.costs import loop_extras_text, measure_costs, verify_extras_text
+from ..calibration.measure import measure_costs
 from ..calibration.evaluate import oracle_depths, teacher_forced
 from ..calibration.run import operating_point
-from ..config import batches_text, draft_scheme_text, exit_timing_text, timings_text
+from ..hub.card import batches_text, draft_scheme_text, exit_timing_text, loop_extras_text, timings_text, verify_extras_text
 from ..decode.baseline import compiled_static_decoder
 from ..layers import fewrows
 from ..layers.calls import capture_layer_calls, write_kv_only

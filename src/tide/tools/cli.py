@@ -17,8 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextSt
 
 from ..calibration.data import check_local_dataset
 from ..calibration.distributed import Processes
-from ..calibration.run import calibrate, calibration_table
+from ..calibration.run import calibrate
 from ..config import MAX_DRAFT_TOPK, TideConfig
+from ..hub.card import calibration_table
 from ..hub.repos import check_save_directory
 from ..modeling import TideForCausalLM
 from .bench import plot_bench, run_bench, save_results

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-from ..calibration.run import calibrate, calibration_table
+from ..calibration.run import calibrate
 from ..config import TideConfig
+from ..hub.card import calibration_table
 from ..modeling import TideForCausalLM
 from .bench import run_bench
 from .demo_corpus import split_corpus
