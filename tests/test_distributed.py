@@ -13,7 +13,7 @@ import torch
 SCRIPT = Path(__file__).with_name("distributed_calibration.py")
 
 
-MODES = ("fixed", "train")
+MODES = ("fixed", "train", "share")
 
 
 def _launch(processes: int, out) -> None:
@@ -85,7 +85,7 @@ def test_each_process_does_a_share_of_every_data_phase(launches):
                 assert len(shares) == 2 and all(s > 0 for s in shares), (mode, phase, unit, shares)
                 assert sum(shares) == one[phase][unit][0], (mode, phase, unit, shares, one[phase][unit])
                 assert max(shares) <= 0.75 * sum(shares), (mode, phase, unit, shares)  # a share, not all
-        if mode != "fixed":  # head steps: each process takes half of every minibatch
+        if mode == "train":  # head steps: each process takes half of every minibatch
             rows = two["training"]["head_step_rows"]
             assert all(r > 0 for r in rows) and max(rows) <= 0.6 * one["training"]["head_step_rows"][0], rows
     for mode in MODES:
@@ -100,3 +100,18 @@ def test_each_process_does_a_share_of_every_data_phase(launches):
     seconds = two["phase_seconds_per_rank"]
     assert all(len(s) == 2 for s in seconds.values()) and all(s > 0 for s in seconds["training"])
     assert "on 2 processes, each one's share: training" in two["table"]
+
+
+def test_processes_on_cores_of_their_own_share_the_timing_trials(launches):
+    """Pinned to a core each, the two processes time the drafting schemes between them (the same schemes one
+    process times alone), and every process keeps the same selection as one process."""
+    one, two = _run(1, "share", launches), _run(2, "share", launches)
+    if two["cpus"] < 2:
+        pytest.skip("one core: the processes share it, and the main process times alone")
+    assert one["draft_selection"]["trials"], "no drafting scheme was timed"
+    assert two["same_selection_on_every_process"]
+    assert two["draft_selection"]["chosen"] == one["draft_selection"]["chosen"]
+    assert [t["measured"] for t in two["draft_selection"]["trials"]] == [t["measured"] for t in one["draft_selection"]["trials"]]
+    shares = two["draft_selection"]["schemes_timed_per_rank"]
+    assert all(s > 0 for s in shares) and max(shares) < sum(shares), shares
+    assert all(n > 0 for n in two["timed_per_rank"]) and sum(two["timed_per_rank"]) >= one["timed_per_rank"][0]

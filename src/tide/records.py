@@ -157,8 +157,9 @@ class DraftSelection(_Record):
     cut: list[DraftRecord] = field(default_factory=list)  # schemes the timing budget cut
     ngram_cut: bool = False  # the budget cut the n-gram timing
     unavailable: str | None = None  # why lossless mode cannot run here
+    schemes_timed_per_rank: list[int] | None = None  # where processes shared the trials: the timings each made
 
-    OMIT_IF_NONE = ("ngram", "ngram_only", "unavailable")
+    OMIT_IF_NONE = ("ngram", "ngram_only", "unavailable", "schemes_timed_per_rank")
 
     def to_dict(self) -> dict:
         out = super().to_dict()

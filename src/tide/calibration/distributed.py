@@ -101,6 +101,36 @@ class Processes:
         dist.all_gather_object(parts, tensor.cpu())
         return torch.cat(parts).to(tensor.device)
 
+    def deal(self, items: list, fn) -> list:
+        """`[fn(item) for item in items]` with the items dealt out round-robin: each process calls `fn` on its
+        share, and every process gets every result, in the items' order."""
+        if self.world == 1:
+            return [fn(item) for item in items]
+        mine = [(i, fn(item)) for i, item in enumerate(items) if i % self.world == self.rank]
+        parts = [None] * self.world
+        dist.all_gather_object(parts, mine)
+        results = dict(pair for part in parts for pair in part)
+        return [results[i] for i in range(len(items))]
+
+    def on_main(self, fn):
+        """`fn()` on the main process, its result on every process."""
+        return self.broadcast(fn() if self.is_main else None)
+
+    def own_devices(self, device: torch.device) -> bool:
+        """Whether every process has a device of its own: distinct GPUs, or CPU processes pinned to disjoint cores
+        (then each can time on its own device what the others time on theirs)."""
+        if self.world == 1:
+            return True
+        if device.type == "cuda":
+            mine = {f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"}
+        elif hasattr(os, "sched_getaffinity"):
+            mine = set(os.sched_getaffinity(0))
+        else:
+            return False
+        parts = [None] * self.world
+        dist.all_gather_object(parts, mine)
+        return all(not (parts[i] & parts[j]) for i in range(self.world) for j in range(i + 1, self.world))
+
     def broadcast(self, obj):
         """The main process's `obj`, on every process."""
         if self.world == 1:

@@ -249,8 +249,11 @@ class _Run:
         tide.draft_vocabulary = self.ranked  # for the trials; cut to the chosen scheme's below
         limit = {"spent": self.budget.spent} if self.budget.seconds is not None else {}  # the trials cut when it is spent
         with self.phases("timing trials"):
-            selection = self.procs.broadcast(choose_draft(tide, self.tokenizer, self.all_held, candidates, **limit)
-                                             if self.procs.is_main else None)
+            procs = self.procs
+            if procs.world > 1 and procs.own_devices(tide.base.device):  # each times a share on its own device
+                selection = choose_draft(tide, self.tokenizer, self.all_held, candidates, procs=procs, **limit)
+            else:  # processes that share a device would time each other's load: the main process times alone
+                selection = procs.on_main(lambda: choose_draft(tide, self.tokenizer, self.all_held, candidates, **limit))
         self.draft_selection = DraftSelection.from_dict(selection)
         chosen = self.draft_selection.chosen
         exit_timing = as_record(self.point.exit_timing, ExitTiming)

@@ -5,7 +5,9 @@ this machine (`kept`); exits kept for one sequence are also timed on a batch (`t
 chosen for timing by their estimates (`timed_schemes`) and the fastest that holds is kept (`choose_draft`).
 The repo's default mode is then timed compiled against the base model's compiled decode (`time_compiled`), the
 baseline of a call with `compile=True`. Every timing is `measured_speedup`: a mode's decode speed over the base
-model's, runs alternating. This module times `generate`; it trains nothing and selects no threshold.
+model's, runs alternating. Where calibration runs on processes that each have a device of their own (GPUs, or
+CPU processes pinned to disjoint cores), the drafting schemes are dealt out among them (`choose_draft(procs=)`).
+This module times `generate`; it trains nothing and selects no threshold.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import statistics
 import torch
 
 from ..decode.speculative import LosslessUnavailable
+from .distributed import Processes
 from .measure import seconds_of, timing_kwargs
 
 __all__ = ["measured_speedup", "COMPILED_BASE", "KEEP_SPEEDUP", "BATCH_TIMING_ROWS", "timing_prompts", "timing_batch",
@@ -146,44 +149,76 @@ def _verified_positions(scheme) -> int:
     return 1 + (scheme.draft_topk if scheme.draft_topk > 1 else scheme.max_draft)
 
 
-def choose_draft(tide, tokenizer, texts, candidates, spent=None) -> dict:
+def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None) -> dict:
     """Time the best-estimated drafting schemes against the base model here, once each; then the fastest again
     (`kept`), and the next fastest while one is not kept. The chosen scheme is the first kept, or none (lossless
     mode then decodes plainly). `spent` (calibration's `timing_budget_s`): once it returns True no timing starts;
-    the schemes not timed are listed in "cut" (a scheme timed once but not again is not kept)."""
+    the schemes not timed are listed in "cut" (a scheme timed once but not again is not kept).
+
+    `procs` (processes that each have a device of their own): the schemes are dealt out, each process timing its
+    share against the base model on its own device, in rounds of one scheme per process; every process returns the
+    same selection. Without it, this process times them all."""
+    procs = procs or Processes()
+    spent = _agreed(procs, spent)
     prompts = timing_prompts(tokenizer, texts, tide.base.device)
-    trials, cut = [], []
-    for scheme in candidates:
+    trials, cut, timed_by = [], [], [0] * procs.world  # schemes each process timed
+    for start in range(0, len(candidates), procs.world):
+        round_ = candidates[start: start + procs.world]
         if spent is not None and spent():
-            cut.append(scheme._asdict())
-            continue
-        try:
-            ratio = timed(tide, prompts, lossless_config(scheme._asdict()))
-        except LosslessUnavailable as err:  # e.g. sliding-window caches that cannot roll back
-            return {"trials": trials, "chosen": None, "unavailable": str(err)}
-        trials.append({**scheme._asdict(), "measured": ratio})
-    for trial in sorted(trials, key=lambda t: -t["measured"]):  # the fastest first; the next if it is not kept
+            cut += [scheme._asdict() for scheme in candidates[start:]]
+            break
+        ratios = procs.deal(round_, lambda scheme: _timed_or_unavailable(tide, prompts, scheme))
+        for rank in range(len(round_)):
+            timed_by[rank] += 1
+        for scheme, ratio in zip(round_, ratios):
+            if isinstance(ratio, str):  # e.g. sliding-window caches that cannot roll back
+                return {"trials": trials, "chosen": None, "unavailable": ratio}
+            trials.append({**scheme._asdict(), "measured": ratio})
+    ranked = [t for t in sorted(trials, key=lambda t: -t["measured"]) if t["measured"] >= KEEP_SPEEDUP]
+    for start in range(0, len(ranked), procs.world):  # the fastest first; the next ones if it is not kept
         if spent is not None and spent():
             break
-        timing = kept(tide, prompts, lossless_config(trial), first=trial["measured"])
-        trial["timings"] = timing["timings"]
-        if timing["active"]:
-            chosen = {**trial, "measured": timing["measured"]}
-            ngram = time_ngram(tide, prompts, chosen) if spent is None or not spent() else None
+        round_ = ranked[start: start + procs.world]
+        timings = procs.deal(round_, lambda trial: kept(tide, prompts, lossless_config(trial), first=trial["measured"]))
+        for rank in range(len(round_)):
+            timed_by[rank] += 1
+        for trial, timing in zip(round_, timings):
+            trial["timings"] = timing["timings"]
+        chosen = next(({**trial, "measured": timing["measured"]} for trial, timing in zip(round_, timings)
+                       if timing["active"]), None)
+        if chosen is not None:
+            ngram = procs.on_main(lambda: time_ngram(tide, prompts, chosen)) if spent is None or not spent() else None
             chosen["draft_ngram"] = NGRAM if ngram and ngram["active"] else 0
             return {"trials": trials, "chosen": chosen, "ngram": ngram, **({"cut": cut} if cut else {}),
-                    **({"ngram_cut": True} if ngram is None else {})}
-        if len(timing["timings"]) == 1:  # not faster even once: nor are the trials timed slower
-            break
-    selection = {"trials": trials, "chosen": None, **({"cut": cut} if cut else {})}
+                    **({"ngram_cut": True} if ngram is None else {}), **_shares(timed_by)}
+    selection = {"trials": trials, "chosen": None, **({"cut": cut} if cut else {}), **_shares(timed_by)}
     if trials and (spent is None or not spent()):  # no head scheme pays: n-gram drafts alone, plain steps elsewhere
-        timing = kept(tide, prompts, NGRAM_ONLY)
+        timing = procs.on_main(lambda: kept(tide, prompts, NGRAM_ONLY))
         selection["ngram_only"] = timing
         if timing["active"]:
             selection["chosen"] = {"draft_layer": None, "max_draft": NGRAM_ONLY["max_draft"], "draft_topk": 1,
                                    "draft_vocab_size": 0, "draft_ngram": NGRAM, "head_drafts": False,
                                    "measured": timing["measured"], "timings": timing["timings"]}
     return selection
+
+
+def _shares(timed_by: list[int]) -> dict:
+    """Where processes shared the trials: the schemes each timed (first timings and second ones), in rank order."""
+    return {"schemes_timed_per_rank": timed_by} if len(timed_by) > 1 else {}
+
+
+def _timed_or_unavailable(tide, prompts, scheme) -> float | str:
+    try:
+        return timed(tide, prompts, lossless_config(scheme._asdict()))
+    except LosslessUnavailable as err:
+        return str(err)
+
+
+def _agreed(procs, spent):
+    """`spent`, decided by the main process for all of them (each process's own clock would differ)."""
+    if spent is None or procs.world == 1:
+        return spent
+    return lambda: procs.broadcast(spent() if procs.is_main else None)
 
 
 # n-gram drafts: the longest n-gram matched (`draft_ngram`), where calibration keeps them.
