@@ -37,6 +37,11 @@ def test_greedy_ngram_drafts_equal_the_base_model(family, scheme):
     stats = model.last_stats
     assert stats.ngram_drafted > 0 and 0 <= stats.ngram_accepted <= stats.ngram_drafted
     assert "n-gram drafts" in stats.summary()
+    assert stats.decode_tokens == 20 == stats.accepted + stats.verify_passes  # accepted + one, per cycle
+    if "draft_topk" in scheme:  # the continuation and the head's candidates verified as one tree
+        assert stats.merged_cycles > 0 and stats.draft_topk == 3 and "merged trees" in stats.summary()
+    else:
+        assert stats.merged_cycles == 0
 
 
 def test_ngram_drafts_stop_where_the_base_model_stops():

@@ -75,19 +75,21 @@ def test_a_tree_too_narrow_for_the_true_token_accepts_nothing():
     assert torch.equal(out, ref) and model.last_stats.accepted == 0
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("topk", [2, 3])
-def test_the_cache_holds_what_the_base_model_holds(topk):
+def test_the_cache_holds_what_the_base_model_holds(topk, cache):
+    """(On a static cache the masks span the whole preallocated cache: the tree mask must block the chunk's own
+    columns there, not the mask's last ones.)"""
     model, base = _wrap()
     ids = prompt_ids()
-    kwargs = dict(do_sample=False, max_new_tokens=14, return_dict_in_generate=True)
+    kwargs = dict(do_sample=False, max_new_tokens=14, return_dict_in_generate=True, cache_implementation=cache)
     ref = base.generate(ids, **kwargs)
     model.draft_logits = _RankedOracle(ref.sequences, ids.shape[1], base.config.vocab_size, rank=topk - 1)
     out = model.generate(ids, tide_config=_tree(1, topk), **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
     for layer in range(model.parts.num_layers):
         mine, theirs = out.past_key_values.layers[layer], ref.past_key_values.layers[layer]
-        length = min(mine.keys.shape[-2], theirs.keys.shape[-2])
-        assert length >= ref.sequences.shape[1] - 2
+        length = ref.sequences.shape[1] - 1  # every token but the last has K/V in both
         torch.testing.assert_close(mine.keys[..., :length, :], theirs.keys[..., :length, :], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(mine.values[..., :length, :], theirs.values[..., :length, :], atol=1e-5, rtol=1e-4)
 
@@ -218,7 +220,8 @@ def test_additive_masks_are_what_sdpa_makes_of_boolean_ones(attention, converts)
 
 
 def test_draft_candidates_weigh_chains_against_trees():
-    from tide.calibration.costs import StepCosts, draft_candidates
+    from tide.calibration.costs import draft_candidates
+    from tide.calibration.measure import StepCosts
 
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=1.0, capture_s=0.5, device="cpu",
                       verify_extra_s={4: 0.5})
@@ -238,7 +241,8 @@ def test_draft_candidates_weigh_chains_against_trees():
 
 
 def test_chain_estimates_use_the_later_drafts_ranks():
-    from tide.calibration.costs import StepCosts, draft_candidates
+    from tide.calibration.costs import draft_candidates
+    from tide.calibration.measure import StepCosts
 
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=1.0, capture_s=0.5, device="cpu",
                       verify_extra_s={4: 0.5})
@@ -289,7 +293,8 @@ def test_without_first_position_slices_every_per_position_argument():
 
 
 def test_verification_cost_follows_the_measured_points():
-    from tide.calibration.costs import StepCosts, draft_candidates
+    from tide.calibration.costs import draft_candidates
+    from tide.calibration.measure import StepCosts
 
     costs = StepCosts(layer_s=2.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=2.0, capture_s=0.0, device="cpu",
                       verify_extra_s={4: 0.0, 8: 16.0})  # 4 positions cost nothing more, 8 cost 8 layers
@@ -302,7 +307,9 @@ def test_verification_cost_follows_the_measured_points():
 
 
 def test_a_jump_between_measured_points_is_not_smoothed_away():
-    from tide.calibration.costs import StepCosts, draft_candidates, verify_extras_text
+    from tide.calibration.costs import draft_candidates
+    from tide.calibration.measure import StepCosts
+    from tide.hub.card import verify_extras_text
 
     # three positions cost almost nothing more, four cost 8 layers more (a kernel switch at 4 rows)
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=1.0, capture_s=0.0, device="cpu",
@@ -325,7 +332,8 @@ def test_a_jump_between_measured_points_is_not_smoothed_away():
 def test_chain_estimates_follow_the_adaptive_cap():
     from collections import Counter
 
-    from tide.calibration.costs import StepCosts, chain_cycles, draft_candidates
+    from tide.calibration.costs import chain_cycles, draft_candidates
+    from tide.calibration.measure import StepCosts
 
     assert chain_cycles([0] * 10, 4) == (10, Counter({4: 1, 1: 9}))  # a rejection drops the cap to 1 and keeps it
     assert chain_cycles([9] * 10, 4) == (10, Counter({4: 2}))  # every draft right: 4 drafts, 5 tokens a cycle
@@ -342,7 +350,7 @@ def test_chain_estimates_follow_the_adaptive_cap():
 @pytest.mark.real_timing
 @pytest.mark.parametrize("family, wide", [("llama", True), ("mistral", False)])
 def test_measure_costs_times_each_verification_point(family, wide, monkeypatch):
-    from tide.calibration.costs import LOOP_TOKENS, VERIFY_POINTS, measure_costs
+    from tide.calibration.measure import LOOP_TOKENS, VERIFY_POINTS, measure_costs
 
     model, _ = _wrap(family)
     runs = []
@@ -363,7 +371,8 @@ def test_measure_costs_times_each_verification_point(family, wide, monkeypatch):
 
 @pytest.mark.real_timing
 def test_loop_extras_are_zero_where_lossless_mode_cannot_run(monkeypatch):
-    from tide.calibration import costs as costs_module
+    from tide.calibration import measure as costs_module
+    from tide.hub.card import loop_extras_text
     from tide.decode.speculative import LosslessUnavailable
 
     model, _ = _wrap()
@@ -374,11 +383,13 @@ def test_loop_extras_are_zero_where_lossless_mode_cannot_run(monkeypatch):
     monkeypatch.setattr(model, "generate", unavailable)
     costs = costs_module.measure_costs(model, prompt_length=8, repeats=3)
     assert (costs.step_extra_s, costs.cycle_extra_s) == (0.0, 0.0)
-    assert costs_module.loop_extras_text(costs.as_dict()) == ""
+    assert loop_extras_text(costs.as_dict()) == ""
 
 
 def test_estimates_charge_generates_own_work():
-    from tide.calibration.costs import StepCosts, draft_candidates, loop_extras_text
+    from tide.calibration.costs import draft_candidates
+    from tide.calibration.measure import StepCosts
+    from tide.hub.card import loop_extras_text
 
     costs = StepCosts(layer_s=1.0, checkpoint_s=0.0, skipped_layer_s=0.0, head_s=1.0, capture_s=0.5, device="cpu",
                       verify_extra_s={4: 0.5}, step_extra_s=2.0, cycle_extra_s=6.0)
@@ -405,3 +416,155 @@ def test_candidates_captured_when_their_calls_cannot_be_sliced(padded, monkeypat
     monkeypatch.setattr(treedraft, "without_first_position", lambda calls, q: None)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=9, tide_config=_tree(1, 3))
     assert torch.equal(out, ref) and model.last_stats.accepted == 4
+
+
+# ---------------------------------------------------------------- merged trees: n-gram branch + head candidates
+
+class _Oracles:
+    """An n-gram lookup and a draft head that know the base model's output `reference`. The lookup continues
+    the reference (its first token wrong every other cycle, so the head's candidate must win there); the head
+    ranks the true next token second. Installed over `NgramLookup.continuation` and `model.draft_logits`."""
+
+    def __init__(self, reference: torch.Tensor, vocab: int):
+        self.reference, self.vocab, self.at, self.cycles = reference[0].tolist(), vocab, 0, 0
+
+    def continuation(self, lookup, length: int) -> list[int]:
+        self.at, self.cycles = len(lookup.tokens), self.cycles + 1  # asked once a cycle, before the head
+        tokens = self.reference[self.at:self.at + length]
+        if self.cycles % 2 == 0 and tokens:
+            tokens = [(tokens[0] + 1) % self.vocab, *tokens[1:]]
+        return tokens
+
+    def draft_logits(self, layer, hidden, context, vocab_size=0):
+        true = self.reference[min(self.at, len(self.reference) - 1)]
+        logits = torch.zeros(hidden.shape[0], self.vocab)
+        logits[:, (true + 1) % self.vocab], logits[:, true] = 3.0, 2.0
+        return logits, hidden
+
+
+def _merged(topk=3, max_draft=3, **options):
+    return {"mode": "lossless", "draft_layer": 1, "draft_topk": topk, "draft_ngram": 3, "max_draft": max_draft,
+            **options}
+
+
+def _install_oracles(monkeypatch, model, reference):
+    from tide.decode.ngram import NgramLookup
+
+    oracles = _Oracles(reference, model.base.config.vocab_size)
+    monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracles.continuation(lookup, length))
+    model.draft_logits = oracles.draft_logits
+    return oracles
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "opt", "gpt_neox"])
+def test_merged_tree_accepts_deep_ngram_branches_and_head_candidates(family, monkeypatch):
+    model, base = _wrap(family)
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=20)
+    _install_oracles(monkeypatch, model, ref)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, tide_config=_merged())
+    assert torch.equal(out, ref)
+    stats = model.last_stats
+    assert stats.draft_topk == 3 and stats.merged_cycles == stats.verify_passes  # every cycle had both kinds
+    assert stats.decode_tokens == 20 == stats.accepted + stats.verify_passes  # accepted + the bonus, per cycle
+    # right continuations: 3 tokens accepted from the n-gram branch (4 emitted); wrong ones: the head's second
+    # candidate (2 emitted)
+    assert stats.ngram_accepted >= 9 and stats.accepted - stats.ngram_accepted >= 3
+    assert stats.layer_passes == stats.verify_passes * (model.parts.num_layers + 2)  # x's shallow step, then the tree
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_merged_tree_cache_holds_what_the_base_model_holds(cache, monkeypatch):
+    """The accepted path's K/V moved right after x, in order, for every layer; the other nodes' dropped."""
+    model, base = _wrap()
+    ids = prompt_ids()
+    kwargs = dict(do_sample=False, max_new_tokens=14, return_dict_in_generate=True, cache_implementation=cache)
+    ref = base.generate(ids, **kwargs)
+    _install_oracles(monkeypatch, model, ref.sequences)
+    out = model.generate(ids, tide_config=_merged(), **kwargs)
+    assert torch.equal(out.sequences, ref.sequences) and model.last_stats.merged_cycles > 2
+    for layer in range(model.parts.num_layers):
+        mine, theirs = out.past_key_values.layers[layer], ref.past_key_values.layers[layer]
+        length = ref.sequences.shape[1] - 1  # every token but the last has K/V in both
+        torch.testing.assert_close(mine.keys[..., :length, :], theirs.keys[..., :length, :], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values[..., :length, :], theirs.values[..., :length, :], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("at", [1, 3, 6])
+def test_merged_tree_stops_where_the_base_model_stops(at, monkeypatch):
+    """An end-of-sequence token inside the n-gram branch is never entered: it comes from its parent's logits."""
+    model, base = _wrap()
+    ids = prompt_ids()
+    eos = int(base.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1] + at])
+    for m in (base, model.base):
+        m.generation_config.eos_token_id = eos
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12)
+    _install_oracles(monkeypatch, model, torch.cat([ref, ref], 1))  # the continuation runs past the end
+    out = model.generate(ids, do_sample=False, max_new_tokens=12, tide_config=_merged(max_draft=4))
+    assert torch.equal(out, ref) and int(out[0, -1]) == eos
+
+
+def test_merged_tree_with_an_in_place_processor(monkeypatch):
+    model, base = _wrap()
+    ids = prompt_ids()
+    processors = LogitsProcessorList([BoostInPlace(17, 0.3)])
+    ref = base.generate(ids, do_sample=False, max_new_tokens=14, logits_processor=processors)
+    _install_oracles(monkeypatch, model, ref)
+    out = model.generate(ids, do_sample=False, max_new_tokens=14, logits_processor=processors, tide_config=_merged())
+    assert torch.equal(out, ref) and model.last_stats.merged_cycles > 0
+
+
+def test_merged_tree_compiled_runs_its_ngram_trees_eagerly(monkeypatch):
+    from transformers import CompileConfig
+
+    model, base = _wrap()
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=14)
+    _install_oracles(monkeypatch, model, ref)
+    out = model.generate(ids, do_sample=False, max_new_tokens=14, compile_config=CompileConfig(backend="eager"),
+                         tide_config=_merged(compile=True))
+    assert torch.equal(out, ref) and model.last_stats.merged_cycles > 0
+
+
+def test_merged_tree_sampling_drafts_chains():
+    model, _ = _wrap()
+    torch.manual_seed(0)
+    repeats = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
+    model.generate(repeats, do_sample=True, max_new_tokens=8, tide_config=_merged())
+    stats = model.last_stats
+    assert stats.draft_topk == 1 and stats.merged_cycles == 0 and stats.decode_tokens == 8
+
+
+def test_draft_tree_shares_prefixes_and_blocks_non_ancestors():
+    from tide.decode.treedraft import DraftTree
+
+    tree = DraftTree()
+    for token in (7, 3, 9):  # the head's candidates
+        tree.add(0, token)
+    tree.add_chain([3, 4, 5], ngram=True)  # its first token is the second candidate: one node
+    assert tree.tokens == [-1, 7, 3, 9, 4, 5] and tree.parents == [-1, 0, 0, 0, 2, 4]
+    assert tree.depths == [0, 1, 1, 1, 2, 3] and tree.ngram == [False, False, True, False, True, True]
+    assert tree.children[2] == {4: 4} and tree.has_ngram
+    sees = ~tree.blocked() & torch.ones(6, 6, dtype=torch.bool).tril()
+    assert [row.nonzero().flatten().tolist() for row in sees] == [[0], [0, 1], [0, 2], [0, 3], [0, 2, 4], [0, 2, 4, 5]]
+    assert not tree.blocked().triu(1).any()  # later nodes are the causal mask's
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_keep_of_tail_moves_the_kept_positions_in_order(static):
+    from transformers import DynamicCache, StaticCache
+
+    from tide.decode.treedraft import keep_of_tail
+    from tide.models.compat import layer_length
+
+    config = _wrap()[1].config
+    cache = StaticCache(config=config, max_cache_len=16) if static else DynamicCache(config=config)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    keys = torch.arange(8.0).view(1, 1, 8, 1).expand(1, heads, 8, dim).contiguous()
+    cache.update(keys, -keys, 0, {"cache_position": torch.arange(8)})
+    keep_of_tail(cache, 0, 5, [1, 3, 4])  # positions 0..2 stay, then 4, 6, 7 of the tail 3..7
+    assert layer_length(cache, 0) == 6
+    assert cache.layers[0].keys[0, 0, :6, 0].tolist() == [0, 1, 2, 4, 6, 7]
+    assert cache.layers[0].values[0, 0, :6, 0].tolist() == [0, -1, -2, -4, -6, -7]
+    keep_of_tail(cache, 0, 3, [])
+    assert layer_length(cache, 0) == 3

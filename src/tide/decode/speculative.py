@@ -10,8 +10,9 @@ loop's (`decode/lossless.py`). Batch size 1. No router or threshold is involved:
 costs time, never output. Drafts read the full model's final normed state at the position before the drafted
 token (the "context") when the draft layer has a draft head (`TideForCausalLM.draft_logits`); verification
 computes that state for every position it checks, and the accepted count picks the next draft's. With
-`draft_topk` > 1 (greedy), `treedraft.TreeDrafter` drafts a one-level tree of candidates instead of a chain
-and hands the loop logits it has already verified.
+`draft_topk` > 1 (greedy), `treedraft.TreeDrafter` drafts one tree instead of a chain (the head's candidates
+and the n-gram continuation as a deeper branch) and hands the loop the accepted path with logits it has already
+verified.
 """
 
 from __future__ import annotations

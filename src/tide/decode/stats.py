@@ -25,13 +25,14 @@ class GenerationStats:
     wall_time_s: float = 0.0
     decode_time_s: float = 0.0
     # lossless mode
-    drafted: int = 0  # draft steps (a tree draft step offers `draft_topk` candidates for one position)
+    drafted: int = 0  # draft steps (a tree's head step offers `draft_topk` candidates for one position) + n-gram tokens
     accepted: int = 0
     verify_passes: int = 0
     draft_topk: int = 1  # 1: chain drafts; k > 1: one-level tree drafts of k candidates
     draft_vocab_size: int = 0  # > 0: drafts ranked only that many most-predicted tokens (0: the whole vocabulary)
     ngram_drafted: int = 0  # of `drafted`: n-gram continuations (`draft_ngram`)
     ngram_accepted: int = 0  # of `accepted`: n-gram continuations
+    merged_cycles: int = 0  # tree cycles whose tree held an n-gram branch besides the head's candidates
     # layer arguments: backbone captures Tide's passes ran (`layerargs.py`: one per window of positions where
     # windows hold, else one per pass), and why windows did not hold (None: they did, or were never asked)
     arg_captures: int = 0
@@ -94,7 +95,8 @@ class GenerationStats:
                 ("draft scheme", (f"tree of {self.draft_topk} candidates" if self.draft_topk > 1 else "chain")
                  + (f", over the {self.draft_vocab_size} most predicted tokens" if self.draft_vocab_size else "")),
                 ("drafted / accepted", f"{self.drafted} / {self.accepted} ({self.acceptance_rate:.1%})"
-                 + (f"; n-gram drafts {self.ngram_drafted} / {self.ngram_accepted}" if self.ngram_drafted else "")),
+                 + (f"; n-gram drafts {self.ngram_drafted} / {self.ngram_accepted}" if self.ngram_drafted else "")
+                 + (f"; {self.merged_cycles} merged trees" if self.merged_cycles else "")),
                 ("verification passes", str(self.verify_passes)),
                 ("layer passes per token", f"{self.layer_passes_per_token:.2f} (the base model: {self.num_layers})"),
             ]

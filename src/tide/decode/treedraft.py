@@ -1,23 +1,30 @@
-"""Lossless tree drafts: the exit head's k best tokens for the next position, verified together in one pass.
+"""Lossless tree drafts: every free draft of a cycle in one trie, verified together in one pass.
 
-A chain draft is accepted only when the exit head's top-1 is the full model's token; the full model's token is
-often among its top few (docs/benchmarks.md). One cycle here, for the last emitted token x:
+A chain draft is accepted only when the draft head's top-1 is the full model's token; the full model's token is
+often among its top few (docs/benchmarks.md), and where the text repeats itself an n-gram continuation
+(`ngram.py`) guesses several tokens at no cost. One cycle here, for the last emitted token x (the root):
 
-1. x runs through the shallow layers 0..E (as a chain draft would) and the exit head at E gives k candidates.
-2. The k candidates run through layers 0..E side by side, all at x's position + 1, each seeing the context
-   and itself but not the other candidates (a tree attention mask).
-3. The deep layers E+1..L-1 run over x and the k candidates at once, with the same mask; the final head
-   gives the full model's logits at x and at each candidate.
-4. If the full model's next token (greedy, after the logits processors) is a candidate, the cache keeps that
-   candidate's positions and it is handed to the decode loop as an already verified draft (its logits are those
-   of step 3, so the loop's acceptance test and bonus token run unchanged); otherwise every candidate is
-   dropped and x's logits give the next token.
+1. x runs through the shallow layers 0..E (as a chain draft would) and the draft head at E gives k candidates
+   for the next position. Where the latest n-gram occurred before, its continuation c1, c2, ... is a branch
+   several tokens deep. Both go into one trie (`DraftTree`): branches that share a prefix share nodes (a
+   candidate equal to c1 is c1's node).
+2. Every node runs through layers 0..E at once, at position x's + its depth, seeing the context, x, its
+   ancestors and itself, not its siblings or cousins (a tree attention mask).
+3. The deep layers E+1..L-1 run over x and every node at once, with the same mask; the final head gives the
+   full model's logits at x and at each node.
+4. The tree is walked greedily: from x, move to the child equal to the full model's token there (after the
+   logits processors), as long as one exists and that token would not stop generation. The cache keeps the
+   accepted path's K/V, moved right after x in order, and drops the other nodes'; the path goes to the decode
+   loop as an already verified draft (its logits are those of step 3, so the loop's acceptance test and bonus
+   token, from the last accepted node's logits, run unchanged).
 
-The tree mask is the mask the backbone builds for the chunk [x, candidates], with the candidate-to-candidate
-entries blocked; the candidates' shallow calls are the same calls without x's row (one capture per cycle). Where no 4-D mask tensor reaches the layers, or a cache layer is neither a plain `DynamicLayer`
-nor a full-attention static layer (sliding windows keep their own bookkeeping), or a static cache has no room
-for x and the k candidates, the cycle falls back to a chain draft. Families whose
-positions live in the mask rather than in `position_ids` (alibi) never get here (`ArchSpec.tree_drafts`).
+The tree mask is the mask the backbone builds for the chunk [x, nodes] with the entries between non-ancestors
+blocked, and positions set to depths; the nodes' shallow calls are the same calls without x's row (one capture
+per cycle). Where no 4-D mask tensor reaches the layers, or a cache layer is neither a plain `DynamicLayer` nor
+a full-attention static layer (sliding windows keep their own bookkeeping), or a static cache has no room for
+x and every node, the cycle drafts as before: the n-gram continuation as a chain where there is one, else a
+chain from the head. Families whose positions live in the mask rather than in `position_ids` (alibi) never get
+here (`ArchSpec.tree_drafts`). Greedy only: sampling drafts chains (one draft per position).
 """
 
 from __future__ import annotations
@@ -31,32 +38,82 @@ from ..layers.calls import LayerCall, additive_masks, capture_layer_calls, map_c
 from ..layers.fewrows import few_row_linears
 from ..models.compat import (
     LengthView,
+    crop_layer,
     grouped_query_attention_in_place,
     is_static_layer,
-    keep_one_of_tail,
     layer_length,
     plain_dynamic_layers,
 )
 from .processors import process
 from .records import Draft
 
-__all__ = ["TreeDrafter", "tree_mask_calls", "without_first_position"]
+__all__ = ["DraftTree", "TreeDrafter", "keep_of_tail", "tree_mask_calls", "without_first_position"]
 
 
-def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor) -> list[LayerCall] | None:
+class DraftTree:
+    """A trie of drafted tokens under the root x (node 0): each node's token, parent and depth, and whether it
+    lies on the n-gram branch. Parents come before their children."""
+
+    def __init__(self):
+        self.tokens, self.parents, self.depths, self.ngram = [-1], [-1], [0], [False]
+        self.children: list[dict[int, int]] = [{}]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, ngram: bool = False) -> int:
+        """The node for `token` under `parent`: the existing one (shared prefix) or a new one."""
+        node = self.children[parent].get(token)
+        if node is None:
+            node = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.ngram.append(False)
+            self.children.append({})
+            self.children[parent][token] = node
+        self.ngram[node] = self.ngram[node] or ngram
+        return node
+
+    def add_chain(self, tokens: list[int], ngram: bool = False) -> None:
+        """A branch from the root through `tokens`, in order."""
+        node = 0
+        for token in tokens:
+            node = self.add(node, token, ngram)
+
+    @property
+    def has_ngram(self) -> bool:
+        return any(self.ngram)
+
+    def blocked(self) -> torch.Tensor:
+        """[N, N] (query node, key node), x included: True where a node would see an earlier node that is not its
+        ancestor. Later nodes are left to the causal mask."""
+        sees = torch.zeros(len(self), len(self), dtype=torch.bool)
+        for node in range(len(self)):
+            if node:
+                sees[node] = sees[self.parents[node]]
+            sees[node, node] = True
+        return ~sees & torch.ones_like(sees).tril()
+
+
+def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor, start: int | None = None) -> list[LayerCall] | None:
     """Copies of `calls` whose 4-D attention masks also block `blocked` [Q, Q] (query row, chunk key column).
 
-    The chunk's keys are the mask's last Q columns. None when a call carries no 4-D mask for Q queries."""
+    The chunk's keys are the mask's columns `start..start+Q-1` (the cached positions before the chunk: a static
+    cache's masks span the whole preallocated cache), or its last Q columns where `start` is None. None when a
+    call carries no 4-D mask for Q queries."""
     q = blocked.shape[0]
 
     def patched(call: LayerCall) -> LayerCall | None:
         args, kwargs, found = list(call.args), dict(call.kwargs), False
         for where, value in [*enumerate(args), *kwargs.items()]:
-            if not (isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-2] == q
-                    and value.shape[-1] >= q):
+            if not (isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-2] == q):
+                continue
+            first = value.shape[-1] - q if start is None else start
+            if first < 0 or first + q > value.shape[-1]:
                 continue
             mask = value.clone()
-            chunk = mask[..., -q:]
+            chunk = mask[..., first:first + q]
             if mask.dtype == torch.bool:
                 chunk.masked_fill_(blocked.to(mask.device), False)
             else:
@@ -103,41 +160,65 @@ def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | 
 _UNPLACED = object()
 
 
-def _siblings_blocked(k: int, lead: int) -> torch.Tensor:
-    """[lead + k, lead + k]: True where candidate a would see candidate b != a (the `lead` rows see no candidate)."""
-    blocked = torch.zeros(lead + k, lead + k, dtype=torch.bool)
-    blocked[lead:, lead:] = ~torch.eye(k, dtype=torch.bool)
-    return blocked
+def keep_of_tail(cache, layer: int, tail: int, keep: list[int]) -> None:
+    """Of the newest `tail` positions of cache layer `layer`, keep those at indices `keep` (ascending) among
+    them, moved to the front of the tail in that order, and drop the rest. Plain `DynamicLayer`s and
+    full-attention static layers only (a static layer only moves its length back)."""
+    entry = cache.layers[layer]
+    if keep != list(range(len(keep))):
+        end = layer_length(cache, layer) - tail
+        index = torch.tensor(keep, device=entry.keys.device) + end
+        entry.keys[..., end:end + len(keep), :] = entry.keys.index_select(-2, index)  # (a gather: a copy)
+        entry.values[..., end:end + len(keep), :] = entry.values.index_select(-2, index)
+    if tail > len(keep):
+        crop_layer(cache, layer, len(keep) - tail)
 
 
 class TreeDrafter:
-    """Greedy lossless drafting with `session.draft_topk` candidates per cycle (used by `LosslessSession`)."""
+    """Greedy lossless drafting of a trie per cycle: the head's `session.draft_topk` candidates and the n-gram
+    continuation (used by `LosslessSession`)."""
 
     def __init__(self, session, chain):
         self.session, self.chain = session, chain  # chain: the session's chain drafter (prefill, masks, stopping)
         self.k = session.draft_topk
         self.usable = None  # known at the first call: the cache can be compacted and the layers take a tree mask
+        self.tree: DraftTree | None = None  # the last cycle's tree (None: it drafted a chain)
+        self.path: list[int] = []  # the last tree's accepted path, x first
 
     def verified(self, accepted: int) -> None:
-        self.chain.verified(accepted)
+        """After the loop accepted `accepted` drafted tokens: the next context and the counters."""
+        tree, self.tree = self.tree, None
+        if tree is None:
+            self.chain.verified(accepted)
+            return
+        session, stats = self.session, self.session.stats
+        session.accept(accepted)
+        stats.accepted += accepted
+        stats.ngram_accepted += sum(tree.ngram[node] for node in self.path[1:accepted + 1])
+        stats.decode_tokens += accepted + 1
 
     def draft(self, input_ids: torch.LongTensor) -> Draft:
-        session, chain, stats = self.session, self.chain, self.session.stats
         start = time.perf_counter()
+        try:
+            return self._draft(input_ids)
+        finally:
+            self.session.stats.decode_time_s += time.perf_counter() - start
+
+    def _draft(self, input_ids: torch.LongTensor) -> Draft:
+        session, chain, stats = self.session, self.chain, self.session.stats
         chain._prefill(input_ids)
         continuation = chain.ngram_continuation(input_ids)
-        if continuation:  # an earlier occurrence's next tokens: a chain that costs no head
-            draft = chain.ngram_draft(input_ids, continuation)
-            stats.decode_time_s += time.perf_counter() - start
-            return draft
         cache = chain.cache
         if self.usable is None:
             self.usable = plain_dynamic_layers(cache) or all(is_static_layer(layer) for layer in cache.layers)
-        if not self.usable or chain.max_length - input_ids.shape[1] < 2 or not _room_for(cache, self.k + 1):
-            stats.decode_time_s += time.perf_counter() - start
-            if not self.usable:
-                stats.draft_topk = 1
-            return chain.draft(input_ids)  # a cache the tree cannot compact, or no room for a draft
+        if not self.usable:
+            stats.draft_topk = 1
+        room = chain.max_length - input_ids.shape[1] >= 2 and _room_for(cache, self.k + 1 + len(continuation))
+        if not (self.usable and room):  # a cache the tree cannot compact, or no room for the tree: as before
+            self.tree = None
+            if continuation:  # an earlier occurrence's next tokens: a chain that costs no head
+                return chain.ngram_draft(input_ids, continuation)
+            return chain.draft(input_ids)
         x = input_ids[:, -1:]
         with torch.no_grad():
             state = session.shallow_step(x, cache, session.grown_mask(input_ids.shape[1]))
@@ -145,57 +226,77 @@ class TreeDrafter:
                                                    session.draft_vocab_size)
             draft_scores = process(chain.logits_processor, input_ids, logits.float())
             candidates = draft_scores.topk(self.k, dim=-1).indices  # [1, k]
-            logits = self._verify(candidates, cache, session.grown_mask(input_ids.shape[1]))
-        chain.drafted = 1
-        stats.drafted += 1
+            tree = DraftTree()
+            for token in candidates[0].tolist():
+                tree.add(0, token)
+            tree.add_chain(continuation, ngram=True)
+            logits = self._verify(tree, cache, session.grown_mask(input_ids.shape[1]))
         if logits is None:  # no tree mask reached the layers: a chain draft of one (the session verifies it)
             if layer_length(cache, 0) > 1:  # (a one-token context may get no mask: causal attention needs none)
                 self.usable, stats.draft_topk = False, 1  # this model's attention takes none: chains from here on
-            stats.decode_time_s += time.perf_counter() - start
+            self.tree, chain.drafted, chain.from_ngram = None, 1, False
+            stats.drafted += 1
             return Draft(torch.cat([input_ids, candidates[:, :1]], 1), 1)
-        # (a copy: processors may work in place, and transformers applies them to these logits itself)
-        target = process(chain.logits_processor, input_ids, logits[:, 0].to(torch.float32, copy=True)).argmax(-1, keepdim=True)
-        hits = (candidates[0] == target[0]).nonzero()
-        stops = chain.stops(torch.cat([input_ids, target], 1), logits[:, 0])
-        keep = int(hits[0]) if len(hits) and not stops else None  # a stopping token comes from x's logits
+        self.tree, nodes = tree, len(tree) - 1
+        stats.drafted += 1 + len(continuation)  # one head step (k candidates) and the n-gram tokens
+        stats.ngram_drafted += len(continuation)
+        stats.merged_cycles += bool(continuation)
+        self.path, out = self._walk(tree, logits, input_ids)
         for layer in range(session.parts.num_layers):
-            keep_one_of_tail(cache, layer, self.k, keep)
-        rows = [0] if keep is None else [0, 1 + keep]
-        session.verified_contexts = session.verified_contexts[:, rows]
-        out = input_ids if keep is None else torch.cat([input_ids, target], 1)
-        stats.decode_time_s += time.perf_counter() - start
-        return Draft(out, len(rows) - 1, verified=logits[:, rows])
+            keep_of_tail(cache, layer, nodes, [node - 1 for node in self.path[1:]])
+        session.verified_contexts = session.verified_contexts[:, self.path]
+        return Draft(out, len(self.path) - 1, verified=logits[:, self.path])
 
-    def _verify(self, candidates: torch.Tensor, cache, mask) -> torch.Tensor | None:
-        """Full-model logits [1, 1 + k, V] at the pending token x and at each candidate; None if no tree mask."""
-        session, parts, k = self.session, self.session.parts, candidates.shape[1]
+    def _walk(self, tree: DraftTree, logits: torch.Tensor, input_ids: torch.LongTensor):
+        """The accepted path (node indices, x first) and the sequence with its tokens: from x, the child equal to
+        the full model's processed argmax, while one exists and that token would not stop generation (a
+        stopping token comes from its parent's logits, as the loop's bonus token)."""
+        path, ids = [0], input_ids
+        while True:
+            node = path[-1]
+            # (a copy: processors may work in place, and the loop applies them to these logits itself)
+            scores = process(self.chain.logits_processor, ids, logits[:, node].to(torch.float32, copy=True))
+            target = scores.argmax(-1, keepdim=True)
+            child = tree.children[node].get(int(target))
+            if child is None or self.chain.stops(torch.cat([ids, target], 1), logits[:, node]):
+                return path, ids
+            path.append(child)
+            ids = torch.cat([ids, target], 1)
+
+    def _verify(self, tree: DraftTree, cache, mask) -> torch.Tensor | None:
+        """Full-model logits [1, N, V] at the pending token x and at each node of `tree`; None if no tree mask."""
+        session, parts, q = self.session, self.session.parts, len(tree)
         x_ids, x_state = session.pending_ids, session.pending_states  # [1, 1], [1, 1, H]
+        nodes = torch.tensor([tree.tokens[1:]], dtype=x_ids.dtype, device=x_ids.device)
         have = layer_length(cache, 0)  # shallow layers hold x; deep layers do not yet
-        inputs = new_positions(mask, have - 1, k + 1)  # the chunk [x, candidates]: the mask grown over it
-        x_position = inputs["position_ids"][:, :1]
-        inputs["position_ids"] = torch.cat([x_position, (x_position + 1).expand(1, k)], 1)  # candidates: x's + 1
-        deep = capture_layer_calls(parts, input_ids=torch.cat([x_ids, candidates], 1),
+        inputs = new_positions(mask, have - 1, q)  # the chunk [x, nodes]: the mask grown over it
+        depths = torch.tensor([tree.depths], device=inputs["position_ids"].device)
+        inputs["position_ids"] = inputs["position_ids"][:, :1] + depths  # each node at x's position + its depth
+        blocked = tree.blocked()
+        deep = capture_layer_calls(parts, input_ids=torch.cat([x_ids, nodes], 1),
                                    past_key_values=LengthView(cache, have - 1), use_cache=True, **inputs)
-        deep = tree_mask_calls(deep, _siblings_blocked(k, 1))
+        deep = tree_mask_calls(deep, blocked, start=have - 1)
         if deep is None:
             return None
         deep = additive_masks(parts, deep)
-        # The candidates' chunk for the shallow layers is the same chunk without x: same keys (x is cached
-        # there), same positions. Sliced from the deep calls where every per-position argument is recognised,
-        # else captured.
-        shallow = without_first_position(deep[: session.draft_layer + 1], k + 1)
+        # The nodes' chunk for the shallow layers is the same chunk without x: same keys (x is cached there),
+        # same positions. Sliced from the deep calls where every per-position argument is recognised, else captured.
+        shallow = without_first_position(deep[: session.draft_layer + 1], q)
         if shallow is None:
             inputs["position_ids"] = inputs["position_ids"][:, 1:]
-            shallow = tree_mask_calls(capture_layer_calls(parts, input_ids=candidates, use_cache=True, **inputs,
-                                                          past_key_values=LengthView(cache, have)), _siblings_blocked(k, 0))
+            shallow = tree_mask_calls(capture_layer_calls(parts, input_ids=nodes, use_cache=True, **inputs,
+                                                          past_key_values=LengthView(cache, have)), blocked[1:, 1:],
+                                      start=have)
             shallow = additive_masks(parts, shallow)
-        with few_row_linears(parts), grouped_query_attention_in_place():  # k and 1 + k positions: the CPU layouts
-            states = session.spans.run(0, session.draft_layer + 1, shallow[0].hidden, shallow)  # compiled or eager
-            states = session.spans.run(session.draft_layer + 1, parts.num_layers, torch.cat([x_state, states], 1), deep)
+        eager = tree.has_ngram  # compiled graphs serve the head's k-wide trees; n-gram branches vary in depth
+        with few_row_linears(parts), grouped_query_attention_in_place():  # N - 1 and N positions: the CPU layouts
+            states = session.spans.run(0, session.draft_layer + 1, shallow[0].hidden, shallow, eager=eager)
+            states = session.spans.run(session.draft_layer + 1, parts.num_layers, torch.cat([x_state, states], 1),
+                                       deep, eager=eager)
             session.verified_contexts = parts.final_norm(states)
             logits = parts.logits_from_normed(session.verified_contexts)
         session.pending_ids = session.pending_states = None
-        session.stats.layer_passes += parts.num_layers  # the candidates' shallow layers and everything's deep ones
+        session.stats.layer_passes += parts.num_layers  # the nodes' shallow layers and everything's deep ones
         session.stats.verify_passes += 1
         session.stats.decode_steps += 1
         return logits
@@ -203,6 +304,6 @@ class TreeDrafter:
 
 def _room_for(cache, positions: int) -> bool:
     """Whether every layer of a static cache has `positions` free slots past its length (a tree writes x and all
-    its candidates before it keeps one); always on a dynamic cache."""
+    its nodes before it keeps a path); always on a dynamic cache."""
     return all(not is_static_layer(layer) or layer.max_cache_len - int(layer.get_seq_length()) >= positions
                for layer in cache.layers)
