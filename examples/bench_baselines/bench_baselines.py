@@ -155,6 +155,8 @@ def main(argv=None):
         configs["tide default, no n-gram"] = {"mode": "lossless", "draft_ngram": 0}
         configs["tide default + n-gram"] = {"mode": "lossless", "draft_ngram": 3}
         configs["tide n-gram only"] = {"mode": "lossless", "draft_ngram": 3, "max_draft": 4, "head_drafts": False}
+        configs["tide tree k3, head only"] = {"mode": "lossless", "draft_topk": 3, "draft_ngram": 0}
+        configs["tide tree k3 + n-gram, one tree"] = {"mode": "lossless", "draft_topk": 3, "draft_ngram": 3}
     for threshold in args.exit:
         configs[f"exit {threshold:g}"] = {"exit_threshold": threshold}
     if args.ngram:
