@@ -2,10 +2,11 @@
 
 import copy
 import gc
+from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import tide
 from tide.layers import kvfill
@@ -14,22 +15,72 @@ from tide.layers.kvprobe import kv_plan
 from tide.layers.calls import capture_layer_calls, write_kv_only
 from tiny_models import FAMILIES, tiny_model
 
-FUSED = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma"}
-# Why these fill layer by layer: fused qkv (phi3, gpt2, gpt_neox, falcon), LayerNorm + partial rotary (phi),
-# learned positions (gpt2, opt), alibi (falcon), per-layer-type rotary and k-norms (gemma2, gemma3_text).
-PER_LAYER = {"gpt2", "gpt_neox", "opt", "falcon", "phi", "phi3", "gemma2", "gemma3_text"}
+# Every family in the table takes the batched path, including fused qkv (phi3, gpt2, gpt_neox, falcon), LayerNorm input
+# norms (phi, gpt2, gpt_neox, opt, falcon), partial rotary (phi, gpt_neox), learned positions (gpt2, opt), alibi
+# (falcon), k-norms (qwen3, gemma3_text) and per-layer-type rotary (gemma2, gemma3_text).
+FUSED = set(FAMILIES)
+# other configurations of those families: (family, config overrides, takes the batched path)
+VARIANTS = [
+    ("phi", dict(qk_layernorm=True), True),  # a LayerNorm k-norm (with bias)
+    ("phi", dict(partial_rotary_factor=0.25), True),
+    ("phi3", dict(partial_rotary_factor=0.5), True),
+    ("gpt_neox", dict(rotary_pct=1.0), True),
+    ("gpt_neox", dict(rotary_pct=0.5, attention_bias=False), True),
+    ("falcon", dict(alibi=False), True),  # rotary, multi-query: [q | k | v]
+    ("falcon", dict(multi_query=False, bias=True), True),  # [q, k, v] per head
+    ("falcon", dict(alibi=False, new_decoder_architecture=True, num_kv_heads=2), True),  # K/V heads broadcast
+    ("falcon", dict(alibi=False, new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1), True),
+    ("qwen2", dict(attention_bias=True), True),
+    ("gpt2", dict(n_inner=48, scale_attn_by_inverse_layer_idx=True), True),
+    ("opt", dict(do_layer_norm_before=False), True),  # the norm follows attention: the probe sees k_proj read h
+    ("opt", dict(enable_bias=False), True),
+]
+
+
+# types outside the table (probed): (config, takes the batched path); the others are left to their own code
+_SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=6, num_attention_heads=4, intermediate_size=64,
+              max_position_embeddings=256)
+PROBED = {
+    "stablelm": (dict(_SMALL, num_key_value_heads=2, use_qkv_bias=True), True),  # LayerNorm, partial rotary, biases
+    "bloom": (dict(vocab_size=128, hidden_size=32, n_layer=6, n_head=4), True),  # alibi, fused qkv per head
+    "gpt_bigcode": (dict(vocab_size=128, n_embd=32, n_layer=6, n_head=4, n_positions=256), True),  # multi-query
+    "persimmon": (dict(_SMALL), True),  # LayerNorm k-norm, partial rotary, fused qkv
+    "starcoder2": (dict(_SMALL, num_key_value_heads=2), True),
+    "gptj": (dict(vocab_size=128, n_embd=32, n_layer=6, n_head=4, rotary_dim=4, n_positions=256), False),  # rotary
+    # on interleaved pairs
+    "olmo2": (dict(_SMALL, num_key_value_heads=2), False),  # a k-norm over all heads at once
+}
+
+
+def _tiny(family, **overrides):
+    if family not in PROBED:
+        return tiny_model(family, **overrides)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **dict(PROBED[family][0], **overrides))
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", sorted(PROBED))
+def test_batched_fill_of_types_outside_the_table(family):
+    _, parts, cache, calls = _decode_step(family, new_tokens=2)
+    assert not parts.registered
+    layers = list(range(1, parts.num_layers))
+    hidden = torch.randn_like(calls[0].hidden) * 3
+    assert fused_available(parts, calls, layers, hidden) == PROBED[family][1]
+    _assert_fill_matches_per_layer(parts, calls, layers, hidden, cache)
 
 
 def test_every_family_is_decided():
-    assert not FUSED & PER_LAYER
+    assert set(tide.ARCHITECTURES) <= FUSED
     for family, spec in tide.ARCHITECTURES.items():
-        assert family in FUSED | PER_LAYER, f"decide whether {family!r} takes the batched K/V fill"
         assert (spec.kv_projections is not None) == (family in FUSED), family
 
 
-def _decode_step(family, new_tokens=1, prompt=5, batch=2, **overrides):
+def _decode_step(family, new_tokens=1, prompt=5, batch=2, dtype=torch.float32, **overrides):
     """parts, the prefilled cache, and the layer calls of `new_tokens` decode tokens."""
-    base = tiny_model(family, **overrides)
+    base = _tiny(family, **overrides).to(dtype)
+    _perturb_norms(base)  # a random affine on every norm (a fresh model's are ones and zeros), so a wrong fold shows
     parts = tide.TideForCausalLM.from_base(base).parts
     torch.manual_seed(0)
     ids = torch.randint(4, 100, (batch, prompt + new_tokens))
@@ -42,13 +93,17 @@ def _decode_step(family, new_tokens=1, prompt=5, batch=2, **overrides):
 
 
 def _assert_fill_matches_per_layer(parts, calls, layers, hidden, cache, atol=1e-5, rtol=1e-4):
-    reference = copy.deepcopy(cache)
+    """`fill_kv` (batched where it can) writes what `fill_kv(..., layerwise=True)` and each layer's own code (every
+    linear computed) write."""
+    layerwise, own = copy.deepcopy(cache), copy.deepcopy(cache)
     fill_kv(parts, calls, layers, hidden, cache)
+    fill_kv(parts, calls, layers, hidden, layerwise, layerwise=True)
     for i in layers:
-        write_kv_only(calls[i], parts, i, hidden, reference)
-    for i in range(parts.num_layers):
-        torch.testing.assert_close(cache.layers[i].keys, reference.layers[i].keys, atol=atol, rtol=rtol)
-        torch.testing.assert_close(cache.layers[i].values, reference.layers[i].values, atol=atol, rtol=rtol)
+        write_kv_only(calls[i], parts, i, hidden, own, skips={})
+    for reference in (layerwise, own):
+        for i in range(parts.num_layers):
+            torch.testing.assert_close(cache.layers[i].keys, reference.layers[i].keys, atol=atol, rtol=rtol)
+            torch.testing.assert_close(cache.layers[i].values, reference.layers[i].values, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("new_tokens", [1, 3])
@@ -56,9 +111,40 @@ def _assert_fill_matches_per_layer(parts, calls, layers, hidden, cache, atol=1e-
 def test_batched_fill_equals_per_layer_writes(family, new_tokens):
     _, parts, cache, calls = _decode_step(family, new_tokens)
     layers = list(range(2, parts.num_layers))
-    hidden = torch.randn_like(calls[0].hidden)
+    hidden = torch.randn_like(calls[0].hidden) * 3
     assert fused_available(parts, calls, layers, hidden) == (family in FUSED)
     _assert_fill_matches_per_layer(parts, calls, layers, hidden, cache)
+
+
+@pytest.mark.parametrize("family, overrides, batched", VARIANTS, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         ",".join(f"{k}={x}" for k, x in v.items()))
+def test_batched_fill_of_other_configurations(family, overrides, batched):
+    _, parts, cache, calls = _decode_step(family, new_tokens=2, **overrides)
+    layers = list(range(1, parts.num_layers))
+    hidden = torch.randn_like(calls[0].hidden) * 3
+    assert fused_available(parts, calls, layers, hidden) == batched
+    _assert_fill_matches_per_layer(parts, calls, layers, hidden, cache)
+
+
+def test_a_stack_that_does_not_reproduce_the_layers_is_not_used(monkeypatch):
+    """The stack is checked against what each layer's own code wrote in the probe: here its rotary is wrong (a
+    family whose keys were rotated another way), and every layer fills through its own code."""
+    monkeypatch.setattr(kvfill, "_rotated", lambda keys, cos, sin: keys)
+    _, parts, cache, calls = _decode_step("llama")
+    kvfill.clear_stacks()
+    hidden = torch.randn_like(calls[0].hidden)
+    assert not fused_available(parts, calls, [2, 3], hidden)
+    _assert_fill_matches_per_layer(parts, calls, [2, 3], hidden, cache)
+    _, parts, cache, calls = _decode_step("gpt2")  # no rotary: still batched
+    assert fused_available(parts, calls, [2, 3], hidden)
+
+
+def _perturb_norms(base):
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            if "norm" in name or ".ln" in name:
+                param.add_(torch.randn_like(param) * 0.2)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
@@ -72,14 +158,18 @@ def test_batched_fill_on_full_sliding_windows(family):
     _assert_fill_matches_per_layer(parts, calls, layers, hidden, cache)
 
 
-def test_batched_fill_of_a_non_contiguous_set_and_in_bfloat16():
+def test_batched_fill_of_a_non_contiguous_set():
     _, parts, cache, calls = _decode_step("llama", new_tokens=2)
     hidden = torch.randn_like(calls[0].hidden)
     _assert_fill_matches_per_layer(parts, calls, [1, 3, 4], hidden, cache)
-    base, parts, cache, calls = _decode_step("llama", new_tokens=2, dtype=torch.bfloat16)
-    base.to(torch.bfloat16)
-    _, parts, cache, calls = _decode_step("llama", new_tokens=2)
-    parts.layers.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gpt_neox", "falcon", "phi"])
+def test_batched_fill_in_bfloat16(family):
+    _, parts, cache, calls = _decode_step(family, new_tokens=2, dtype=torch.bfloat16)
+    hidden = torch.randn_like(calls[0].hidden)
+    assert hidden.dtype == torch.bfloat16 and fused_available(parts, calls, [1, 2, 4, 5], hidden)
+    _assert_fill_matches_per_layer(parts, calls, [1, 2, 4, 5], hidden, cache, atol=3e-2, rtol=3e-2)
 
 
 def _layer_calls_during(parts, fn) -> int:
@@ -119,3 +209,70 @@ def test_stack_follows_weight_changes_and_dies_with_the_model():
     del base, parts, cache, calls
     gc.collect()
     assert len(kvfill._STACKS) == 0
+
+
+class _Decoding(LogitsProcessor):
+    """Marks the decode steps: generate calls processors once per new token, the first right after prefill."""
+
+    def __init__(self, box):
+        self.box = box
+
+    def __call__(self, input_ids, scores):
+        self.box.append(True)
+        return scores
+
+
+@contextmanager
+def _own_forward_calls(parts, deep: list[int], decoding: list):
+    """{layer: how many times its own forward (the class's, not Tide's dispatch) ran while `decoding`}."""
+    counts, classes = {}, {type(parts.layers[i]) for i in deep}
+    index = {id(parts.layers[i]): i for i in deep}
+    originals = {cls: cls.forward for cls in classes}
+
+    def counting(original):
+        def forward(self, *args, **kwargs):
+            if decoding and id(self) in index:
+                counts[index[id(self)]] = counts.get(index[id(self)], 0) + 1
+            return original(self, *args, **kwargs)
+        return forward
+
+    for cls in classes:
+        cls.forward = counting(originals[cls])
+    try:
+        yield counts
+    finally:
+        for cls, forward in originals.items():
+            cls.forward = forward
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES + ["stablelm", "bloom", "gpt_bigcode"])
+def test_forced_exit_generation_is_the_same_batched_and_layerwise(family, rows, monkeypatch):
+    """Every decode token exits at the first checkpoint (layer 1), so every deep layer's K/V comes from `fill_kv`:
+    batched, no deep layer's own forward runs in a decode step; layer by layer, each runs (to its cache write)."""
+    base = _tiny(family)
+    _perturb_norms(base)
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    kv_plan(model.parts)  # the probe runs the layers once per model, on its own inputs
+    torch.manual_seed(0)
+    ids = torch.randint(4, 100, (rows, 9))
+    deep = list(range(2, model.parts.num_layers))
+
+    def generate():
+        decoding = []
+        with _own_forward_calls(model.parts, deep, decoding) as counts:
+            out = model.generate(ids, tide_config={"exit_threshold": -1}, do_sample=False, max_new_tokens=40,
+                                 output_scores=True, return_dict_in_generate=True,
+                                 logits_processor=LogitsProcessorList([_Decoding(decoding)]))
+        assert out["tide_stats"].exits == {"1": rows * 39}
+        return out, counts
+
+    batched, batched_calls = generate()
+    monkeypatch.setenv("TIDE_KV_FILL", "layerwise")
+    layerwise, layerwise_calls = generate()
+    assert batched["tide_stats"].arg_captures >= 2  # the layer arguments' window of 31 positions was captured again
+    assert batched_calls == {}, f"deep layers' own forwards ran in decode steps: {batched_calls}"
+    assert set(layerwise_calls) == set(deep)
+    assert torch.equal(batched.sequences, layerwise.sequences)
+    for a, b in zip(batched.scores, layerwise.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

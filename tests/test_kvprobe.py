@@ -42,6 +42,29 @@ def test_the_probe_skips_the_query_projection_of_every_family(family):
             assert layer.skipped == ["self_attn.q_proj"], plan.report()
 
 
+INPUT_NORM = {"gpt2": "ln_1", "opt": "self_attn_layer_norm"}  # the others: input_layernorm
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_probe_finds_which_outputs_become_keys_and_values(family):
+    """Per layer: the rows of the K/V linears that reach the written keys and values (in the written order), the
+    module they read, the written heads; and a sample of what the layer's own code writes."""
+    _, parts = _parts(family)
+    for layer in kv_plan(parts).layers:
+        assert layer.kv_input == INPUT_NORM.get(family, "input_layernorm")
+        heads, head_dim = layer.key_shape
+        assert layer.value_shape == layer.key_shape
+        keys, values = (torch.cat(list(rows.values())) for rows in (layer.key_rows, layer.value_rows))
+        assert keys.numel() == values.numel() == heads * head_dim
+        assert layer.sample.keys.shape[1] == heads and layer.sample.keys.shape[-1] == head_dim
+    first = kv_plan(parts).layers[0]
+    if family == "gpt2":  # c_attn: [q | k | v], 32 columns each
+        assert torch.equal(first.key_rows["attn.c_attn"], torch.arange(32, 64))
+        assert torch.equal(first.value_rows["attn.c_attn"], torch.arange(64, 96))
+    if family == "gpt_neox":  # query_key_value: [q, k, v] per head of 8
+        assert first.key_rows["attention.query_key_value"][:10].tolist() == [*range(8, 16), 32, 33]
+
+
 def _decode_calls(base, parts, new_tokens, prompt=5, batch=2):
     torch.manual_seed(0)
     ids = torch.randint(4, 100, (batch, prompt + new_tokens))
@@ -131,7 +154,8 @@ def test_the_probe_runs_inside_inference_mode_and_reports_a_failure():
 
 def test_the_stronger_check_catches_a_layer_that_computes_its_queries(monkeypatch):
     """Without the probe's plan the K/V-only pass computes GPT-2's whole c_attn: the support matrix's forced-exit
-    check must fail on it."""
+    check must fail on it (on the per-layer fill; the batched fill calls no linear module)."""
+    monkeypatch.setenv("TIDE_KV_FILL", "layerwise")
     base = tiny_model("gpt2")
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_layers=[1]))
     check_forced_exit(model, base)
@@ -141,10 +165,11 @@ def test_the_stronger_check_catches_a_layer_that_computes_its_queries(monkeypatc
         check_forced_exit(model, base)
 
 
-def test_bench_reports_a_skipped_layers_kv_as_a_fraction_of_a_layer():
+def test_bench_reports_a_skipped_layers_kv_as_a_fraction_of_a_layer(monkeypatch):
     from tide.tools.bench import kv_fill_costs, kv_fill_costs_text
 
-    for family, batched in (("llama", True), ("gpt2", False)):
+    for family, batched in (("llama", True), ("gpt2", True), ("gpt2", False)):
+        monkeypatch.setenv("TIDE_KV_FILL", "" if batched else "layerwise")
         model = tide.TideForCausalLM.from_base(tiny_model(family), tide.TideConfig(checkpoint_layers=[1]))
         with torch.inference_mode():
             costs = kv_fill_costs(model, prompt_length=4, repeats=2)

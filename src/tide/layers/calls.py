@@ -229,14 +229,30 @@ def capture_layer_calls(parts: ModelParts, **backbone_inputs) -> list[LayerCall]
 
 def map_calls(calls: list[LayerCall], transform) -> list[LayerCall] | None:
     """`transform(call)` for each call, computed once per distinct call object (`capture_layer_calls` hands one
-    call to every layer of a uniform model, and the results stay shared the same way); None if any is None."""
+    call to every layer of a uniform model, and the results stay shared the same way); None if any is None.
+
+    Arguments the calls share stay shared too: where calls of different layers received one tensor (or tuple of
+    tensors: the rotary `position_embeddings` of a layer type), the results hold the first call's transform of
+    it, so the batched K/V fill still sees one rotary per layer type. `transform` must treat each argument on its
+    own (as `rowsplit.sliced_call` and `additive_masks` do)."""
     done: dict[int, LayerCall] = {}
+    shared: dict[int, tuple] = {}  # id of an argument -> (the argument, what the first call made of it)
+
+    def share(old, new):
+        if not isinstance(old, (torch.Tensor, tuple)):
+            return new
+        first = shared.setdefault(id(old), (old, new))
+        return first[1]
+
     for call in calls:
         if id(call) not in done:
             new = transform(call)
             if new is None:
                 return None
-            done[id(call)] = new
+            args = tuple(share(o, n) if j else n for j, (o, n) in enumerate(zip(call.args, new.args)))
+            kwargs = {k: share(call.kwargs[k], v) if k in call.kwargs and k != "hidden_states" else v
+                      for k, v in new.kwargs.items()}
+            done[id(call)] = LayerCall(args + new.args[len(args):], kwargs)
     return [done[id(call)] for call in calls]
 
 

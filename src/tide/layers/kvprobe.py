@@ -15,8 +15,14 @@ Phi-3's `qkv_proj`), the query path of latent attention (`q_a_proj`, `q_b_proj`)
    column, which outputs reach `update()`. A candidate none of whose outputs reach it is skipped (its output
    replaced by zeros); one whose outputs reach it only in part (a fused qkv projection) computes only those
    rows of its weight (columns, for `Conv1D`), the rest zeros; one whose outputs all reach it runs as is.
+   The gradients of the keys and of the values are taken apart, so the plan also says which outputs become
+   keys and which values (`key_rows`, `value_rows`, ascending: the written head order for separate and fused
+   projections alike), which module's output those linears read (`kv_input`: the input norm, or "" for the
+   layer's input itself), and the written (heads, head_dim). `kvfill` stacks the K/V weights from this.
 3. Confirmed: the K/V-only pass with that plan must write what the layer's own code writes, on a second input;
-   otherwise nothing is skipped beyond the table's `query_proj`, and the report says why.
+   otherwise nothing is skipped beyond the table's `query_proj`, and the report says why. What the layer's
+   own code wrote there is kept (`LayerPlan.sample`): `kvfill` checks its stacked weights against it without
+   calling the layer again (unless the layer's parameters changed in place since: then it is taken again).
 
 A part computed in part must be an `nn.Linear` or a `Conv1D` (whose forward Tide knows); any other class is
 computed in full and the report says so. Skipping a whole module works for any class. Non-contiguous rows
@@ -30,6 +36,7 @@ discards, outside any inference mode of the caller.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -40,7 +47,7 @@ from torch import nn
 from ..models.architectures import ModelParts
 from .calls import LayerCall, PartialRows, capture_layer_calls, run_to_cache_write, write_kv_only
 
-__all__ = ["KVPlan", "LayerPlan", "kv_plan", "write_kv", "is_linear", "clear_plans"]
+__all__ = ["KVPlan", "LayerPlan", "kv_plan", "write_kv", "KVSample", "is_linear", "clear_plans"]
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layers ModuleList -> KVPlan
 _LOCK = threading.Lock()
@@ -55,6 +62,33 @@ def is_linear(module: nn.Module) -> bool:
 
 
 @dataclass
+class KVSample:
+    """What a layer's own code writes (every linear computed) for a random `hidden`, with the probe's `call`."""
+
+    hidden: torch.Tensor  # [1, T, H]
+    keys: torch.Tensor  # as passed to the cache's update(), [1, heads, T, head_dim]
+    values: torch.Tensor
+    call: LayerCall
+    versions: tuple = ()  # the layer's parameters' version counters when the sample was taken
+
+    @staticmethod
+    def take(parts: ModelParts, index: int, call: LayerCall, hidden: torch.Tensor) -> KVSample:
+        with torch.no_grad():
+            keys, values = _run_to_write(parts, index, call, hidden)
+        return KVSample(hidden, keys, values, call, _versions(parts.layers[index]))
+
+    def current(self, parts: ModelParts, index: int) -> KVSample:
+        """This sample, or one taken again on the same input if the layer's parameters changed in place since."""
+        if self.versions == _versions(parts.layers[index]):
+            return self
+        return KVSample.take(parts, index, self.call, self.hidden)
+
+
+def _versions(layer: nn.Module) -> tuple:
+    return tuple(p._version for p in layer.parameters())
+
+
+@dataclass
 class LayerPlan:
     """One layer's K/V-only pass: modules skipped (zeros) or computed in part, and what was found."""
 
@@ -63,6 +97,16 @@ class LayerPlan:
     skipped: list[str] = field(default_factory=list)  # linears replaced by zeros
     partial: dict[str, str] = field(default_factory=dict)  # name -> "rows a of b"
     kept: dict[str, str] = field(default_factory=dict)  # name -> why it still runs (in full)
+    # where the written K/V come from, for the batched fill (`kvfill`): per linear, the indices of its outputs that
+    # reach the written keys / values (ascending; empty unless every such linear is one `PartialRows` supports);
+    # the module whose output every such linear takes as its input ("" for the layer's input itself, None when
+    # they differ or it was not found); the written keys' and values' (heads, head_dim)
+    key_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    value_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    kv_input: str | None = None
+    key_shape: tuple[int, int] | None = None
+    value_shape: tuple[int, int] | None = None
+    sample: KVSample | None = None  # to check another way of computing the K/V against (kvfill's stack)
 
 
 @dataclass
@@ -187,18 +231,30 @@ def _probe_layer(parts: ModelParts, index: int, call: LayerCall) -> LayerPlan:
     names = {module: name for name, module in layer.named_modules() if is_linear(module)}
     gates: dict[nn.Module, torch.Tensor] = {}
     order: list[nn.Module] = []
+    inputs: dict[nn.Module, int] = {}  # linear -> id of the tensor it took
+    outputs: dict[int, str] = {}  # id of a module's output -> that module's name
+    alive: list[torch.Tensor] = []  # keeps those outputs (and their ids) alive during the run
 
-    def gate(module, _args, out):
+    def gate(module, args, out):
         if not isinstance(out, torch.Tensor) or not out.is_floating_point() or module in gates:
             return None
         order.append(module)
+        inputs[module] = id(args[0]) if args else None
         gates[module] = out.new_zeros(out.shape[-1], requires_grad=True)
         return out + gates[module]
+
+    def source(name, _module, _args, out):
+        if isinstance(out, torch.Tensor):
+            outputs.setdefault(id(out), name)
+            alive.append(out)
 
     generator = torch.Generator().manual_seed(index)
     shape, ref = call.hidden.shape, call.hidden
     hidden = torch.randn(shape, generator=generator).to(ref.device, ref.dtype)  # the gates require grad
-    hooks = [module.register_forward_hook(gate) for module in names]
+    outputs[id(hidden)] = ""
+    hooks = [module.register_forward_hook(functools.partial(source, name))
+             for name, module in layer.named_modules() if name and module not in names]
+    hooks += [module.register_forward_hook(gate) for module in names]
     try:
         keys, values = _run_to_write(parts, index, call, hidden)
     finally:
@@ -207,11 +263,11 @@ def _probe_layer(parts: ModelParts, index: int, call: LayerCall) -> LayerPlan:
     plan = LayerPlan()
     if not order:
         return plan
-    weights = (torch.randn(keys.shape, generator=generator).to(keys), torch.randn(values.shape, generator=generator).to(values))
-    grads = torch.autograd.grad((keys, values), [gates[m] for m in order], weights, allow_unused=True)
-    for module, grad in zip(order, grads):
+    to_keys = _reach(keys, [gates[m] for m in order], generator)
+    to_values = _reach(values, [gates[m] for m in order], generator)
+    for module, key_reach, value_reach in zip(order, to_keys, to_values):
         name = names[module]
-        reach = torch.zeros(gates[module].shape[0], dtype=torch.bool) if grad is None else (grad != 0).cpu()
+        reach = key_reach | value_reach
         if bool(reach.all()):
             plan.kv.append(name)
         elif not bool(reach.any()):
@@ -222,19 +278,41 @@ def _probe_layer(parts: ModelParts, index: int, call: LayerCall) -> LayerPlan:
             plan.partial[name] = f"K/V rows {int(reach.sum())} of {reach.numel()}"
         else:
             plan.kept[name] = f"its outputs reach the K/V in part, and {type(module).__name__} cannot compute rows alone"
+        if bool(key_reach.any()):
+            plan.key_rows[name] = key_reach.nonzero().squeeze(1)
+        if bool(value_reach.any()):
+            plan.value_rows[name] = value_reach.nonzero().squeeze(1)
+    if not all(PartialRows.supports(layer.get_submodule(n)) for n in {**plan.key_rows, **plan.value_rows}):
+        plan.key_rows, plan.value_rows = {}, {}  # only linears whose forward Tide knows can be stacked
+    sources = {outputs.get(inputs[m]) for m in order if names[m] in plan.key_rows or names[m] in plan.value_rows}
+    plan.kv_input = sources.pop() if len(sources) == 1 else None
+    if keys.dim() == 4 and values.dim() == 4:  # [B, heads, T, head_dim]
+        plan.key_shape, plan.value_shape = (keys.shape[1], keys.shape[-1]), (values.shape[1], values.shape[-1])
     _confirm(parts, index, call, plan)
     return plan
 
 
+def _reach(written: torch.Tensor, gates: list[torch.Tensor], generator) -> list[torch.Tensor]:
+    """Per gate, which of its columns reach `written` (bool, on the CPU): the gradient of `written` against
+    random weights is nonzero there."""
+    if not written.requires_grad:
+        return [torch.zeros(g.shape[0], dtype=torch.bool) for g in gates]
+    weights = torch.randn(written.shape, generator=generator).to(written)
+    grads = torch.autograd.grad(written, gates, weights, retain_graph=True, allow_unused=True)
+    return [torch.zeros(g.shape[0], dtype=torch.bool) if d is None else (d != 0).cpu() for g, d in zip(gates, grads)]
+
+
 def _confirm(parts: ModelParts, index: int, call: LayerCall, plan: LayerPlan) -> None:
-    """The plan writes what the layer's own code writes (on a second input); else skip nothing more, and say so."""
-    if not plan.skips:
-        return
+    """Keep a sample of what the layer's own code writes (on a second input); the plan must write the same, else
+    skip nothing more, and say so."""
     generator = torch.Generator().manual_seed(1000 + index)
     ref = call.hidden
     hidden = torch.randn(ref.shape, generator=generator).to(ref.device, ref.dtype)
+    plan.sample = KVSample.take(parts, index, call, hidden)
+    if not plan.skips:
+        return
+    full = plan.sample.keys, plan.sample.values
     with torch.no_grad():
-        full = _run_to_write(parts, index, call, hidden)
         lean = _run_to_write(parts, index, call, hidden, skips=plan.skips)
     tol = dict(atol=1e-5, rtol=1e-4) if ref.dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     if all(torch.allclose(a.float(), b.float(), **tol) for a, b in zip(full, lean)):
@@ -243,4 +321,4 @@ def _confirm(parts: ModelParts, index: int, call: LayerCall, plan: LayerPlan) ->
         name = next(n for n, m in parts.layers[index].named_modules() if m is module)
         plan.kept[name] = "skipping it changed the K/V the layer writes"
     plan.skips, plan.skipped, plan.partial = {}, [], {}
-
+    plan.key_rows, plan.value_rows, plan.kv_input = {}, {}, None  # the batched fill does not rely on it either

@@ -27,17 +27,15 @@ __all__ = ["ArchSpec", "KVProjections", "ModelParts", "ARCHITECTURES", "register
 
 @dataclass(frozen=True)
 class KVProjections:
-    """Where a decoder layer's K/V come from, for the batched K/V fill of skipped layers (`kvfill.py`).
+    """Opts a family into the batched K/V fill of skipped layers (`kvfill.py`).
 
-    K = rotary(k_norm(k_proj(input_norm(h)))), V = v_proj(input_norm(h)), with llama-style rotary
-    (rotate_half, the layer call's `position_embeddings`) and an RMS input norm (`gemma`: scale 1 + w).
+    What is stacked is found on the model itself: the K/V linears (separate or the K/V rows of a fused qkv) and
+    the input norm they read, by the probe (`kvprobe.kv_plan`); norms recognised by what they compute; rotary from
+    the layer calls' `position_embeddings` (none with alibi or learned positions). The stack is checked once
+    against what each layer's own code wrote in the probe; a model whose layers do not fit fills layer by layer.
     """
 
-    input_norm: str = "input_layernorm"
-    k_proj: str = "self_attn.k_proj"
-    v_proj: str = "self_attn.v_proj"
-    k_norm: str | None = None  # per-head RMS norm on K before rotary (Qwen3)
-    gemma_norm: bool = False
+    k_norm: str | None = None  # per-head norm on K before rotary, when not the attention's `k_norm`/`k_layernorm`
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,7 @@ class ArchSpec:
     logit_scale: float | None = None  # the head's logits are multiplied by this (probed models, e.g. Cohere, Granite)
     layer_types_attr: str | None = "layer_types"  # config attribute listing per-layer attention types
     query_proj: str | None = None  # separate query projection inside a layer (skipped on K/V-only passes)
-    kv_projections: KVProjections | None = None  # enables the batched K/V fill of skipped layers
+    kv_projections: KVProjections | None = None  # opts into the batched K/V fill of skipped layers
     tree_drafts: bool = True  # positions come from position_ids, so lossless tree drafts can share one (not alibi)
 
 
@@ -67,19 +65,20 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "mistral": _DECODER,
     "mixtral": _DECODER,
     "qwen2": _DECODER,
-    "qwen3": replace(_DECODER, kv_projections=KVProjections(k_norm="self_attn.k_norm")),
-    "gemma": replace(_DECODER, kv_projections=KVProjections(gemma_norm=True)),
-    # Gemma 2/3 have per-layer-type masks and rotary (and k-norms): their skipped layers fill K/V one at a time.
-    "gemma2": replace(_DECODER, softcap_attr="final_logit_softcapping", kv_projections=None),
-    "gemma3_text": replace(_DECODER, softcap_attr="final_logit_softcapping", kv_projections=None),
-    "phi3": replace(_DECODER, query_proj=None, kv_projections=None),  # fused qkv_proj
-    "phi": replace(_DECODER, norm="model.final_layernorm", kv_projections=None),  # LayerNorm, partial rotary
-    "gpt2": ArchSpec(backbone="transformer", layers="transformer.h", norm="transformer.ln_f", cache_arg=1),
+    "qwen3": _DECODER,
+    "gemma": _DECODER,
+    "gemma2": replace(_DECODER, softcap_attr="final_logit_softcapping"),  # per-layer-type rotary: filled per type
+    "gemma3_text": replace(_DECODER, softcap_attr="final_logit_softcapping"),
+    "phi3": replace(_DECODER, query_proj=None),  # fused qkv_proj: its K/V rows are stacked
+    "phi": replace(_DECODER, norm="model.final_layernorm"),  # LayerNorm, partial rotary
+    "gpt2": ArchSpec(backbone="transformer", layers="transformer.h", norm="transformer.ln_f", cache_arg=1,
+                     kv_projections=KVProjections()),
     "gpt_neox": ArchSpec(
         backbone="gpt_neox",
         layers="gpt_neox.layers",
         norm="gpt_neox.final_layer_norm",
         cache_arg="layer_past",
+        kv_projections=KVProjections(),
     ),
     "opt": ArchSpec(
         backbone="model.decoder",
@@ -87,6 +86,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         norm="model.decoder.final_layer_norm",
         post_norm="model.decoder.project_out",
         query_proj="self_attn.q_proj",
+        kv_projections=KVProjections(),
     ),
     "falcon": ArchSpec(
         backbone="transformer",
@@ -95,6 +95,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         cache_arg="layer_past",
         returns_tuple=True,
         tree_drafts=False,  # alibi biases follow the attention mask, not position_ids
+        kv_projections=KVProjections(),
     ),
 }
 
@@ -378,5 +379,6 @@ def probe_spec(model: nn.Module) -> ArchSpec:
                 lm_head=head_name,
                 cache_arg=cache_arg,
                 tree_drafts=False,  # a probed family may place positions in its mask (alibi): chain drafts only
+                kv_projections=KVProjections(),  # the batched K/V fill checks itself against the layers' own code
             )
     raise ValueError(_unsupported_message(model, "no decoder layer list, final norm and head found"))
