@@ -64,6 +64,7 @@ def test_a_candidate_below_the_top_is_accepted(family):
     assert torch.equal(out, ref)
     stats = model.last_stats
     assert stats.accepted == stats.drafted == 7 and stats.verify_passes == 8  # 7 cycles of 2 tokens, then 1
+    assert stats.tree_cycles == 7 == stats.later_children_accepted  # the third candidate, each time
 
 
 def test_a_tree_too_narrow_for_the_true_token_accepts_nothing():
@@ -150,11 +151,13 @@ def test_one_token_prompt():
     assert torch.equal(out, ref) and model.last_stats.draft_topk == 2
 
 
-def test_sampling_drafts_a_chain():
+def test_sampling_drafts_trees():
     model, _ = _wrap()
     torch.manual_seed(0)
     model.generate(prompt_ids(), do_sample=True, max_new_tokens=6, tide_config=_tree(1, 3))
-    assert model.last_stats.draft_topk == 1 and "chain" in model.last_stats.summary()
+    stats = model.last_stats
+    assert stats.draft_topk == 3 and "tree of 3" in stats.summary() and stats.decode_tokens == 6
+    assert stats.tree_cycles == stats.verify_passes - 1  # all but the last token's plain step (no room for a tree)
 
 
 @pytest.mark.parametrize("bad", [0, -1, MAX_DRAFT_TOPK + 1, 2.0, "3", True])
@@ -526,13 +529,140 @@ def test_merged_tree_compiled_runs_its_ngram_trees_eagerly(monkeypatch):
     assert torch.equal(out, ref) and model.last_stats.merged_cycles > 0
 
 
-def test_merged_tree_sampling_drafts_chains():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_sampled_trees_keep_the_cache_the_path_needs(cache, monkeypatch):
+    """Sampled trees (the oracle's: later children and n-gram branches accepted) leave the cache holding the K/V
+    the base model computes for the sampled sequence, on dynamic and static caches."""
+    from tide.decode.ngram import NgramLookup
+    from tide.decode.treedraft import TreeDrafter
+
+    model, base = _wrap()
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    oracle = _SampledOracle(base)
+    model.draft_logits = oracle.draft_logits
+    real = TreeDrafter.draft
+    monkeypatch.setattr(TreeDrafter, "draft", lambda drafter, seq: setattr(oracle, "ids", seq) or real(drafter, seq))
+    monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracle.continuation(lookup, length))
+    torch.manual_seed(0)
+    out = model.generate(ids, do_sample=True, top_k=3, temperature=2.0, max_new_tokens=14, min_new_tokens=14,
+                         return_dict_in_generate=True, cache_implementation=cache, tide_config=_merged(max_draft=3))
+    stats = model.last_stats
+    assert out.sequences.shape[1] == ids.shape[1] + 14 and stats.tree_cycles > 2 and stats.later_children_accepted > 0
+    ref = base(out.sequences[:, :-1], use_cache=True).past_key_values
+    length = out.sequences.shape[1] - 1
+    for layer in range(model.parts.num_layers):
+        mine, theirs = out.past_key_values.layers[layer], ref.layers[layer]
+        torch.testing.assert_close(mine.keys[..., :length, :], theirs.keys[..., :length, :], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values[..., :length, :], theirs.values[..., :length, :], atol=1e-5, rtol=1e-4)
+
+
+def test_merged_tree_sampling_drafts_trees():
     model, _ = _wrap()
     torch.manual_seed(0)
     repeats = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
     model.generate(repeats, do_sample=True, max_new_tokens=8, tide_config=_merged())
     stats = model.last_stats
-    assert stats.draft_topk == 1 and stats.merged_cycles == 0 and stats.decode_tokens == 8
+    assert stats.draft_topk == 3 and stats.merged_cycles > 0 and stats.decode_tokens == 8
+    assert stats.tree_cycles > 0 and stats.decode_tokens == stats.accepted + stats.verify_passes
+
+
+# ---------------------------------------------------------------- sampling: the multi-draft rule over a tree
+
+def test_among_certain_drafts_samples_the_distribution():
+    """The rule alone: accepted drafts and residual draws together come out as `probs` (a chi-square test), a
+    draft of probability 0 is never accepted, and the draft tried second is accepted about p(t2) of the time."""
+    from collections import Counter
+
+    from tide.decode.accept import among_certain_drafts
+
+    probs = torch.tensor([0.05, 0.3, 0.0, 0.25, 0.15, 0.25])
+    drafted, runs = [3, 2, 1], 6000
+    torch.manual_seed(0)
+    draws = [among_certain_drafts(probs, drafted) for _ in range(runs)]
+    counts = Counter(token for _, token in draws)
+    assert all(tried == -1 or drafted[tried] == token for tried, token in draws)
+    assert all(tried == -1 for tried, token in draws if token not in drafted) and counts[2] == 0
+    cells = [(counts[t], float(p) * runs) for t, p in enumerate(probs) if p > 0]
+    chi2, df = sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+    assert chi2 < df + 3.09 * (2 * df) ** 0.5 + 6, (chi2, counts)
+    assert among_certain_drafts(torch.tensor([0.0, 1.0]), [1]) == (0, 1)  # a certain draft: always accepted
+    assert among_certain_drafts(torch.tensor([0.0, 1.0]), [0]) == (-1, 1)  # an impossible one: never
+
+
+class _SampledOracle:
+    """A draft head and an n-gram lookup that know the base model. Among the base model's four likeliest tokens
+    at the sequence so far (t1 > t2 > t3 > t4) the head ranks t3 first, t2 second and t4 third: with top_k=3 it
+    never offers t1 and offers t4, which has probability 0. The lookup continues with the base model's greedy
+    tokens (t1 first): the deep branch, tried after the head's candidates. Installed as `model.draft_logits` and
+    over `NgramLookup.continuation`; `TreeDrafter.draft` tells it the sequence."""
+
+    def __init__(self, base):
+        self.base, self.ids = base, None
+
+    def _top(self, ids, k):
+        with torch.no_grad():
+            return self.base(ids).logits[0, -1].topk(k).indices.tolist()
+
+    def draft_logits(self, layer, hidden, context, vocab_size=0):
+        top = self._top(self.ids, 4)
+        logits = torch.zeros(hidden.shape[0], self.base.config.vocab_size)
+        logits[:, top[2]], logits[:, top[1]], logits[:, top[3]] = 3.0, 2.0, 1.0
+        return logits, hidden
+
+    def continuation(self, lookup, length):
+        ids = self.ids
+        for _ in range(length):
+            ids = torch.cat([ids, torch.tensor([self._top(ids, 1)])], 1)
+        return ids[0, self.ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("head", ["model", "oracle"])
+def test_tree_sampling_matches_the_closed_form_distribution(head, monkeypatch):
+    """Sampled tree drafts (three head candidates and an n-gram branch) draw from the base model's distribution:
+    a chi-square test against the exact joint distribution of three sampled tokens; the trees really ran (not
+    the chain fallback), with n-gram branches, and with the oracles candidates other than a node's first child
+    were accepted, the n-gram branch's among them. (The tiny model's own heads rarely offer a token of its top 3,
+    and it does not repeat the prompt: the head "model" checks the rule where nearly everything is rejected.)"""
+    from collections import Counter
+
+    from test_lossless import _exact_joint
+    from tide.decode.ngram import NgramLookup
+    from tide.decode.treedraft import TreeDrafter
+
+    model, base = _wrap()
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # "5 6" occurred before: the n-gram branch is "7 8"
+    if head == "oracle":
+        oracle = _SampledOracle(base)
+        model.draft_logits = oracle.draft_logits
+        real = TreeDrafter.draft
+        monkeypatch.setattr(TreeDrafter, "draft", lambda drafter, seq: setattr(oracle, "ids", seq) or real(drafter, seq))
+        monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracle.continuation(lookup, length))
+    steps, top_k, temperature, runs = 3, 3, 2.0, 600
+    exact = _exact_joint(base, ids, steps, top_k, temperature)
+    counts, totals = Counter(), Counter()
+    for seed in range(runs):
+        torch.manual_seed(seed)
+        out = model.generate(ids, do_sample=True, top_k=top_k, temperature=temperature, max_new_tokens=steps,
+                             tide_config={"mode": "lossless", "draft_layer": 1, "draft_topk": 3, "draft_ngram": 2,
+                                          "max_draft": 2})
+        counts[tuple(out[0, -steps:].tolist())] += 1
+        stats = model.last_stats
+        assert stats.draft_topk == 3 and stats.decode_tokens == steps == stats.accepted + stats.verify_passes
+        totals.update({name: getattr(stats, name) for name in ("tree_cycles", "merged_cycles", "accepted",
+                                                               "ngram_accepted", "later_children_accepted")})
+    assert set(counts) <= set(exact)
+    big = [k for k, p in exact.items() if p * runs >= 5]
+    cells = [(counts[k], exact[k] * runs) for k in big]
+    rest_obs, rest_exp = runs - sum(o for o, _ in cells), runs - sum(e for _, e in cells)
+    if rest_exp >= 5:
+        cells.append((rest_obs, rest_exp))
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    print(f"tree sampling ({head} head): chi2 = {chi2:.1f}, df = {df}, {dict(totals)}")
+    assert chi2 < df + 3.09 * (2 * df) ** 0.5 + 6, (chi2, df, counts.most_common(6))
+    assert totals["tree_cycles"] >= runs and totals["merged_cycles"] > runs / 2  # trees, with n-gram branches
+    if head == "oracle":  # t2 (the head's second candidate) and t1 (the n-gram branch, tried last) are accepted
+        assert totals["later_children_accepted"] > runs / 2 and totals["ngram_accepted"] > runs / 4
 
 
 def test_draft_tree_shares_prefixes_and_blocks_non_ancestors():
@@ -568,3 +698,32 @@ def test_keep_of_tail_moves_the_kept_positions_in_order(static):
     assert cache.layers[0].values[0, 0, :6, 0].tolist() == [0, -1, -2, -4, -6, -7]
     keep_of_tail(cache, 0, 3, [])
     assert layer_length(cache, 0) == 3
+
+
+def test_tree_sampling_stops_at_an_accepted_stopping_child(monkeypatch):
+    """A child that would stop generation, once accepted, is the cycle's last token: nothing follows it, and it
+    comes out as often as the base model samples it."""
+    from tide.decode.ngram import NgramLookup
+    from tide.decode.treedraft import TreeDrafter
+
+    model, base = _wrap()
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    oracle = _SampledOracle(base)
+    model.draft_logits = oracle.draft_logits
+    real = TreeDrafter.draft
+    monkeypatch.setattr(TreeDrafter, "draft", lambda drafter, seq: setattr(oracle, "ids", seq) or real(drafter, seq))
+    monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracle.continuation(lookup, length))
+    oracle.ids = ids
+    eos = oracle.continuation(None, 1)[0]  # the base model's likeliest first token: the n-gram branch's first node
+    with torch.no_grad():
+        p = float((base(ids).logits[0, -1] / 2.0).topk(3).values.softmax(-1)[0])
+    runs, first = 200, 0
+    for seed in range(runs):
+        torch.manual_seed(seed)
+        out = model.generate(ids, do_sample=True, top_k=3, temperature=2.0, max_new_tokens=4, eos_token_id=eos,
+                             pad_token_id=0, tide_config=_merged(max_draft=3))
+        new = out[0, ids.shape[1]:].tolist()
+        assert eos not in new[:-1] and (new[-1] == eos or len(new) == 4)
+        first += new[0] == eos
+        assert model.last_stats.tree_cycles > 0
+    assert abs(first - p * runs) < 4 * (p * (1 - p) * runs) ** 0.5 + 1, (first, p * runs)

@@ -70,11 +70,12 @@ class TideGenerationConfig:
             Lossless mode: the checkpoint whose draft head (or exit head) drafts tokens. If unset, the first checkpoint at or
             after a quarter of the stack.
         draft_topk (`int`, *optional*, defaults to 1):
-            Lossless mode, greedy decoding: 1 drafts a chain of up to `max_draft` tokens. k > 1 drafts the draft
-            head's k best tokens for the next position instead, verified together in one pass (a one-level
-            draft tree): one of them is accepted when the full model agrees with it. Sampling always drafts a
-            chain; models whose attention cannot take a tree mask (sliding windows, alibi) fall back to a
-            chain of one.
+            Lossless mode: 1 drafts a chain of up to `max_draft` tokens. k > 1 drafts one tree per cycle instead:
+            the draft head's k best tokens for the next position and, with `draft_ngram`, the n-gram continuation
+            (up to `max_draft` deep) as a branch, verified together in one pass with a tree mask. Greedy decoding
+            follows the full model's tokens down the tree; sampling accepts children by the multi-draft rule, so
+            the output keeps the base model's distribution. Models whose attention cannot take a tree mask
+            (sliding windows, alibi) draft chains instead.
         draft_vocab_size (`int`, *optional*, defaults to 0):
             Lossless mode: drafts rank only the `draft_vocab_size` tokens the full model predicted most often in
             calibration (the head's rows for them: n / V of the head's cost); 0 drafts over the whole

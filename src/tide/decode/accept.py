@@ -4,7 +4,8 @@ Greedy: the longest prefix of the draft that equals the full model's argmax, the
 Sampling: the speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023): drafted token i is kept with
 probability min(1, p_i / q_i), and at the first rejection the next token is drawn from the normalised residual
 max(p - q, 0); after a fully accepted draft it is drawn from p. The output is distributed exactly as the full
-model's own samples.
+model's own samples. Several drafts for one position (a tree's children), each certain of its token: the
+multi-draft rule (SpecInfer; EAGLE's recursive rejection sampling) for point masses, `among_certain_drafts`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from .records import Verdict
 
-__all__ = ["greedy_verdict", "sampling_verdict"]
+__all__ = ["among_certain_drafts", "certain_scores", "greedy_verdict", "sampling_verdict"]
 
 
 def greedy_verdict(drafted: torch.Tensor, scores: torch.Tensor) -> Verdict:
@@ -46,3 +47,34 @@ def sampling_verdict(drafted: torch.Tensor, draft_scores: torch.Tensor | None, s
         nxt = p[accepted]
     last = torch.multinomial(nxt, 1)  # [1]
     return Verdict(torch.cat([tokens[:accepted], last])[None], accepted)
+
+
+def certain_scores(drafted: torch.Tensor, width: int) -> torch.Tensor:
+    """[1, k, width] draft scores certain of each drafted token [1, k] (0 there, -inf elsewhere): what a draft
+    that was not sampled (an n-gram continuation, a head's top candidate) was drawn from. The rule above then
+    keeps drafted token i with probability p_i(token)."""
+    scores = torch.full((*drafted.shape, width), float("-inf"), device=drafted.device)
+    return scores.scatter_(-1, drafted[..., None], 0.0)
+
+
+def among_certain_drafts(probs: torch.Tensor, drafted: list[int]) -> tuple[int, int]:
+    """The next token where the full model's distribution is `probs` [V] and the drafts for this position are
+    the distinct tokens `drafted`, each a point mass, tried in order: (the index of the accepted draft, or -1;
+    the token). Draft j is accepted with probability r(t_j), r being `probs` with the mass of the drafts rejected
+    before it set to 0 and renormalised; after every draft is rejected the token is drawn from that residual.
+
+    Exact: P(t_1) = p(t_1), P(t_2) = (1 - p(t_1)) * p(t_2) / (1 - p(t_1)) = p(t_2), and so on; any other token
+    x: (1 - sum_j p(t_j)) * p(x) / (1 - sum_j p(t_j)) = p(x). (The speculative-sampling rule above, for one
+    point-mass draft: min(1, r(t) / 1) to accept, residual max(r - delta_t, 0) = r without t.)"""
+    if not drafted:
+        return -1, int(torch.multinomial(probs, 1))
+    index = torch.tensor(drafted, device=probs.device)
+    *mass, left = torch.cat([probs[index], probs.sum()[None]]).double().tolist()  # one device read
+    for j, (token, u) in enumerate(zip(drafted, torch.rand(len(drafted), dtype=torch.float64).tolist())):
+        if u * left < mass[j] or left - mass[j] <= 0:  # (the second: the rest of the mass rounded away)
+            return j, token
+        left -= mass[j]
+    residual = probs.index_fill(0, index, 0.0)
+    if not bool(residual.sum() > 0):  # (rounding: the drafts held all of the mass; the last one is the draw)
+        return len(drafted) - 1, drafted[-1]
+    return -1, int(torch.multinomial(residual, 1))

@@ -3,7 +3,8 @@
 Each cycle a drafter (`speculative.ChainDrafter`, or `treedraft.TreeDrafter` for tree drafts) proposes tokens
 after the sequence; the session's verification pass gives the full model's logits at every drafted position and
 the one after (a tree draft brings them along); logits processors run on each position as transformers applies
-them; `accept.py` decides; the cache drops what was rejected. Stopping criteria (EOS, `max_length`, stop
+them; `accept.py` decides (a sampled tree draft arrives decided: its walk drew the kept path and the token after
+it); the cache drops what was rejected. Stopping criteria (EOS, `max_length`, stop
 strings, the caller's), streamers (accepted tokens only) and `return_dict_in_generate` scores and logits are
 served here. Batch size 1. Nothing here knows the model's architecture or how drafts are made.
 """
@@ -42,7 +43,8 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
         raw = draft.verified if draft.verified is not None else session.verify(draft.ids, cache)
         raw = raw.to(torch.float32, copy=True)  # [1, k + 1, V]
         scores = _processed(logits_processor, draft.ids, raw)
-        verdict = _decide(draft, scores, sample)
+        # (a sampled tree walk decided already: its acceptance is random and depends on the path it took)
+        verdict = draft.decided if draft.decided is not None else _decide(draft, scores, sample)
         # Drafts end at a token that stops generation (EOS included) and within the length budget, so the verdict
         # fits; if the stopping draft is accepted, generation ends there: no bonus token.
         tokens = verdict.tokens

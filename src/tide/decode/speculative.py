@@ -10,9 +10,9 @@ loop's (`decode/lossless.py`). Batch size 1. No router or threshold is involved:
 costs time, never output. Drafts read the full model's final normed state at the position before the drafted
 token (the "context") when the draft layer has a draft head (`TideForCausalLM.draft_logits`); verification
 computes that state for every position it checks, and the accepted count picks the next draft's. With
-`draft_topk` > 1 (greedy), `treedraft.TreeDrafter` drafts one tree instead of a chain (the head's candidates
-and the n-gram continuation as a deeper branch) and hands the loop the accepted path with logits it has already
-verified.
+`draft_topk` > 1, `treedraft.TreeDrafter` drafts one tree instead of a chain (the head's candidates and the
+n-gram continuation as a deeper branch) and hands the loop the accepted path with logits it has already
+verified (under sampling, with the verdict its walk drew).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..layers.args import LayerArgs, grown_mask, new_positions
 from ..layers.calls import capture_outputs
 from ..layers.fewrows import few_row_linears
 from ..models.compat import crop_layer, grouped_query_attention_in_place, layer_length, unrecoverable_sliding_layers
+from .accept import certain_scores
 from .dispatch import base_forward
 from .ngram import NgramLookup
 from .processors import process
@@ -91,10 +92,10 @@ class LosslessSession:
         return 0 if self.pending_ids is None else self.pending_ids.shape[1]
 
     def drafter(self, generation_config, logits_processor, stopping_criteria, cache, mask):
-        """The drafter for this call: a chain, or a tree of `draft_topk` candidates (greedy)."""
+        """The drafter for this call: a chain, or a tree of `draft_topk` candidates (greedy or sampling)."""
         self.mask = mask
         chain = ChainDrafter(self, generation_config, logits_processor, stopping_criteria, cache)
-        if self.draft_topk > 1 and self.head_drafts and not generation_config.do_sample:
+        if self.draft_topk > 1 and self.head_drafts:
             self.stats.draft_topk = self.draft_topk
             return TreeDrafter(self, chain)
         return chain
@@ -252,9 +253,7 @@ class ChainDrafter:
         Sampling reads the drafts as drawn from a distribution that is certain of them."""
         session, stats = self.session, self.session.stats
         drafted = torch.tensor([continuation], dtype=input_ids.dtype, device=input_ids.device)
-        scores = torch.full((1, drafted.shape[1], session.model.num_head_rows), float("-inf"),
-                            device=input_ids.device)
-        scores.scatter_(-1, drafted[..., None].to(scores.device), 0.0)
+        scores = certain_scores(drafted, session.model.num_head_rows)
         count, stops = drafted.shape[1], False
         for i in range(drafted.shape[1]):
             if self.stops(torch.cat([input_ids, drafted[:, : i + 1]], 1), scores[:, i]):

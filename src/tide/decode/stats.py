@@ -33,6 +33,9 @@ class GenerationStats:
     ngram_drafted: int = 0  # of `drafted`: n-gram continuations (`draft_ngram`)
     ngram_accepted: int = 0  # of `accepted`: n-gram continuations
     merged_cycles: int = 0  # tree cycles whose tree held an n-gram branch besides the head's candidates
+    tree_cycles: int = 0  # verification passes over a tree (the others verified a chain: a fallback)
+    later_children_accepted: int = 0  # accepted tree nodes that were not their parent's first child (at x: the
+    #   head's top candidate): the head's lower candidates, an n-gram branch beside them
     # layer arguments: backbone captures Tide's passes ran (`layerargs.py`: one per window of positions where
     # windows hold, else one per pass), and why windows did not hold (None: they did, or were never asked)
     arg_captures: int = 0
@@ -97,7 +100,9 @@ class GenerationStats:
                 ("drafted / accepted", f"{self.drafted} / {self.accepted} ({self.acceptance_rate:.1%})"
                  + (f"; n-gram drafts {self.ngram_drafted} / {self.ngram_accepted}" if self.ngram_drafted else "")
                  + (f"; {self.merged_cycles} merged trees" if self.merged_cycles else "")),
-                ("verification passes", str(self.verify_passes)),
+                ("verification passes", str(self.verify_passes)
+                 + (f" ({self.tree_cycles} over trees; {self.later_children_accepted} accepted nodes not their "
+                    "parent's first child)" if self.tree_cycles else "")),
                 ("layer passes per token", f"{self.layer_passes_per_token:.2f} (the base model: {self.num_layers})"),
             ]
         else:

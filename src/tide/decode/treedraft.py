@@ -12,11 +12,21 @@ often among its top few (docs/benchmarks.md), and where the text repeats itself 
    ancestors and itself, not its siblings or cousins (a tree attention mask).
 3. The deep layers E+1..L-1 run over x and every node at once, with the same mask; the final head gives the
    full model's logits at x and at each node.
-4. The tree is walked greedily: from x, move to the child equal to the full model's token there (after the
-   logits processors), as long as one exists and that token would not stop generation. The cache keeps the
-   accepted path's K/V, moved right after x in order, and drops the other nodes'; the path goes to the decode
-   loop as an already verified draft (its logits are those of step 3, so the loop's acceptance test and bonus
-   token, from the last accepted node's logits, run unchanged).
+4. The tree is walked. Greedy: from x, move to the child equal to the full model's token there (after the
+   logits processors), as long as one exists and that token would not stop generation; the path goes to the
+   decode loop as an already verified draft (its logits are those of step 3, so the loop's acceptance test and
+   bonus token, from the last accepted node's logits, run unchanged). Sampling: every draft here is certain of
+   its token (the head's top candidates, an n-gram continuation), and the multi-draft rule for such drafts
+   (SpecInfer; EAGLE's recursive rejection sampling; `accept.among_certain_drafts`) decides: at a node with the
+   full model's distribution p (processed scores, softmax; the processors see that node's own prefix), its
+   children are tried in order, child c accepted with probability r(c), r being p with the rejected siblings'
+   mass set to 0 and renormalised; on acceptance the walk moves to c and goes on with c's p; when every child
+   is rejected the next token is drawn from r, and after an accepted leaf from the leaf's p. Each token comes
+   out with probability p: P(c1) = p(c1), P(c2) = (1 - p(c1)) * p(c2) / (1 - p(c1)) = p(c2), and so on, and
+   any other token's (1 - sum of p(children)) * p(x) / (1 - sum of p(children)) = p(x). An accepted child that
+   would stop generation ends the walk as its last token, as the greedy walk's stopping token does. The walk
+   hands the loop its verdict (`Draft.decided`): the path's tokens and the one drawn after them.
+   Either way the cache keeps the accepted path's K/V, moved right after x in order, and drops the other nodes'.
 
 The tree mask is the mask the backbone builds for the chunk [x, nodes] with the entries between non-ancestors
 blocked, and positions set to depths; the nodes' shallow calls are the same calls without x's row (one capture
@@ -24,7 +34,8 @@ per cycle). Where no 4-D mask tensor reaches the layers, or a cache layer is nei
 a full-attention static layer (sliding windows keep their own bookkeeping), or a static cache has no room for
 x and every node, the cycle drafts as before: the n-gram continuation as a chain where there is one, else a
 chain from the head. Families whose positions live in the mask rather than in `position_ids` (alibi) never get
-here (`ArchSpec.tree_drafts`). Greedy only: sampling drafts chains (one draft per position).
+here (`ArchSpec.tree_drafts`). Those chains are judged as chains: sampling a head chain from the head's
+distribution and an n-gram chain as certain of its tokens, by the speculative-sampling rule.
 """
 
 from __future__ import annotations
@@ -44,8 +55,9 @@ from ..models.compat import (
     layer_length,
     plain_dynamic_layers,
 )
+from .accept import among_certain_drafts, certain_scores
 from .processors import process
-from .records import Draft
+from .records import Draft, Verdict
 
 __all__ = ["DraftTree", "TreeDrafter", "keep_of_tail", "tree_mask_calls", "without_first_position"]
 
@@ -175,8 +187,8 @@ def keep_of_tail(cache, layer: int, tail: int, keep: list[int]) -> None:
 
 
 class TreeDrafter:
-    """Greedy lossless drafting of a trie per cycle: the head's `session.draft_topk` candidates and the n-gram
-    continuation (used by `LosslessSession`)."""
+    """Lossless drafting of a trie per cycle, greedy or sampled: the head's `session.draft_topk` candidates and
+    the n-gram continuation (used by `LosslessSession`)."""
 
     def __init__(self, session, chain):
         self.session, self.chain = session, chain  # chain: the session's chain drafter (prefill, masks, stopping)
@@ -236,16 +248,28 @@ class TreeDrafter:
                 self.usable, stats.draft_topk = False, 1  # this model's attention takes none: chains from here on
             self.tree, chain.drafted, chain.from_ngram = None, 1, False
             stats.drafted += 1
-            return Draft(torch.cat([input_ids, candidates[:, :1]], 1), 1)
+            top = candidates[:, :1]  # the head's top candidate: a draft certain of it (sampling)
+            scores = certain_scores(top, session.model.num_head_rows) if chain.do_sample else None
+            return Draft(torch.cat([input_ids, top], 1), 1, scores)
         self.tree, nodes = tree, len(tree) - 1
         stats.drafted += 1 + len(continuation)  # one head step (k candidates) and the n-gram tokens
         stats.ngram_drafted += len(continuation)
         stats.merged_cycles += bool(continuation)
-        self.path, out = self._walk(tree, logits, input_ids)
+        stats.tree_cycles += 1
+        if chain.do_sample:
+            self.path, out, last = self._sampled_walk(tree, logits, input_ids)
+        else:
+            self.path, out = self._walk(tree, logits, input_ids)
+        stats.later_children_accepted += sum(next(iter(tree.children[tree.parents[node]].values())) != node
+                                             for node in self.path[1:])
         for layer in range(session.parts.num_layers):
             keep_of_tail(cache, layer, nodes, [node - 1 for node in self.path[1:]])
         session.verified_contexts = session.verified_contexts[:, self.path]
-        return Draft(out, len(self.path) - 1, verified=logits[:, self.path])
+        count = len(self.path) - 1
+        decided = None
+        if chain.do_sample:  # the walk decided: the path's tokens, then the token drawn after them
+            decided = Verdict(torch.cat([out[:, out.shape[1] - count:], last.to(out.device)], 1), count)
+        return Draft(out, count, verified=logits[:, self.path], decided=decided)
 
     def _walk(self, tree: DraftTree, logits: torch.Tensor, input_ids: torch.LongTensor):
         """The accepted path (node indices, x first) and the sequence with its tokens: from x, the child equal to
@@ -261,6 +285,25 @@ class TreeDrafter:
             if child is None or self.chain.stops(torch.cat([ids, target], 1), logits[:, node]):
                 return path, ids
             path.append(child)
+            ids = torch.cat([ids, target], 1)
+
+    def _sampled_walk(self, tree: DraftTree, logits: torch.Tensor, input_ids: torch.LongTensor):
+        """The accepted path (node indices, x first), the sequence with its tokens, and the token [1, 1] drawn
+        after them, by the multi-draft rule for drafts certain of their tokens (`among_certain_drafts`): at each
+        node its children in order, each accepted with its probability under what the rejected ones leave of the
+        full model's processed distribution there; the walk ends where every child is rejected (the token drawn
+        from the rest), at a leaf (drawn from its distribution), or at an accepted child that would stop
+        generation (that child is the last token, as a stopping token is the greedy walk's last)."""
+        path, ids = [0], input_ids
+        while True:
+            node = path[-1]
+            scores = process(self.chain.logits_processor, ids, logits[:, node].to(torch.float32, copy=True))
+            children = tree.children[node]
+            tried, token = among_certain_drafts(scores.softmax(-1)[0], list(children))
+            target = torch.tensor([[token]], dtype=ids.dtype, device=ids.device)
+            if tried < 0 or self.chain.stops(torch.cat([ids, target], 1), logits[:, node]):
+                return path, ids, target
+            path.append(children[token])
             ids = torch.cat([ids, target], 1)
 
     def _verify(self, tree: DraftTree, cache, mask) -> torch.Tensor | None:
