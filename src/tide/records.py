@@ -124,9 +124,13 @@ class ExitTiming(Timing):
 
 @dataclass
 class NgramTiming(Timing):
-    """The chosen drafting scheme with n-gram drafts (`draft_ngram`) timed against the base model."""
+    """The chosen drafting scheme with n-gram drafts (`draft_ngram`) timed against the base model; a tree's
+    n-gram branches went up to `max_draft` deep (None: a chain, whose continuations are up to its own length)."""
 
     draft_ngram: int = 0
+    max_draft: int | None = None
+
+    OMIT_IF_NONE = ("timings", "max_draft")
 
 
 @dataclass
@@ -134,14 +138,14 @@ class DraftRecord(_Record):
     """A drafting scheme calibration estimated or timed (a trial, a cut one, or the chosen one)."""
 
     draft_layer: int | None  # None: n-gram drafts only
-    max_draft: int
-    draft_topk: int = 1
+    max_draft: int  # a chain's length; a tree's n-gram branches' depth (1: a tree of head candidates only)
+    draft_topk: int = 1  # > 1: one verification tree of this many head candidates
     estimate: float | None = None  # estimated speed-up (`costs.draft_candidates`)
     draft_vocab_size: int | None = None
     measured: float | None = None  # the timing (the lower one where timed twice)
     timings: list[float] | None = None
-    draft_ngram: int | None = None
-    head_drafts: bool | None = None
+    draft_ngram: int | None = None  # > 0: n-gram drafts (a chain's alternative; a tree's branches)
+    head_drafts: bool | None = None  # False: n-gram drafts only
 
     OMIT_IF_NONE = ("estimate", "draft_vocab_size", "measured", "timings", "draft_ngram", "head_drafts")
 

@@ -2,7 +2,8 @@
 
 `layer_cost_of_cascade` prices exit mode's cascade; `prune_checkpoints` turns that and calibration's held-out
 cascade into the set of checkpoints worth consulting; `draft_candidates` ranks lossless mode's drafting schemes
-(draft layer, chain length or tree width, draft vocabulary) by their estimated speed-up, walking held-out text
+(draft layer, chain length or tree width, draft vocabulary, with or without n-gram branches in the tree) by their
+estimated speed-up, walking held-out text
 with generation's own chain rule (`chain_cycles`). The costs come from `measure.measure_costs` (`StepCosts`);
 calibration then times the best estimates (`trials.py`). Nothing here times, trains or saves anything.
 """
@@ -17,7 +18,7 @@ import torch
 from ..config import MAX_DRAFT_TOPK
 from ..decode.speculative import next_cap
 
-__all__ = ["DraftScheme", "draft_candidates", "layer_cost_of_cascade", "prune_checkpoints", "chain_cycles", "chain_cost"]
+__all__ = ["DraftScheme", "MERGED_TOPK", "draft_candidates", "layer_cost_of_cascade", "prune_checkpoints", "chain_cycles", "chain_cost"]
 
 
 def layer_cost_of_cascade(rows, total: int, num_layers: int, costs: "StepCosts") -> float:
@@ -66,15 +67,22 @@ def prune_checkpoints(select, layers: list[int], total: int, num_layers: int, co
 
 class DraftScheme(NamedTuple):
     draft_layer: int
-    max_draft: int  # chain drafts: most per verification
-    draft_topk: int  # > 1: one-level tree drafts of this many candidates (max_draft is then 1)
+    max_draft: int  # chain drafts: most per verification; a tree with n-gram branches: their deepest (else 1)
+    draft_topk: int  # > 1: one verification tree of this many head candidates for the next position
     estimate: float  # estimated speed-up over the base model
     draft_vocab_size: int = 0  # > 0: drafts rank only that many most-predicted tokens (draftvocab.py)
+    draft_ngram: int = 0  # > 0 (trees): the n-gram continuation, where there is one, is a branch of the tree
+
+
+# Trees with n-gram branches are candidates up to this many head candidates: the branch makes the verification
+# wider still, and on CPU a wide pass can cost a jump (trials.timed_schemes).
+MERGED_TOPK = 4
 
 
 def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: "StepCosts", max_draft: int = 8,
                      max_topk: int = MAX_DRAFT_TOPK, chain_ranks: dict[int, torch.Tensor] | None = None,
-                     restricted: dict[int, tuple[dict, dict]] | None = None, head_rows: int = 0) -> list[DraftScheme]:
+                     restricted: dict[int, tuple[dict, dict]] | None = None, head_rows: int = 0,
+                     ngram: int = 0, ngram_depth: int = 0) -> list[DraftScheme]:
     """Lossless mode's drafting schemes with their estimated speed-up, best first, from held-out exit heads.
 
     ranks: {layer: [N]} in text order, where the full model's next token ranks among the draft's logits
@@ -93,6 +101,11 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: "St
 
     restricted: {n: (ranks, chain_ranks)} for drafts that rank only the n most-predicted tokens (a token outside
     them ranks last), whose head costs n / `head_rows` of the whole head.
+
+    ngram, ngram_depth (> 0): each tree of up to `MERGED_TOPK` candidates is also a candidate with n-gram branches
+    (`draft_ngram=ngram`, continuations up to `ngram_depth` tokens deep), listed right after the same tree without
+    them and estimated as it is: an n-gram branch is a free draft (no head, no per-token shallow step) whose
+    benefit depends on how much the text repeats itself, which held-out ranks do not say; the timing decides.
     """
     step = num_layers + costs.head + costs.capture  # a base step
     passes = num_layers + costs.head + costs.pass_capture
@@ -105,9 +118,13 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: "St
     out = []
     for vocab, layer_ranks, layer_chain_ranks in variants:
         head = costs.head * (vocab / head_rows if vocab else 1.0)
-        out += _schemes(layer_ranks, layer_chain_ranks, head + costs.pass_capture, verify, step + costs.step_extra,
-                        max_draft, max_topk, vocab, tree_extra=2 * (costs.capture - costs.pass_capture))
-    return sorted(out, key=lambda c: -c.estimate)
+        schemes = _schemes(layer_ranks, layer_chain_ranks, head + costs.pass_capture, verify, step + costs.step_extra,
+                           max_draft, max_topk, vocab, tree_extra=2 * (costs.capture - costs.pass_capture))
+        for scheme in schemes:
+            out.append(scheme)
+            if ngram and ngram_depth and 1 < scheme.draft_topk <= MERGED_TOPK:
+                out.append(scheme._replace(max_draft=ngram_depth, draft_ngram=ngram))
+    return sorted(out, key=lambda c: -c.estimate)  # stable: a tree with n-gram branches after the same without
 
 
 def _schemes(ranks, chain_ranks, draft_overhead: float, verify, base: float, max_draft: int, max_topk: int,

@@ -50,6 +50,8 @@ from .thresholds import (
 )
 from .trials import (
     KEEP_SPEEDUP,
+    NGRAM,
+    NGRAM_DEPTH,
     choose_draft,
     lossless_config,
     time_compiled,
@@ -242,18 +244,22 @@ class _Run:
         tide, held, opts, costs = self.tide, self.held, self.opts, self.costs
         if costs is None or not opts.draft_trials:
             return
-        candidates = timed_schemes(draft_candidates(held.ranks(), self.num_layers, costs,
-                                                    self.cfg.generation_config.max_draft or 8,
+        max_draft = self.cfg.generation_config.max_draft or 8
+        depth = min(max_draft, NGRAM_DEPTH)  # trees' n-gram branches, at most this deep
+        candidates = timed_schemes(draft_candidates(held.ranks(), self.num_layers, costs, max_draft,
                                                     chain_ranks=held.chain_ranks(), restricted=held.restricted(),
-                                                    head_rows=tide.num_head_rows), opts.draft_trials)
+                                                    head_rows=tide.num_head_rows, ngram=NGRAM, ngram_depth=depth),
+                                   opts.draft_trials)
         tide.draft_vocabulary = self.ranked  # for the trials; cut to the chosen scheme's below
-        limit = {"spent": self.budget.spent} if self.budget.seconds is not None else {}  # the trials cut when it is spent
+        options = {"spent": self.budget.spent} if self.budget.seconds is not None else {}  # the trials cut when it is spent
+        if depth != NGRAM_DEPTH:  # a configured max_draft below it
+            options["ngram_depth"] = depth
         with self.phases("timing trials"):
             procs = self.procs
             if procs.world > 1 and procs.own_devices(tide.base.device):  # each times a share on its own device
-                selection = choose_draft(tide, self.tokenizer, self.all_held, candidates, procs=procs, **limit)
+                selection = choose_draft(tide, self.tokenizer, self.all_held, candidates, procs=procs, **options)
             else:  # processes that share a device would time each other's load: the main process times alone
-                selection = procs.on_main(lambda: choose_draft(tide, self.tokenizer, self.all_held, candidates, **limit))
+                selection = procs.on_main(lambda: choose_draft(tide, self.tokenizer, self.all_held, candidates, **options))
         self.draft_selection = DraftSelection.from_dict(selection)
         chosen = self.draft_selection.chosen
         exit_timing = as_record(self.point.exit_timing, ExitTiming)

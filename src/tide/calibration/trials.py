@@ -23,7 +23,7 @@ from .measure import seconds_of, timing_kwargs
 
 __all__ = ["measured_speedup", "COMPILED_BASE", "KEEP_SPEEDUP", "BATCH_TIMING_ROWS", "timing_prompts", "timing_batch",
            "timed", "kept", "time_exit", "time_compiled", "time_ngram", "timed_schemes", "choose_draft", "lossless_config",
-           "NGRAM"]
+           "NGRAM", "NGRAM_DEPTH", "NGRAM_ONLY"]
 
 
 # `tide_config` that runs the base model's compiled static-cache decode (`decode.baseline.BaseSession`).
@@ -121,39 +121,71 @@ def time_exit(tide, prompts, batch, thresholds) -> dict:
 
 
 def timed_schemes(candidates: list, count: int) -> list:
-    """The `count` drafting schemes calibration times, of different shapes (draft layer, chain length, tree
-    width), each with its best-estimated draft vocabulary: the best-estimated scheme, then each time the
-    best-estimated one that verifies at most half as many positions per cycle as the last one taken (else the
-    next best-estimated shape).
+    """The `count` drafting schemes calibration times, of different shapes (draft layer, chain length or tree
+    width, and whether the tree has n-gram branches), each with its best-estimated draft vocabulary.
+
+    Two sources take turns: the head's own schemes (chains and trees) and trees with n-gram branches
+    (`draft_ngram > 0`, where `candidates` hold them); the head's first, then the other source's, and so on. A
+    source with nothing left gives its turn to the other. Within a source: its best-estimated scheme, then each
+    time its best-estimated one that verifies at most half as many positions per cycle as its last one taken
+    (else its next best-estimated shape).
 
     The estimate is least sure of what a wide verification costs: on CPU a pass over 4 or more rows can cost a
     jump, and a cycle's own work is one measured average. On a hidden-256 Qwen3 it ranked trees of 8, 7 and 6
     first (timed x0.995-1.018) where a tree of 3 timed x1.056, and on the shipped model trees of 8, 7 and 6
-    too. Trials spread over verification widths let the timing choose between them."""
-    seen, out, width = set(), [], None
+    too. Trials spread over verification widths let the timing choose between them. It knows nothing of n-gram
+    branches (they pay where the text repeats itself, and cost a lookup elsewhere): a tree with them is estimated as
+    the tree without them, and the turns make sure one is timed."""
+    pools = [[s for s in candidates if not _ngram(s)], [s for s in candidates if _ngram(s)]]
+    seen, out, widths, turn = set(), [], [None, None], 0
     while len(out) < count:
-        pool = [s for s in candidates if (s.draft_layer, s.max_draft, s.draft_topk) not in seen]
-        if not pool:
+        pools = [[s for s in pool if _shape(s) not in seen] for pool in pools]
+        if not any(pools):
             break
+        if not pools[turn]:
+            turn = 1 - turn
+        pool, width = pools[turn], widths[turn]
         narrower = [s for s in pool if width is not None and _verified_positions(s) <= width // 2]
-        pick = (narrower or pool)[0] if width is not None else pool[0]
-        seen.add((pick.draft_layer, pick.max_draft, pick.draft_topk))
+        pick = (narrower or pool)[0]
+        seen.add(_shape(pick))
         out.append(pick)
-        width = _verified_positions(pick)
+        widths[turn], turn = _verified_positions(pick), 1 - turn
     return out
 
 
+def _ngram(scheme) -> int:
+    return getattr(scheme, "draft_ngram", 0) or 0
+
+
+def _shape(scheme) -> tuple:
+    return scheme.draft_layer, scheme.max_draft, scheme.draft_topk, _ngram(scheme)
+
+
 def _verified_positions(scheme) -> int:
-    """Positions one verification covers at most: the drafted-from token and a tree's candidates or a chain's
-    drafts."""
-    return 1 + (scheme.draft_topk if scheme.draft_topk > 1 else scheme.max_draft)
+    """Positions one verification covers at most: the drafted-from token and a tree's candidates (and its
+    n-gram branch, `max_draft` deep at most) or a chain's drafts."""
+    if scheme.draft_topk > 1:
+        return 1 + scheme.draft_topk + (scheme.max_draft if _ngram(scheme) else 0)
+    return 1 + scheme.max_draft
 
 
-def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None) -> dict:
+def _scheme_dict(scheme) -> dict:
+    """A `DraftScheme` as a trial's record: `draft_ngram` only where the scheme has n-gram branches."""
+    out = scheme._asdict()
+    if not out.get("draft_ngram"):
+        out.pop("draft_ngram", None)
+    return out
+
+
+def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None, ngram_depth: int | None = None) -> dict:
     """Time the best-estimated drafting schemes against the base model here, once each; then the fastest again
     (`kept`), and the next fastest while one is not kept. The chosen scheme is the first kept, or none (lossless
-    mode then decodes plainly). `spent` (calibration's `timing_budget_s`): once it returns True no timing starts;
-    the schemes not timed are listed in "cut" (a scheme timed once but not again is not kept).
+    mode then decodes plainly). A kept scheme without n-gram drafts is then timed with them (`time_ngram`; a tree's
+    n-gram branches go `ngram_depth` deep, default `NGRAM_DEPTH`); a kept tree with n-gram branches was timed with
+    them already. Where no scheme is kept, n-gram drafts alone are timed (`NGRAM_ONLY`); where they do not pay
+    either, nothing is chosen and lossless mode runs the base model. `spent` (calibration's `timing_budget_s`):
+    once it returns True no timing starts; the schemes not timed are listed in "cut" (a scheme timed once but not
+    again is not kept).
 
     `procs` (processes that each have a device of their own): the schemes are dealt out, each process timing its
     share against the base model on its own device, in rounds of one scheme per process; every process returns the
@@ -165,7 +197,7 @@ def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None) -> 
     for start in range(0, len(candidates), procs.world):
         round_ = candidates[start: start + procs.world]
         if spent is not None and spent():
-            cut += [scheme._asdict() for scheme in candidates[start:]]
+            cut += [_scheme_dict(scheme) for scheme in candidates[start:]]
             break
         ratios = procs.deal(round_, lambda scheme: _timed_or_unavailable(tide, prompts, scheme))
         for rank in range(len(round_)):
@@ -173,7 +205,7 @@ def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None) -> 
         for scheme, ratio in zip(round_, ratios):
             if isinstance(ratio, str):  # e.g. sliding-window caches that cannot roll back
                 return {"trials": trials, "chosen": None, "unavailable": ratio}
-            trials.append({**scheme._asdict(), "measured": ratio})
+            trials.append({**_scheme_dict(scheme), "measured": ratio})
     ranked = [t for t in sorted(trials, key=lambda t: -t["measured"]) if t["measured"] >= KEEP_SPEEDUP]
     for start in range(0, len(ranked), procs.world):  # the fastest first; the next ones if it is not kept
         if spent is not None and spent():
@@ -187,10 +219,16 @@ def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None) -> 
         chosen = next(({**trial, "measured": timing["measured"]} for trial, timing in zip(round_, timings)
                        if timing["active"]), None)
         if chosen is not None:
-            ngram = procs.on_main(lambda: time_ngram(tide, prompts, chosen)) if spent is None or not spent() else None
+            selection = {"trials": trials, "chosen": chosen, **({"cut": cut} if cut else {}), **_shares(timed_by)}
+            if chosen.get("draft_ngram"):  # a tree with n-gram branches: timed with them
+                return selection
+            twin = _ngram_twin(trials, chosen, ngram_depth)  # the same tree with n-gram branches, timed above
+            ngram = procs.on_main(lambda: time_ngram(tide, prompts, chosen, ngram_depth, first=twin)) \
+                if spent is None or not spent() else None
             chosen["draft_ngram"] = NGRAM if ngram and ngram["active"] else 0
-            return {"trials": trials, "chosen": chosen, "ngram": ngram, **({"cut": cut} if cut else {}),
-                    **({"ngram_cut": True} if ngram is None else {}), **_shares(timed_by)}
+            if ngram and ngram["active"]:
+                chosen["max_draft"] = ngram.get("max_draft", chosen["max_draft"])  # a tree's branches' depth
+            return {**selection, "ngram": ngram, **({"ngram_cut": True} if ngram is None else {})}
     selection = {"trials": trials, "chosen": None, **({"cut": cut} if cut else {}), **_shares(timed_by)}
     if trials and (spent is None or not spent()):  # no head scheme pays: n-gram drafts alone, plain steps elsewhere
         timing = procs.on_main(lambda: kept(tide, prompts, NGRAM_ONLY))
@@ -200,6 +238,16 @@ def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None) -> 
                                    "draft_vocab_size": 0, "draft_ngram": NGRAM, "head_drafts": False,
                                    "measured": timing["measured"], "timings": timing["timings"]}
     return selection
+
+
+def _ngram_twin(trials: list[dict], chosen: dict, depth: int | None) -> float | None:
+    """The first timing of the chosen tree with n-gram branches, where it was among the trials (None: not timed,
+    or the chosen scheme is a chain)."""
+    if chosen.get("draft_topk", 1) <= 1:
+        return None
+    key = ("draft_layer", "draft_topk", "draft_vocab_size")
+    return next((t["measured"] for t in trials if t.get("draft_ngram") == NGRAM and t["max_draft"] == (depth or NGRAM_DEPTH)
+                 and all(t.get(k) == chosen.get(k) for k in key)), None)
 
 
 def _shares(timed_by: list[int]) -> dict:
@@ -223,17 +271,25 @@ def _agreed(procs, spent):
 
 # n-gram drafts: the longest n-gram matched (`draft_ngram`), where calibration keeps them.
 NGRAM = 3
+# The deepest n-gram branch of a tree calibration times (its `max_draft`; at most the configured `max_draft`).
+NGRAM_DEPTH = 4
 # Where no head scheme pays: n-gram continuations of up to 4 tokens, and plain steps through Tide's loop elsewhere.
-NGRAM_ONLY = {"mode": "lossless", "max_draft": 4, "draft_ngram": NGRAM, "head_drafts": False}
+NGRAM_ONLY = {"mode": "lossless", "max_draft": NGRAM_DEPTH, "draft_ngram": NGRAM, "head_drafts": False}
 
 
-def time_ngram(tide, prompts, chosen: dict) -> dict:
+def time_ngram(tide, prompts, chosen: dict, depth: int | None = None, first: float | None = None) -> dict:
     """Time the chosen scheme with n-gram drafts (`draft_ngram=NGRAM`) against the base model. They are kept
     unless they time slower than the scheme alone by more than the timing's noise (`KEEP_SPEEDUP`): a lookup per
     cycle costs microseconds, so on text that does not repeat they time as the scheme does, and on text that
-    repeats (code, lists, quoted passages) they draft for free."""
+    repeats (code, lists, quoted passages) they draft for free. A chain's continuations are up to its length; a
+    tree's are a branch of the tree up to `depth` tokens deep (default `NGRAM_DEPTH`; its `max_draft`, recorded
+    here as "max_draft"). `first`: a timing of that configuration already made (`kept`)."""
     config = {**lossless_config(chosen), "draft_ngram": NGRAM}
-    return {"draft_ngram": NGRAM, **kept(tide, prompts, config, bar=chosen["measured"] / KEEP_SPEEDUP)}
+    tree = chosen.get("draft_topk", 1) > 1
+    if tree:
+        config["max_draft"] = depth or NGRAM_DEPTH
+    timing = kept(tide, prompts, config, first=first, bar=chosen["measured"] / KEEP_SPEEDUP)
+    return {"draft_ngram": NGRAM, **({"max_draft": config["max_draft"]} if tree else {}), **timing}
 
 
 def lossless_config(scheme: dict) -> dict:

@@ -27,18 +27,26 @@ def _plain(value) -> dict:
 
 # ---------------------------------------------------------------------- phrases
 def draft_scheme_text(scheme) -> str:
-    """'drafts from layer E, up to N per verification' or 'tree drafts from layer E, k candidates' for a drafting
-    scheme: a `DraftRecord`, generation options, or a dict with draft_layer, max_draft and (optionally) draft_topk."""
+    """A drafting scheme's shape in words: a `DraftRecord`, generation options, or a dict with draft_layer,
+    max_draft and (optionally) draft_topk, draft_vocab_size, draft_ngram and head_drafts.
+
+    'chain of 4 from layer 0', 'chain of 4 from layer 0 with n-gram drafts', 'tree of 3 head candidates from
+    layer 2', 'tree of 3 head candidates + n-gram branches up to 4 deep, from layer 2' (drafts restricted to a
+    draft vocabulary add 'over the 64 most predicted tokens'), or 'n-gram drafts only, ...'."""
     scheme = _plain(scheme)
-    vocab = f", over the {scheme['draft_vocab_size']} most predicted tokens" if scheme.get("draft_vocab_size") else ""
-    if scheme.get("draft_ngram"):
-        vocab += f"; n-gram drafts where the last {scheme['draft_ngram']} tokens (down to 2) occurred before"
+    ngram, layer = scheme.get("draft_ngram"), scheme.get("draft_layer")
     if scheme.get("head_drafts") is False:
         return f"n-gram drafts only, up to {scheme['max_draft']} per verification, where the last " \
-               f"{scheme['draft_ngram']} tokens (down to 2) occurred before; plain steps elsewhere"
-    if scheme.get("draft_topk", 1) > 1:
-        return f"tree drafts from layer {scheme['draft_layer']}, {scheme['draft_topk']} candidates per verification{vocab}"
-    return f"drafts from layer {scheme['draft_layer']}, up to {scheme['max_draft']} per verification{vocab}"
+               f"{ngram} tokens (down to 2) occurred before; plain steps elsewhere"
+    source = "from the default draft layer" if layer is None else f"from layer {layer}"
+    vocab = f"over the {scheme['draft_vocab_size']} most predicted tokens" if scheme.get("draft_vocab_size") else ""
+    topk = scheme.get("draft_topk") or 1
+    if topk > 1 and ngram:
+        head = f"tree of {topk} head candidates" + (f" {vocab}" if vocab else "")
+        return f"{head} + n-gram branches up to {scheme['max_draft']} deep, {source}"
+    text = f"tree of {topk} head candidates {source}" if topk > 1 else f"chain of {scheme['max_draft']} {source}"
+    text += f", {vocab}" if vocab else ""
+    return text + ((", with" if vocab else " with") + " n-gram drafts" if ngram else "")
 
 
 def timings_text(entry) -> str:
@@ -167,7 +175,8 @@ def calibration_table(config: TideConfig) -> str:
             lines.append(f"no head scheme pays; n-gram drafts alone (plain steps elsewhere): "
                          f"{timings_text(draft.ngram_only)}, " + ("kept" if draft.ngram_only.active else "not kept"))
         if draft.ngram:
-            lines.append(f"the chosen scheme with n-gram drafts (draft_ngram={draft.ngram.draft_ngram}): "
+            drafts = (f"n-gram branches up to {draft.ngram.max_draft} deep" if draft.ngram.max_draft else "n-gram drafts")
+            lines.append(f"the chosen scheme with {drafts} (draft_ngram={draft.ngram.draft_ngram}): "
                          f"{timings_text(draft.ngram)}, "
                          + ("kept" if draft.ngram.active else "slower than the scheme alone, not kept"))
         generation = config.generation_config
@@ -262,6 +271,9 @@ def _calibration_lines(config: TideConfig, cal: CalibrationRecord) -> list[str]:
     generation = config.generation_config
     if generation.draft_layer is not None or (generation.max_draft and not generation.head_drafts):
         lines.append(f"Lossless mode: {draft_scheme_text(generation)}.")
+    elif cal.draft_selection and cal.draft_selection.trials and not generation.max_draft:
+        lines.append("Lossless mode: no drafting scheme timed faster than the base model at calibration; it runs the "
+                     "base model.")
     if generation.mode == "auto":
         lines.append(f"Default mode: `auto` (lossless, timed faster than exit mode at calibration; {batches_text(config)}).")
     if cal.phase_seconds:

@@ -153,6 +153,9 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
         for trial in draft.get("trials", []):
             progress(f"calibration timed lossless {draft_scheme_text(trial)}: estimated x{trial['estimate']:.3f}, "
                      f"{timings_text(trial)}")
+        kept_scheme = model.config.generation_config
+        progress(f"calibration kept lossless {draft_scheme_text(kept_scheme)}" if kept_scheme.max_draft else
+                 "calibration kept no drafting scheme: lossless mode runs the base model")
     progress(f"oracle bound with checkpoints {model.checkpoints}: x{oracle['exits']:.3f} through the "
              f"{model.config.exit_head} exit heads, x{oracle['lens']:.3f} through the logit lens "
              f"(x{oracle['lens_every_layer']:.3f} lens with every layer)")
@@ -203,7 +206,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
             ran = extra[name].get("draft_topk", scheme.draft_topk)  # 1 where the tree fell back to a chain
             row["draft"] = ({"draft_layer": scheme.resolve_draft_layer(model.checkpoints, model.parts.num_layers),
                              "max_draft": scheme.max_draft, "draft_topk": ran,
-                             "draft_vocab_size": scheme.draft_vocab_size}
+                             "draft_vocab_size": scheme.draft_vocab_size, "draft_ngram": scheme.draft_ngram,
+                             "head_drafts": scheme.head_drafts}
                             if scheme.max_draft else None)  # None: base generate
         if name != COMPILED_BASE and (cfg is None or cfg.get("mode") != "lossless"):
             with torch.inference_mode():
