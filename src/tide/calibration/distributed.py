@@ -131,6 +131,28 @@ class Processes:
         dist.all_gather_object(parts, mine)
         return all(not (parts[i] & parts[j]) for i in range(self.world) for j in range(i + 1, self.world))
 
+    def gather_to(self, tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
+        """Every process's `tensor` (any length along dim 0), concatenated in rank order, on process `dst` (None on
+        the others)."""
+        if self.world == 1:
+            return tensor
+        parts = [None] * self.world if self.rank == dst else None
+        dist.gather_object(tensor.cpu(), parts, dst=dst)
+        return torch.cat(parts).to(tensor.device) if self.rank == dst else None
+
+    def broadcast_tensors(self, tensors, src: int) -> None:
+        """Process `src`'s values of `tensors` (the same shapes on every process) copied into every process's."""
+        if self.world == 1:
+            return
+        tensors = list(tensors)
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]).to(self._device())
+        dist.broadcast(flat, src=src)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t).to(t.dtype))
+                offset += t.numel()
+
     def broadcast(self, obj):
         """The main process's `obj`, on every process."""
         if self.world == 1:

@@ -627,19 +627,30 @@ class _Trainer:
         return [p for head in [*self.translators.values(), *self.drafts.values()] for p in head.parameters()]
 
     def finish(self) -> None:
-        """Copy the trained exit and draft heads into the model, then train the routers on labels through the exits."""
+        """Copy the trained exit and draft heads into the model, then train the routers on labels through the exits.
+
+        Each router is trained by one process (checkpoints dealt out in turn) on every process's buffered tokens,
+        with no collective per step, and then sent to the others: a router's minibatch steps cost their fixed work,
+        not their rows, so splitting rows across processes would not shorten them (with an all-reduce a step, two
+        processes took three times as long as one), while splitting the routers divides the phase."""
         with torch.no_grad():
             for heads, name in ((self.translators, "translator"), (self.drafts, "draft")):
                 for k, trained in heads.items():
                     target = getattr(self.tide.routers[k], name)
                     for dst, src in zip(target.parameters(), trained.parameters()):
                         dst.copy_(src.to(dst.dtype))
-        for k in self.layers:
-            self._train_router(k)
+        for i, k in enumerate(self.layers):
+            owner = i % self.procs.world
+            normed, labels = (self.procs.gather_to(x, owner) for x in self._router_data(k))
+            if self.procs.rank == owner:
+                self._train_router(k, normed, labels)
+        for i, k in enumerate(self.layers):
+            router = self.tide.routers[k]
+            self.procs.broadcast_tensors([*router.down.parameters(), *router.up.parameters()], src=i % self.procs.world)
 
-    def _train_router(self, k: int) -> None:
-        tide, n = self.tide, self.filled
-        router = tide.routers[k]
+    def _router_data(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final-norm view of this process's buffered exit states at `k` and their labels through the exit (fp32)."""
+        tide, n, router = self.tide, self.filled, self.tide.routers[k]
         with torch.no_grad():
             states, final, top1 = self.states[k][:n].to(router.down.weight.dtype), self.final[:n], self.top1[:n]
             normed, labels = [], []
@@ -648,19 +659,21 @@ class _Trainer:
                 normed.append(self.parts.final_norm(router.exit_state(states[chunk])).float())
                 exit_logits = tide.exit_logits(k, states[chunk])
                 labels.append(_labels(exit_logits, states[chunk], final[chunk], top1[chunk], tide.config)[1].float())
-            normed, labels = torch.cat(normed), torch.cat(labels)
+        return torch.cat(normed), torch.cat(labels)
+
+    def _train_router(self, k: int, normed: torch.Tensor, labels: torch.Tensor) -> None:
+        """Router `k`'s Adam steps on (normed, labels): `passes` sweeps in minibatches."""
+        router = self.tide.routers[k]
         trained = copy.deepcopy(router).float()
         trained.translator = trained.draft = None
         optim = torch.optim.Adam(trained.parameters(), lr=self.opts.lr)
-        total = int(self.procs.sum([n])[0])  # every process's buffer: the steps one process would take on them all
-        steps = self.procs.max_int(self.opts.passes * math.ceil(total / self.opts.minibatch))
+        n = normed.shape[0]
         with torch.enable_grad():
-            for _ in range(steps):
-                pick = self._pick()
+            for _ in range(self.opts.passes * math.ceil(n / self.opts.minibatch)):
+                pick = torch.randint(n, (min(self.opts.minibatch, n),), generator=self.generator).to(normed.device)
                 loss = F.binary_cross_entropy_with_logits(trained(normed[pick]), labels[pick])
                 optim.zero_grad(set_to_none=True)
                 loss.backward()
-                self.procs.mean_grads(trained.parameters())
                 optim.step()
         with torch.no_grad():
             for name in ("down", "up"):
