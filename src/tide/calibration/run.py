@@ -70,7 +70,7 @@ class CalibrationOptions:
     max_length: int = 256
     batch_size: int = 8
     heldout_fraction: float = 0.2
-    buffer_size: int | None = None  # training tokens kept for minibatches (None: up to 32768 within ~1 GiB)
+    buffer_size: int | None = None  # training tokens kept for minibatches, over all processes (None: up to 32768 within ~1 GiB)
     minibatch: int = 256
     head_steps: int = 200  # Adam steps of the exit and draft heads, spread over the training stream
     head_lr: float = 1e-3
@@ -552,6 +552,7 @@ class _Trainer:
         self.layers = list(tide.checkpoints)
         hidden = tide.config.base_hidden_size or self.parts.norm.weight.shape[-1]
         size = opts.buffer_size or max(opts.minibatch, min(32768, (1 << 30) // (4 * hidden * (len(self.layers) + 2))))
+        size = math.ceil(size / self.procs.world)  # together, the processes' buffers hold what one process's would
         device = tide.base.device
         self.states = {k: torch.empty(size, hidden, device=device) for k in self.layers}
         self.final = torch.empty(size, hidden, device=device)
