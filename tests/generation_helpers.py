@@ -1,4 +1,4 @@
-"""Logits processors and stopping criteria shared by the generation tests."""
+"""Logits processors, stopping criteria and the sampling test's statistic, shared by the generation tests."""
 
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
@@ -42,3 +42,18 @@ def exits_by_sign(layer_dims: dict):
             return exits.float(), exits, hidden
         return test
     return lambda thresholds: {k: make(k) for k in thresholds if k in layer_dims}
+
+
+def chi_square(counts, exact: dict, runs: int) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom for `runs` draws counted in `counts` against the `exact`
+    probabilities; cells expected fewer than 5 times are pooled into one (dropped if it too is under 5)."""
+    cells = [(counts[k], p * runs) for k, p in exact.items() if p * runs >= 5]
+    rest_obs, rest_exp = runs - sum(o for o, _ in cells), runs - sum(e for _, e in cells)
+    if rest_exp >= 5:
+        cells.append((rest_obs, rest_exp))
+    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+
+
+def chi_square_limit(df: int) -> float:
+    """Well above the statistic's 99.9% quantile at `df` degrees of freedom (a 0.1% false alarm at most)."""
+    return df + 3.09 * (2 * df) ** 0.5 + 6

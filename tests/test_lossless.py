@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList, TextIteratorStreamer
 
 import tide
-from generation_helpers import BanToken, StopAfter
+from generation_helpers import BanToken, StopAfter, chi_square, chi_square_limit
 from tiny_models import FAMILIES, noisy_tide, prompt_ids, tiny_model, tiny_tokenizer
 
 LOSSLESS = {"mode": "lossless"}
@@ -243,17 +243,8 @@ def test_sampling_matches_the_closed_form_distribution():
         drafted += model.last_stats.drafted
     assert drafted > runs  # drafts really came from the early-exit distribution
     assert set(counts) <= set(exact)
-    # Pool cells with small expected counts, then a chi-square statistic at a 0.1% false-alarm rate.
-    big = [k for k, p in exact.items() if p * runs >= 5]
-    cells = [(counts[k], exact[k] * runs) for k in big]
-    rest_obs = runs - sum(o for o, _ in cells)
-    rest_exp = runs - sum(e for _, e in cells)
-    if rest_exp >= 5:
-        cells.append((rest_obs, rest_exp))
-    chi2 = sum((o - e) ** 2 / e for o, e in cells)
-    df = len(cells) - 1
-    critical = df + 3.09 * (2 * df) ** 0.5 + 6  # well above the 99.9% quantile for these df
-    assert chi2 < critical, (chi2, df, counts.most_common(6))
+    chi2, df = chi_square(counts, exact, runs)
+    assert chi2 < chi_square_limit(df), (chi2, df, counts.most_common(6))
 
 
 def test_stats_and_summary():

@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
+from generation_helpers import chi_square, chi_square_limit
 from test_lossless import _exact_joint
 from tide.decode.ngram import NgramLookup
 from tiny_models import noisy_tide
@@ -68,14 +69,8 @@ def test_ngram_sampling_matches_the_closed_form_distribution():
         drafted += model.last_stats.ngram_drafted
     assert drafted > runs / 2  # "5 6" occurred before: its continuation "7" was drafted
     assert set(counts) <= set(exact)
-    big = [k for k, p in exact.items() if p * runs >= 5]
-    cells = [(counts[k], exact[k] * runs) for k in big]
-    rest_obs, rest_exp = runs - sum(o for o, _ in cells), runs - sum(e for _, e in cells)
-    if rest_exp >= 5:
-        cells.append((rest_obs, rest_exp))
-    chi2 = sum((o - e) ** 2 / e for o, e in cells)
-    df = len(cells) - 1
-    assert chi2 < df + 3.09 * (2 * df) ** 0.5 + 6, (chi2, df, counts.most_common(6))
+    chi2, df = chi_square(counts, exact, runs)
+    assert chi2 < chi_square_limit(df), (chi2, df, counts.most_common(6))
 
 
 def test_draft_ngram_is_range_checked():

@@ -7,7 +7,7 @@ import transformers
 from transformers import LogitsProcessorList
 
 import tide
-from generation_helpers import BoostInPlace
+from generation_helpers import BoostInPlace, chi_square, chi_square_limit
 from tiny_models import FAMILIES, noisy_tide, prompt_ids
 from tide.config import MAX_DRAFT_TOPK
 from tide.decode.treedraft import tree_mask_calls
@@ -533,16 +533,7 @@ def test_merged_tree_compiled_runs_its_ngram_trees_eagerly(monkeypatch):
 def test_sampled_trees_keep_the_cache_the_path_needs(cache, monkeypatch):
     """Sampled trees (the oracle's: later children and n-gram branches accepted) leave the cache holding the K/V
     the base model computes for the sampled sequence, on dynamic and static caches."""
-    from tide.decode.ngram import NgramLookup
-    from tide.decode.treedraft import TreeDrafter
-
-    model, base = _wrap()
-    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
-    oracle = _SampledOracle(base)
-    model.draft_logits = oracle.draft_logits
-    real = TreeDrafter.draft
-    monkeypatch.setattr(TreeDrafter, "draft", lambda drafter, seq: setattr(oracle, "ids", seq) or real(drafter, seq))
-    monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracle.continuation(lookup, length))
+    model, base, oracle, ids = _with_sampled_oracle(monkeypatch)
     torch.manual_seed(0)
     out = model.generate(ids, do_sample=True, top_k=3, temperature=2.0, max_new_tokens=14, min_new_tokens=14,
                          return_dict_in_generate=True, cache_implementation=cache, tide_config=_merged(max_draft=3))
@@ -582,9 +573,8 @@ def test_among_certain_drafts_samples_the_distribution():
     counts = Counter(token for _, token in draws)
     assert all(tried == -1 or drafted[tried] == token for tried, token in draws)
     assert all(tried == -1 for tried, token in draws if token not in drafted) and counts[2] == 0
-    cells = [(counts[t], float(p) * runs) for t, p in enumerate(probs) if p > 0]
-    chi2, df = sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
-    assert chi2 < df + 3.09 * (2 * df) ** 0.5 + 6, (chi2, counts)
+    chi2, df = chi_square(counts, {t: float(p) for t, p in enumerate(probs) if p > 0}, runs)
+    assert chi2 < chi_square_limit(df), (chi2, counts)
     assert among_certain_drafts(torch.tensor([0.0, 1.0]), [1]) == (0, 1)  # a certain draft: always accepted
     assert among_certain_drafts(torch.tensor([0.0, 1.0]), [0]) == (-1, 1)  # an impossible one: never
 
@@ -614,6 +604,21 @@ class _SampledOracle:
         for _ in range(length):
             ids = torch.cat([ids, torch.tensor([self._top(ids, 1)])], 1)
         return ids[0, self.ids.shape[1]:].tolist()
+
+
+def _with_sampled_oracle(monkeypatch):
+    """(model, base, oracle, a repetitive prompt): the model's draft head and n-gram lookup replaced by a
+    `_SampledOracle` of the base model, which sees the sequence each tree is drafted for."""
+    from tide.decode.ngram import NgramLookup
+    from tide.decode.treedraft import TreeDrafter
+
+    model, base = _wrap()
+    oracle = _SampledOracle(base)
+    model.draft_logits = oracle.draft_logits
+    real = TreeDrafter.draft
+    monkeypatch.setattr(TreeDrafter, "draft", lambda drafter, seq: setattr(oracle, "ids", seq) or real(drafter, seq))
+    monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracle.continuation(lookup, length))
+    return model, base, oracle, torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
 
 
 @pytest.mark.parametrize("head", ["model", "oracle"])
@@ -651,15 +656,9 @@ def test_tree_sampling_matches_the_closed_form_distribution(head, monkeypatch):
         totals.update({name: getattr(stats, name) for name in ("tree_cycles", "merged_cycles", "accepted",
                                                                "ngram_accepted", "later_children_accepted")})
     assert set(counts) <= set(exact)
-    big = [k for k, p in exact.items() if p * runs >= 5]
-    cells = [(counts[k], exact[k] * runs) for k in big]
-    rest_obs, rest_exp = runs - sum(o for o, _ in cells), runs - sum(e for _, e in cells)
-    if rest_exp >= 5:
-        cells.append((rest_obs, rest_exp))
-    chi2 = sum((o - e) ** 2 / e for o, e in cells)
-    df = len(cells) - 1
+    chi2, df = chi_square(counts, exact, runs)
     print(f"tree sampling ({head} head): chi2 = {chi2:.1f}, df = {df}, {dict(totals)}")
-    assert chi2 < df + 3.09 * (2 * df) ** 0.5 + 6, (chi2, df, counts.most_common(6))
+    assert chi2 < chi_square_limit(df), (chi2, df, counts.most_common(6))
     assert totals["tree_cycles"] >= runs and totals["merged_cycles"] > runs / 2  # trees, with n-gram branches
     if head == "oracle":  # t2 (the head's second candidate) and t1 (the n-gram branch, tried last) are accepted
         assert totals["later_children_accepted"] > runs / 2 and totals["ngram_accepted"] > runs / 4
@@ -703,16 +702,7 @@ def test_keep_of_tail_moves_the_kept_positions_in_order(static):
 def test_tree_sampling_stops_at_an_accepted_stopping_child(monkeypatch):
     """A child that would stop generation, once accepted, is the cycle's last token: nothing follows it, and it
     comes out as often as the base model samples it."""
-    from tide.decode.ngram import NgramLookup
-    from tide.decode.treedraft import TreeDrafter
-
-    model, base = _wrap()
-    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
-    oracle = _SampledOracle(base)
-    model.draft_logits = oracle.draft_logits
-    real = TreeDrafter.draft
-    monkeypatch.setattr(TreeDrafter, "draft", lambda drafter, seq: setattr(oracle, "ids", seq) or real(drafter, seq))
-    monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracle.continuation(lookup, length))
+    model, base, oracle, ids = _with_sampled_oracle(monkeypatch)
     oracle.ids = ids
     eos = oracle.continuation(None, 1)[0]  # the base model's likeliest first token: the n-gram branch's first node
     with torch.no_grad():
