@@ -17,8 +17,8 @@ output those linears read (the input norm, or the layer's input itself), and the
 size. The k-norm is the attention module's `k_norm`/`k_layernorm` (or the table's `KVProjections.k_norm`).
 Norms are recognised by what they compute (on one random input), not by their class.
 
-Which layers take this path: models whose table entry opts in (`ArchSpec.kv_projections`: every family in the
-table, and types outside it, which `probe_spec` describes), when every layer's K/V linears are `nn.Linear`-like
+Which layers take this path: every model whose `ArchSpec.kv_projections` is not None (the default, for the
+table's families and the types `probe_spec` describes), when every layer's K/V linears are `nn.Linear`-like
 or `Conv1D` and read one module's output, the layers' input norms (and k-norms) are of one kind with one eps,
 and all their parameters are on one device. The stack is then checked once against what each layer's own code
 wrote in the probe (`LayerPlan.sample`); where it differs (e.g. rotary on interleaved pairs as in GPT-J and

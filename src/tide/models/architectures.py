@@ -27,7 +27,7 @@ __all__ = ["ArchSpec", "KVProjections", "ModelParts", "ARCHITECTURES", "register
 
 @dataclass(frozen=True)
 class KVProjections:
-    """Opts a family into the batched K/V fill of skipped layers (`kvfill.py`).
+    """The batched K/V fill of skipped layers (`kvfill.py`), on by default (`ArchSpec.kv_projections=None` turns it off).
 
     What is stacked is found on the model itself: the K/V linears (separate or the K/V rows of a fused qkv) and
     the input norm they read, by the probe (`kvprobe.kv_plan`); norms recognised by what they compute; rotary from
@@ -53,12 +53,12 @@ class ArchSpec:
     logit_scale: float | None = None  # the head's logits are multiplied by this (probed models, e.g. Cohere, Granite)
     layer_types_attr: str | None = "layer_types"  # config attribute listing per-layer attention types
     query_proj: str | None = None  # separate query projection inside a layer (skipped on K/V-only passes)
-    kv_projections: KVProjections | None = None  # opts into the batched K/V fill of skipped layers
+    # the batched K/V fill of skipped layers (checked against the layers' own code; None: layer by layer)
+    kv_projections: KVProjections | None = KVProjections()
     tree_drafts: bool = True  # positions come from position_ids, so lossless tree drafts can share one (not alibi)
 
 
-_DECODER = ArchSpec(backbone="model", layers="model.layers", norm="model.norm", query_proj="self_attn.q_proj",
-                    kv_projections=KVProjections())
+_DECODER = ArchSpec(backbone="model", layers="model.layers", norm="model.norm", query_proj="self_attn.q_proj")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": _DECODER,
@@ -71,14 +71,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "gemma3_text": replace(_DECODER, softcap_attr="final_logit_softcapping"),
     "phi3": replace(_DECODER, query_proj=None),  # fused qkv_proj: its K/V rows are stacked
     "phi": replace(_DECODER, norm="model.final_layernorm"),  # LayerNorm, partial rotary
-    "gpt2": ArchSpec(backbone="transformer", layers="transformer.h", norm="transformer.ln_f", cache_arg=1,
-                     kv_projections=KVProjections()),
+    "gpt2": ArchSpec(backbone="transformer", layers="transformer.h", norm="transformer.ln_f", cache_arg=1),
     "gpt_neox": ArchSpec(
         backbone="gpt_neox",
         layers="gpt_neox.layers",
         norm="gpt_neox.final_layer_norm",
         cache_arg="layer_past",
-        kv_projections=KVProjections(),
     ),
     "opt": ArchSpec(
         backbone="model.decoder",
@@ -86,7 +84,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         norm="model.decoder.final_layer_norm",
         post_norm="model.decoder.project_out",
         query_proj="self_attn.q_proj",
-        kv_projections=KVProjections(),
     ),
     "falcon": ArchSpec(
         backbone="transformer",
@@ -95,7 +92,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         cache_arg="layer_past",
         returns_tuple=True,
         tree_drafts=False,  # alibi biases follow the attention mask, not position_ids
-        kv_projections=KVProjections(),
     ),
 }
 
@@ -379,6 +375,5 @@ def probe_spec(model: nn.Module) -> ArchSpec:
                 lm_head=head_name,
                 cache_arg=cache_arg,
                 tree_drafts=False,  # a probed family may place positions in its mask (alibi): chain drafts only
-                kv_projections=KVProjections(),  # the batched K/V fill checks itself against the layers' own code
             )
     raise ValueError(_unsupported_message(model, "no decoder layer list, final norm and head found"))
