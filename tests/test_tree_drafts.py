@@ -76,6 +76,23 @@ def test_a_tree_too_narrow_for_the_true_token_accepts_nothing():
     assert torch.equal(out, ref) and model.last_stats.accepted == 0
 
 
+def _assert_same_kv(mine, theirs, length: int) -> None:
+    """Every layer of cache `mine` holds the K/V of cache `theirs` at positions 0..length-1."""
+    for layer_mine, layer_theirs in zip(mine.layers, theirs.layers, strict=True):
+        for name in ("keys", "values"):
+            ours, reference = getattr(layer_mine, name), getattr(layer_theirs, name)
+            torch.testing.assert_close(ours[..., :length, :], reference[..., :length, :], atol=1e-5, rtol=1e-4)
+
+
+def _stop_at(base, model, ids, at: int):
+    """(eos, the base model's greedy output): the base model's greedy token `at` positions after the prompt made the
+    end-of-sequence token of both models, and what the base model then generates (12 tokens at most)."""
+    eos = int(base.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1] + at])
+    for m in (base, model.base):
+        m.generation_config.eos_token_id = eos
+    return eos, base.generate(ids, do_sample=False, max_new_tokens=12)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("topk", [2, 3])
 def test_the_cache_holds_what_the_base_model_holds(topk, cache):
@@ -88,11 +105,7 @@ def test_the_cache_holds_what_the_base_model_holds(topk, cache):
     model.draft_logits = _RankedOracle(ref.sequences, ids.shape[1], base.config.vocab_size, rank=topk - 1)
     out = model.generate(ids, tide_config=_tree(1, topk), **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
-    for layer in range(model.parts.num_layers):
-        mine, theirs = out.past_key_values.layers[layer], ref.past_key_values.layers[layer]
-        length = ref.sequences.shape[1] - 1  # every token but the last has K/V in both
-        torch.testing.assert_close(mine.keys[..., :length, :], theirs.keys[..., :length, :], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(mine.values[..., :length, :], theirs.values[..., :length, :], atol=1e-5, rtol=1e-4)
+    _assert_same_kv(out.past_key_values, ref.past_key_values, ref.sequences.shape[1] - 1)
 
 
 @pytest.mark.parametrize("new_tokens", [1, 2, 3, 8])
@@ -110,10 +123,7 @@ def test_eos_comes_from_the_token_before_it(at):
     """A candidate that would stop generation is left to x's own logits (stopping criteria: test_lossless.py)."""
     model, base = _wrap()
     ids = prompt_ids()
-    eos = int(base.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1] + at])
-    for m in (base, model.base):
-        m.generation_config.eos_token_id = eos
-    ref = base.generate(ids, do_sample=False, max_new_tokens=12)
+    eos, ref = _stop_at(base, model, ids, at)
     model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
     out = model.generate(ids, do_sample=False, max_new_tokens=12, tide_config=_tree(1, 2))
     assert torch.equal(out, ref) and int(out[0, -1]) == eos
@@ -486,11 +496,7 @@ def test_merged_tree_cache_holds_what_the_base_model_holds(cache, monkeypatch):
     _install_oracles(monkeypatch, model, ref.sequences)
     out = model.generate(ids, tide_config=_merged(), **kwargs)
     assert torch.equal(out.sequences, ref.sequences) and model.last_stats.merged_cycles > 2
-    for layer in range(model.parts.num_layers):
-        mine, theirs = out.past_key_values.layers[layer], ref.past_key_values.layers[layer]
-        length = ref.sequences.shape[1] - 1  # every token but the last has K/V in both
-        torch.testing.assert_close(mine.keys[..., :length, :], theirs.keys[..., :length, :], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(mine.values[..., :length, :], theirs.values[..., :length, :], atol=1e-5, rtol=1e-4)
+    _assert_same_kv(out.past_key_values, ref.past_key_values, ref.sequences.shape[1] - 1)
 
 
 @pytest.mark.parametrize("at", [1, 3, 6])
@@ -498,10 +504,7 @@ def test_merged_tree_stops_where_the_base_model_stops(at, monkeypatch):
     """An end-of-sequence token inside the n-gram branch is never entered: it comes from its parent's logits."""
     model, base = _wrap()
     ids = prompt_ids()
-    eos = int(base.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1] + at])
-    for m in (base, model.base):
-        m.generation_config.eos_token_id = eos
-    ref = base.generate(ids, do_sample=False, max_new_tokens=12)
+    eos, ref = _stop_at(base, model, ids, at)
     _install_oracles(monkeypatch, model, torch.cat([ref, ref], 1))  # the continuation runs past the end
     out = model.generate(ids, do_sample=False, max_new_tokens=12, tide_config=_merged(max_draft=4))
     assert torch.equal(out, ref) and int(out[0, -1]) == eos
@@ -540,11 +543,7 @@ def test_sampled_trees_keep_the_cache_the_path_needs(cache, monkeypatch):
     stats = model.last_stats
     assert out.sequences.shape[1] == ids.shape[1] + 14 and stats.tree_cycles > 2 and stats.later_children_accepted > 0
     ref = base(out.sequences[:, :-1], use_cache=True).past_key_values
-    length = out.sequences.shape[1] - 1
-    for layer in range(model.parts.num_layers):
-        mine, theirs = out.past_key_values.layers[layer], ref.layers[layer]
-        torch.testing.assert_close(mine.keys[..., :length, :], theirs.keys[..., :length, :], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(mine.values[..., :length, :], theirs.values[..., :length, :], atol=1e-5, rtol=1e-4)
+    _assert_same_kv(out.past_key_values, ref, out.sequences.shape[1] - 1)
 
 
 def test_merged_tree_sampling_drafts_trees():
