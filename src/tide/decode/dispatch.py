@@ -8,8 +8,8 @@ models, plain `base(...)` or `base.generate(...)`) they are the base model's own
 one model therefore never see each other's sessions, and nothing is restored afterwards because nothing
 was swapped.
 
-A session is any object with a `base` attribute (the model it runs on) and a `forward`. This module imports
-nothing of Tide.
+A session is any object with a `base` attribute (the model it runs on) and a `forward`. The forward is installed
+as layers' forwards are (`layers.calls.install_forward`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from contextvars import ContextVar
 
 import torch
 
+from ..layers.calls import INNER_FORWARD, call_own, install_forward
+
 __all__ = ["install", "activated", "active_session", "base_forward"]
 
 _ACTIVE: ContextVar = ContextVar("tide_active_session", default=None)
-_INNER_FORWARD = "_tide_inner_forward"  # a forward the base model already had as an attribute (e.g. accelerate hooks)
 
 
 def active_session(base):
@@ -45,19 +46,13 @@ def activated(session):
 
 def base_forward(base):
     """The base model's own forward, whatever session is active."""
-    inner = base.__dict__.get(_INNER_FORWARD)
+    inner = base.__dict__.get(INNER_FORWARD)  # a forward it already had as an attribute (e.g. accelerate hooks)
     return inner if inner is not None else types.MethodType(type(base).forward, base)
 
 
 def install(base) -> None:
     """Give `base` its dispatching hooks (idempotent)."""
-    if getattr(base, "_tide_dispatch_installed", False):
-        return
-    if "forward" in base.__dict__:
-        object.__setattr__(base, _INNER_FORWARD, base.__dict__["forward"])
-    # Bound methods (not closures over `base`) so that a deep copy of the model dispatches for the copy.
-    object.__setattr__(base, "forward", types.MethodType(_forward_for(type(base)), base))
-    object.__setattr__(base, "_tide_dispatch_installed", True)
+    install_forward(base, _forward_for)
 
 
 @functools.cache
@@ -67,8 +62,7 @@ def _forward_for(cls):
         session = None if torch.compiler.is_compiling() else active_session(self)
         if session is not None:
             return session.forward(*args, **kwargs)
-        inner = self.__dict__.get(_INNER_FORWARD)
-        return inner(*args, **kwargs) if inner is not None else cls.forward(self, *args, **kwargs)
+        return call_own(self, cls, *args, **kwargs)
 
     # generate reads forward's signature (e.g. whether it takes position_ids): keep the class's.
     return functools.update_wrapper(forward, cls.forward)

@@ -23,7 +23,7 @@ import torch
 
 from ..models.architectures import ModelParts
 
-__all__ = ["LayerCall", "PartialRows", "capture_layer_calls", "capture_outputs", "write_kv_only", "run_to_cache_write",
+__all__ = ["LayerCall", "PartialRows", "INNER_FORWARD", "call_own", "install_forward", "capture_layer_calls", "capture_outputs", "write_kv_only", "run_to_cache_write",
            "additive_masks", "map_calls"]
 
 
@@ -58,7 +58,7 @@ class LayerCall:
 # so does `torch.compile`: under dynamo these forwards are the module's own, so the model compiles as one graph.
 _CAPTURE: ContextVar = ContextVar("tide_layer_capture", default=None)
 _QUERY_SKIP: ContextVar = ContextVar("tide_query_skip", default=None)
-_INNER = "_tide_inner_forward"
+INNER_FORWARD = "_tide_inner_forward"
 
 
 @dataclass
@@ -73,17 +73,20 @@ class _Captured(Exception):
     pass
 
 
-def _call_own(module, cls, *args, **kwargs):
+def call_own(module, cls, *args, **kwargs):
     """The module's own forward, called in a way dynamo traces (no bound-method construction)."""
-    inner = module.__dict__.get(_INNER)
+    inner = module.__dict__.get(INNER_FORWARD)
     return inner(*args, **kwargs) if inner is not None else cls.forward(module, *args, **kwargs)
 
 
-def _dispatching(module, make) -> None:
+def install_forward(module, make) -> None:
+    """Give `module`, once, the forward `make(type(module))` as a bound method (not a closure over the module, so a
+    deep copy dispatches for the copy); a forward it already had as an attribute (e.g. accelerate's hooks) is kept
+    as its own (`call_own`)."""
     if getattr(module, "_tide_dispatch_installed", False):
         return
     if "forward" in module.__dict__:  # e.g. accelerate's hooks
-        object.__setattr__(module, _INNER, module.__dict__["forward"])
+        object.__setattr__(module, INNER_FORWARD, module.__dict__["forward"])
     object.__setattr__(module, "forward", types.MethodType(make(type(module)), module))
     object.__setattr__(module, "_tide_dispatch_installed", True)
 
@@ -94,7 +97,7 @@ def _layer_forward_for(cls):
         capture = None if torch.compiler.is_compiling() else _CAPTURE.get()  # (dynamo reads no ContextVar)
         index = None if capture is None else capture.positions.get(id(self))
         if index is None:
-            return _call_own(self, cls, *args, **kwargs)
+            return call_own(self, cls, *args, **kwargs)
         capture.store[index] = LayerCall(args, kwargs)
         if capture.first_only:
             raise _Captured
@@ -114,7 +117,7 @@ def _query_forward_for(cls):
                 return x.new_zeros(*x.shape[:-1], _out_features(self))
             if rows.ready(self):
                 return rows(self, x)
-        return _call_own(self, cls, x, *args, **kwargs)
+        return call_own(self, cls, x, *args, **kwargs)
 
     return functools.update_wrapper(forward, cls.forward)
 
@@ -189,7 +192,7 @@ class PartialRows:
 
 def _install_hooks(parts: ModelParts) -> None:
     for layer in parts.layers:
-        _dispatching(layer, _layer_forward_for)
+        install_forward(layer, _layer_forward_for)
 
 
 @contextmanager
@@ -330,7 +333,7 @@ def _query_skipped(parts: ModelParts, index: int, skips: dict | None):
         yield
         return
     for module in skips:
-        _dispatching(module, _query_forward_for)
+        install_forward(module, _query_forward_for)
     token = _QUERY_SKIP.set(skips)
     try:
         yield
