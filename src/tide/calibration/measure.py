@@ -59,7 +59,7 @@ class StepCosts:
     # x1.01 timed on the shipped model; docs/benchmarks.md).
     step_extra_s: float = 0.0
     cycle_extra_s: float = 0.0
-    # Tide's own passes take their layer arguments from one capture per window of positions (`layerargs.py`),
+    # Tide's own passes take their layer arguments from one capture per window of positions (`layers/args.py`),
     # not one per pass; False where that does not hold for this model (each draft and verification pays one)
     windowed: bool = False
 

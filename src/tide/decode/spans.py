@@ -48,7 +48,7 @@ def options_key(options: dict) -> tuple:
 
 def _at_offset_zero(value):
     """`value` with every tensor in it starting at offset 0 of its storage: the layer arguments are slices of a
-    window of positions (`layerargs.py`), and dynamo specialises a storage offset of 0 or 1, so a slice that comes
+    window of positions (`layers/args.py`), and dynamo specialises a storage offset of 0 or 1, so a slice that comes
     to start there would recompile a graph made for another."""
     if isinstance(value, torch.Tensor):
         return value.clone() if value.storage_offset() else value

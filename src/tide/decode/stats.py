@@ -36,7 +36,7 @@ class GenerationStats:
     tree_cycles: int = 0  # verification passes over a tree (the others verified a chain: a fallback)
     later_children_accepted: int = 0  # accepted tree nodes that were not their parent's first child (at x: the
     #   head's top candidate): the head's lower candidates, an n-gram branch beside them
-    # layer arguments: backbone captures Tide's passes ran (`layerargs.py`: one per window of positions where
+    # layer arguments: backbone captures Tide's passes ran (`layers/args.py`: one per window of positions where
     # windows hold, else one per pass), and why windows did not hold (None: they did, or were never asked)
     arg_captures: int = 0
     arg_windows_off: str | None = None

@@ -1,7 +1,7 @@
 """The decoder layers' arguments for the next positions of a decode, made once per window of positions.
 
 Tide drives decoder layers one at a time, and each wants the arguments the backbone would pass it: masks per
-layer type, rotary embeddings, positions, the cache. `layercalls.capture_layer_calls` gets them by running the
+layer type, rotary embeddings, positions, the cache. `calls.capture_layer_calls` gets them by running the
 backbone's prelude, about a layer's worth of host work, which a decode step or a drafted token cannot afford.
 `LayerArgs` captures them once for a window of the next `width` positions and hands every request (T tokens
 at positions past..past+T-1) a slice of them: axes of the window's length cut to the request's rows, a mask's
@@ -92,7 +92,7 @@ class LayerArgs:
 
         `past` defaults to the cache's length; a chunk behind shallower layers names its own. `attention_mask`
         [B, past + T] and `position_ids` [B, T] are what the backbone would be given; 4-D masks come additive
-        where attention is SDPA (`layercalls.additive_masks`)."""
+        where attention is SDPA (`calls.additive_masks`)."""
         past = _length(cache) if past is None else int(past)
         batch, length = input_ids.shape
         if self.off_reason is None and not self._fits(cache, past, length, batch, attention_mask):

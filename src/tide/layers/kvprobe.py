@@ -1,6 +1,6 @@
 """What a skipped layer must compute: its K/V, and nothing more. Found from the layer itself, by a probe.
 
-A K/V-only pass (`layercalls.write_kv_only`) runs a layer's own code up to its cache write. Every linear
+A K/V-only pass (`calls.write_kv_only`) runs a layer's own code up to its cache write. Every linear
 module that runs before that write and whose output never reaches the written K/V is wasted work there: a
 query projection above all (with 4-8 query heads per KV head, 2-4 times the size of K and V together), the
 query rows of a fused qkv projection (GPT-2's `c_attn`, Falcon's and GPT-NeoX's `query_key_value`, Bloom,
@@ -162,7 +162,7 @@ def clear_plans() -> None:
 
 @torch.no_grad()
 def write_kv(call: LayerCall, parts: ModelParts, index: int, hidden: torch.Tensor, cache) -> None:
-    """`layercalls.write_kv_only` with the probe's plan: only the K/V of layer `index` is computed."""
+    """`calls.write_kv_only` with the probe's plan: only the K/V of layer `index` is computed."""
     write_kv_only(call, parts, index, hidden, cache, skips=kv_plan(parts).skips(index))
 
 
