@@ -44,6 +44,18 @@ def exits_by_sign(layer_dims: dict):
     return lambda thresholds: {k: make(k) for k in thresholds if k in layer_dims}
 
 
+class MarkDecodeSteps(LogitsProcessor):
+    """Appends True to `box` at every decode step: generate calls processors once per new token, the first right
+    after prefill (so a hook can tell prefill from decoding by whether `box` is empty)."""
+
+    def __init__(self, box: list):
+        self.box = box
+
+    def __call__(self, input_ids, scores):
+        self.box.append(True)
+        return scores
+
+
 def chi_square(counts, exact: dict, runs: int) -> tuple[float, int]:
     """Pearson's statistic and its degrees of freedom for `runs` draws counted in `counts` against the `exact`
     probabilities; cells expected fewer than 5 times are pooled into one (dropped if it too is under 5)."""

@@ -3,11 +3,11 @@ per-row batches, KV strategies, and the standard generate features."""
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
 import tide
 from tide.tools.support_matrix import reference_forced_exit, work_after_cache_write
-from generation_helpers import BanToken, StopAfter
+from generation_helpers import BanToken, MarkDecodeSteps, StopAfter
 from tiny_models import FAMILIES, tiny_model
 
 SLIDING = {"mistral", "qwen2", "gemma2", "gemma3_text"}  # sliding-window caches: propagate only
@@ -64,7 +64,7 @@ def test_forced_exit_matches_reference_and_skips_the_work(family):
     hooks = [mod.register_forward_hook(lambda *a, key=(j, name): count(key=key))
              for j in range(3, model.parts.num_layers)
              for name, mod in model.parts.layers[j].named_modules() if not list(mod.children())]
-    flag = _Flag(decoding)
+    flag = MarkDecodeSteps(decoding)
     query_computed = []  # K/V-only passes skip the query projection's computation
     query = model.parts.layers[3].get_submodule(model.parts.spec.query_proj) if model.parts.spec.query_proj else None
     query_cls = type(query) if query is not None else None
@@ -94,15 +94,6 @@ def test_forced_exit_matches_reference_and_skips_the_work(family):
     stats = model.last_stats
     assert stats.exits == {"2": 10 - 1} and stats.layer_passes == 3 * 9 and stats.kv_only_passes == 3 * 9
     assert stats.mean_layers == 3 and stats.layers_skipped == 3 * 9
-
-
-class _Flag(LogitsProcessor):
-    def __init__(self, box):
-        self.box = box
-
-    def __call__(self, input_ids, scores):
-        self.box.append(True)
-        return scores
 
 
 def _modules_after_cache_update(parts, base, ids, layer):

@@ -6,13 +6,14 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessorList
 
 import tide
 from tide.layers import kvfill
 from tide.layers.kvfill import fill_kv, fused_available
 from tide.layers.kvprobe import kv_plan
 from tide.layers.calls import capture_layer_calls, write_kv_only
+from generation_helpers import MarkDecodeSteps
 from tiny_models import FAMILIES, tiny_model
 
 # Every family in the table takes the batched path, including fused qkv (phi3, gpt2, gpt_neox, falcon), LayerNorm input
@@ -211,17 +212,6 @@ def test_stack_follows_weight_changes_and_dies_with_the_model():
     assert len(kvfill._STACKS) == 0
 
 
-class _Decoding(LogitsProcessor):
-    """Marks the decode steps: generate calls processors once per new token, the first right after prefill."""
-
-    def __init__(self, box):
-        self.box = box
-
-    def __call__(self, input_ids, scores):
-        self.box.append(True)
-        return scores
-
-
 @contextmanager
 def _own_forward_calls(parts, deep: list[int], decoding: list):
     """{layer: how many times its own forward (the class's, not Tide's dispatch) ran while `decoding`}."""
@@ -263,7 +253,7 @@ def test_forced_exit_generation_is_the_same_batched_and_layerwise(family, rows, 
         with _own_forward_calls(model.parts, deep, decoding) as counts:
             out = model.generate(ids, tide_config={"exit_threshold": -1}, do_sample=False, max_new_tokens=40,
                                  output_scores=True, return_dict_in_generate=True,
-                                 logits_processor=LogitsProcessorList([_Decoding(decoding)]))
+                                 logits_processor=LogitsProcessorList([MarkDecodeSteps(decoding)]))
         assert out["tide_stats"].exits == {"1": rows * 39}
         return out, counts
 
