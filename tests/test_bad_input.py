@@ -1,7 +1,6 @@
 """Bad or unusual input, as a new user or a server would send it: a clear error, a warning, or the right result."""
 
 import json
-import warnings
 
 import pytest
 import torch

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tide.decode.accept import greedy_verdict, sampling_verdict
-from tiny_models import FAMILIES, noisy_tide, prompt_ids, tiny_tokenizer
+from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
 
 MODES = {"exit": {"mode": "exit", "exit_threshold": 0.5}, "chain": {"mode": "lossless", "draft_layer": 1},
          "tree": {"mode": "lossless", "draft_layer": 1, "draft_topk": 3}}

@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList, TextIteratorStreamer
 
-import tide
 from generation_helpers import BanToken, StopAfter, chi_square, chi_square_limit
 from tiny_models import FAMILIES, noisy_tide, prompt_ids, tiny_model, tiny_tokenizer
 

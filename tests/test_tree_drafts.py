@@ -6,7 +6,6 @@ import torch
 import transformers
 from transformers import LogitsProcessorList
 
-import tide
 from generation_helpers import BoostInPlace, chi_square, chi_square_limit
 from tiny_models import FAMILIES, noisy_tide, prompt_ids
 from tide.config import MAX_DRAFT_TOPK

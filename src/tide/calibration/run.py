@@ -217,7 +217,7 @@ class _Run:
         """Time a decode step's pieces (main process), and prepare what the check and the timing trials read."""
         tide, opts, procs, device = self.tide, self.opts, self.procs, self.tide.base.device
         with self.phases("cost measurement"):
-            self.costs = procs.broadcast(measure_costs(tide) if opts.measure_costs and procs.is_main else None)
+            self.costs = procs.on_main(lambda: measure_costs(tide) if opts.measure_costs else None)
         with self.phases("data"):
             # this process's share of the token lists one process would check, balanced by length (possibly none,
             # but every process takes part in the check when there are any)
@@ -281,8 +281,8 @@ class _Run:
         if default is None:
             return
         with self.phases("timing trials"):
-            timing = procs.broadcast(time_compiled(self.tide, self.prompts, default) if procs.is_main and
-                                     self.budget.allows("the default mode compiled") else None)
+            timing = procs.on_main(lambda: time_compiled(self.tide, self.prompts, default)
+                                   if self.budget.allows("the default mode compiled") else None)
         if timing is not None:
             self.compiled_timing = Timing.from_dict(timing)
             self.cfg.set_generation_defaults(compiled_modes=self.compiled_timing.active)
@@ -821,8 +821,8 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
     exit_timing = None
     if held.timing_prompts is not None and any(t < 1.0 for t in thresholds.values()):
         with phases("timing trials"):
-            exit_timing = procs.broadcast(time_exit(model, held.timing_prompts, held.timing_batch, thresholds)
-                                          if procs.is_main and budget.allows("exit mode") else None)
+            exit_timing = procs.on_main(lambda: time_exit(model, held.timing_prompts, held.timing_batch, thresholds)
+                                        if budget.allows("exit mode") else None)
         if exit_timing is not None and not exit_timing["active"]:
             thresholds = dict.fromkeys(thresholds, 1.0)  # exit mode then runs the base model
     expected = None

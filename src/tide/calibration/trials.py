@@ -266,7 +266,7 @@ def _agreed(procs, spent):
     """`spent`, decided by the main process for all of them (each process's own clock would differ)."""
     if spent is None or procs.world == 1:
         return spent
-    return lambda: procs.broadcast(spent() if procs.is_main else None)
+    return lambda: procs.on_main(spent)
 
 
 # n-gram drafts: the longest n-gram matched (`draft_ngram`), where calibration keeps them.

@@ -223,7 +223,7 @@ def model_card(config: TideConfig) -> str:
         "```python",
         "import tide",
         "from transformers import AutoTokenizer",
-        f"model = tide.TideForCausalLM.from_pretrained(\"<this repo>\")",
+        "model = tide.TideForCausalLM.from_pretrained(\"<this repo>\")",
         f"tok = AutoTokenizer.from_pretrained(\"{base}\")",
         "out = model.generate(**tok(\"Hello\", return_tensors=\"pt\"), max_new_tokens=32)",
         "```",

@@ -423,8 +423,8 @@ def _kv_cost_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
-    print(f"| model type | shape | layer (ms) | batched fill | per-layer K/V-only pass | that pass computing "
-          f"everything before the cache write |\n|---|---|---|---|---|---|")
+    print("| model type | shape | layer (ms) | batched fill | per-layer K/V-only pass | that pass computing "
+          "everything before the cache write |\n|---|---|---|---|---|---|")
     for model_type in args.model_types:
         torch.manual_seed(0)
         config = AutoConfig.for_model(
