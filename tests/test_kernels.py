@@ -233,19 +233,33 @@ def test_staged_variant_is_what_kernels_loads(tmp_path):
     assert parsed.backend.archs == ["8.0", "9.0"]
 
 
-def _binding_schema() -> str:
+def _binding_schemas() -> list[str]:
     source = (KERNEL_DIR / "torch-ext" / "torch_binding.cpp").read_text()
-    call = re.search(r"ops\.def\((.*?)\);", source, re.S).group(1)
-    return "".join(re.findall(r'"([^"]*)"', call))
+    return ["".join(re.findall(r'"([^"]*)"', call)) for call in re.findall(r"ops\.def\((.*?)\);", source, re.S)]
+
+
+def test_binding_defines_both_ops_with_the_tide_op_schema():
+    schemas = {schema.split("(")[0]: schema for schema in _binding_schemas()}
+    assert sorted(schemas) == ["checkpoint_test", "router_exit"]
+    # the kernel's checkpoint_test takes what tide::checkpoint_test takes, so the op can hand its arguments on
+    from tide.heads.router import checkpoint_test
+
+    ours = str(checkpoint_test._opoverload._schema).split("(", 1)[1]
+    theirs = schemas["checkpoint_test"].split("(", 1)[1]
+    assert re.sub(r"\s", "", ours) == re.sub(r"\s", "", theirs).replace("Tensorscores,Tensorexits,Tensorstate", "Tensor,Tensor,Tensor")
 
 
 @pytest.fixture(scope="module")
 def cpu_stand_in(tmp_path_factory):
-    """The torch-ext package over a CPU op with the binding's schema, implemented by the reference."""
+    """The torch-ext package over CPU ops with the binding's schemas, implemented by the references."""
+    from tide.heads.router import checkpoint_test_reference
+
     namespace = "_tide_kernels_cpu_stand_in"
     library = torch.library.Library(namespace, "DEF")
-    library.define(_binding_schema())
+    for schema in _binding_schemas():
+        library.define(schema)
     library.impl("router_exit", tk.router_exit_reference, "CPU")
+    library.impl("checkpoint_test", checkpoint_test_reference, "CPU")
     package = tmp_path_factory.mktemp("pkg") / "tide_kernels"
     shutil.copytree(KERNEL_DIR / "torch-ext" / "tide_kernels", package)
     (package / "_ops.py").write_text(_build_local().OPS_PY.format(ext=namespace).replace(
@@ -270,6 +284,61 @@ def test_torch_ext_package_calls_the_op_and_registers_its_fake(cpu_stand_in):
     scores, mask = cpu_stand_in.router_exit(*args)
     torch.testing.assert_close(scores, tk.router_exit_reference(*args)[0])
     torch.library.opcheck(cpu_stand_in.ops.router_exit.default, args)  # schema + fake vs real
+
+
+@pytest.mark.parametrize("translate", ["none", "full", "low_rank"])
+def test_torch_ext_package_checkpoint_test_calls_the_op_and_registers_its_fake(cpu_stand_in, translate):
+    args = _checkpoint_args(translate, "cpu", torch.float32)
+    scores, exits, state = cpu_stand_in.checkpoint_test(*args)
+    want = _checkpoint_reference(*args)
+    torch.testing.assert_close(scores, want[0])
+    torch.testing.assert_close(state, want[2])
+    torch.library.opcheck(cpu_stand_in.ops.checkpoint_test.default, args)
+
+
+def _checkpoint_args(translate: str, device, dtype, rows: int = 4, hidden_size: int = 32, bottleneck: int = 8,
+                     layer_norm: bool = False, seed: int = 0):
+    """Arguments of the checkpoint test (tide::checkpoint_test) with a random router and exit head."""
+    from tide.heads.router import CheckpointTest, Translator
+
+    torch.manual_seed(seed)
+    translator = None if translate == "none" else Translator(hidden_size, 4 if translate == "low_rank" else None)
+    if translator is not None:
+        with torch.no_grad():
+            for p in translator.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    router = Router(hidden_size, bottleneck, translator)
+    norm = _randomized(nn.LayerNorm(hidden_size) if layer_norm else nn.RMSNorm(hidden_size, eps=1e-6))
+    weight, bias, kind, eps = tk.norm_params(norm)
+    test = CheckpointTest(router.to(device), weight.to(device), None if bias is None else bias.to(device), kind, eps,
+                          0.5)
+    hidden = (torch.randn(rows, hidden_size, device=device) * 2 + 0.3).to(dtype)
+    if isinstance(test.translate, nn.Module):
+        translate_args = (test.translate(hidden.float()).detach(), None)
+    else:
+        translate_args = test.translate or (None, None)
+    tensors = [None if t is None else t.detach() for t in (hidden, *translate_args, *test.down, *test.up)]
+    return (*tensors, test.layer_norm, test.eps, test.threshold)
+
+
+def _checkpoint_reference(*args):
+    from tide.heads.router import checkpoint_test_reference
+
+    return checkpoint_test_reference(*args)
+
+
+def test_checkpoint_kernel_falls_back_to_the_reference(monkeypatch):
+    from tide.heads.router import checkpoint_test_reference
+
+    assert tk.load_checkpoint_kernel("torch") is checkpoint_test_reference
+    assert tk.load_checkpoint_kernel("auto") is checkpoint_test_reference  # no CUDA here, or no build
+    older = type("OlderBuild", (), {"router_exit": staticmethod(tk.router_exit_reference)})
+    monkeypatch.setattr(tk, "_load_kernel", lambda: (older, "an older build"))
+    tk._load.cache_clear()
+    assert tk.load_checkpoint_kernel("auto") is checkpoint_test_reference
+    assert tk.load_router_kernel("auto") is tk.router_exit_reference  # the older build's router_exit
+    with pytest.raises(RuntimeError, match="no checkpoint_test; rebuild it"):
+        tk.load_checkpoint_kernel("kernel")
 
 
 def test_torch_ext_package_imports_without_the_op_library(tmp_path):
@@ -330,3 +399,66 @@ def test_kernel_runs_without_host_sync(gpu_kernel, hidden_size, bottleneck):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(scores, tk.router_exit_reference(*args)[0], atol=1e-5, rtol=0)
+
+
+@pytest.fixture
+def gpu_checkpoint_kernel(gpu_kernel):
+    fused = tk.load_checkpoint_kernel("kernel")
+    from tide.heads.router import checkpoint_test_reference
+
+    assert fused is not checkpoint_test_reference
+    return fused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden_size, bottleneck", [(32, 8), (4096, 48)])
+@pytest.mark.parametrize("layer_norm", [False, True])
+@pytest.mark.parametrize("translate", ["none", "full", "low_rank"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_checkpoint_kernel_matches_reference_on_gpu(gpu_checkpoint_kernel, dtype, translate, layer_norm, hidden_size,
+                                                    bottleneck):
+    args = _checkpoint_args(translate, "cuda", dtype, rows=5, hidden_size=hidden_size, bottleneck=bottleneck,
+                            layer_norm=layer_norm)
+    scores, exits, state = gpu_checkpoint_kernel(*args)
+    want_scores, want_exits, want_state = _checkpoint_reference(*args)
+    assert scores.dtype == torch.float32 and exits.dtype == torch.bool and state.dtype == dtype
+    torch.testing.assert_close(scores, want_scores, atol=1e-4, rtol=0)
+    torch.testing.assert_close(state, want_state, atol=0, rtol=0)  # the same GEMM, the same rounding
+    decided = (want_scores - 0.5).abs() > 1e-4
+    assert torch.equal(exits[decided], want_exits[decided])
+
+
+@pytest.mark.gpu
+def test_checkpoint_op_on_cuda_is_the_kernel_and_passes_opcheck(gpu_checkpoint_kernel, monkeypatch):
+    from tide.heads.router import checkpoint_test
+
+    monkeypatch.setenv("LOCAL_KERNELS", LOCAL_KERNELS or "")
+    tk._load.cache_clear()
+    args = _checkpoint_args("full", "cuda", torch.bfloat16, rows=3, hidden_size=256, bottleneck=32)
+    for got, want in zip(checkpoint_test(*args), gpu_checkpoint_kernel(*args)):
+        assert torch.equal(got, want)
+    torch.library.opcheck(checkpoint_test, args)
+
+
+@pytest.mark.gpu
+def test_checkpoint_kernel_runs_without_host_sync_and_in_a_cuda_graph(gpu_checkpoint_kernel):
+    args = _checkpoint_args("full", "cuda", torch.bfloat16, rows=2, hidden_size=1024, bottleneck=64)
+    want = gpu_checkpoint_kernel(*args)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu_checkpoint_kernel(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gpu_checkpoint_kernel(*args)  # warm-up on the side stream, as capture wants
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = gpu_checkpoint_kernel(*args)
+    args[0].mul_(-1.0)  # replay reads the new state
+    graph.replay()
+    flipped = gpu_checkpoint_kernel(*args)
+    for got, want_now, before in zip(captured, flipped, want):
+        assert torch.equal(got, want_now)
+    assert not torch.equal(captured[2], want[2])

@@ -1,20 +1,52 @@
 #!/usr/bin/env bash
-# Tide's checks for a machine with one CUDA GPU, in one command (about 10 minutes on an H100):
+# Tide's checks for a machine with one CUDA GPU, in one command (about 8 minutes on an H100 or H200):
 #   bash examples/gpu/run_gpu_checks.sh [OUT_DIR]
-# 1. the GPU tests: the fused router kernel against the PyTorch reference, compiled passes and lossless = base;
-# 2. examples/bench_baselines on the shipped model (CUDA, with compiled rows: CUDA graphs);
-# 3. the same on a random-weight Llama of a 1B shape, for the cost table and per-cycle overheads.
-# Results land in OUT_DIR (default docs/results/gpu); docs/gpu.md says how to read them into docs/benchmarks.md.
-set -euo pipefail
+# 1. builds the fused kernels (hub_kernels/tide_kernels/build_local.py) for this torch/CUDA into a temporary folder
+#    and points Tide at it (LOCAL_KERNELS);
+# 2. kernel parity: hub_kernels' own tests and `pytest -m gpu tests/test_kernels.py`, against the PyTorch references;
+# 3. tests/test_gpu.py: exit and lossless modes token for token the base model on CUDA, eagerly and with CUDA graphs;
+# 4. examples/bench_baselines on the shipped model on CUDA: Tide eager and compiled, against `generate` and against
+#    the base model's compiled static-cache decode with CUDA graphs (ROUTERS: a router repo for it, e.g. the demo's);
+# 5. a random-weight Llama of a 1B shape (bf16), eager Tide rows against both baselines, with Tide's cost table.
+# Every step has a time limit and runs even when an earlier one failed; OUT_DIR/log.txt records each step's exit
+# status and seconds, OUT_DIR/<step>.txt its output, and the benches write their rows as JSON beside it.
+# docs/gpu.md says how to read the results into docs/benchmarks.md.
+set -uo pipefail
 out="${1:-docs/results/gpu}"
 mkdir -p "$out"
-python - <<'PY' | tee "$out/device.txt"
+py="${PYTHON:-python3}"
+log="$out/log.txt"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+step() {  # step NAME LIMIT_S COMMAND...: output to OUT_DIR/NAME.txt, its tail and status to the console and the log
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "== $name (limit ${limit} s)" | tee -a "$log"
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.txt" 2>&1
+  rc=$?
+  tail -n "${TAIL_LINES:-15}" "$out/$name.txt"
+  echo "== $name: exit status $rc, $((SECONDS - start)) s" | tee -a "$log"
+}
+
+"$py" - <<'PY' 2>&1 | tee -a "$log"
 import torch, transformers
-print(torch.cuda.get_device_name(0), "| torch", torch.__version__, "| transformers", transformers.__version__)
+print(torch.cuda.get_device_name(0), "| capability", torch.cuda.get_device_capability(0), "| torch", torch.__version__,
+      "| CUDA", torch.version.cuda, "| transformers", transformers.__version__)
 PY
-python -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.txt"
-python -m pytest -q tests/test_compile.py tests/test_static_cache.py 2>&1 | tee "$out/compile_tests.txt"
-python examples/bench_baselines/bench_baselines.py --device cuda --compile --tokens 64 --prompts 8 \
-    --schemes 0:1 0:2 0:4 0:1:k3 --exit 0.5 --json "$out/bench_shipped.json" 2>&1 | tee "$out/bench_shipped.txt"
-python examples/bench_baselines/bench_baselines.py --device cuda --compile --random-shape 1b --tokens 64 --prompts 4 \
-    --costs --schemes 3:1 3:4 --exit -1 --json "$out/bench_1b.json" 2>&1 | tee "$out/bench_1b.txt"
+
+build="${TIDE_KERNEL_BUILD_DIR:-$(mktemp -d /tmp/tide-kernels-XXXX)}"
+arch=$("$py" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")
+TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$arch}" MAX_JOBS="${MAX_JOBS:-8}" \
+    step build_kernels "${BUILD_LIMIT_S:-240}" "$py" hub_kernels/tide_kernels/build_local.py --out "$build"
+export LOCAL_KERNELS="tide-transformers/tide-kernels=$build" TIDE_KERNELS_BUILD="$build"
+
+step kernel_tests "${KERNEL_TESTS_LIMIT_S:-120}" bash -c "'$py' -m pytest -p no:cacheprovider hub_kernels/tide_kernels/tests; \
+    a=\$?; '$py' -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py; exit \$((a | \$?))"
+step gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$py" -m pytest -p no:cacheprovider tests/test_gpu.py
+
+routers=()
+if [ -n "${ROUTERS:-}" ]; then routers=(--routers "$ROUTERS"); fi
+step bench_shipped "${BENCH_LIMIT_S:-240}" "$py" examples/bench_baselines/bench_baselines.py --device cuda --compile \
+    "${routers[@]}" --tokens 48 --prompts 4 --json "$out/bench_shipped.json"
+step bench_1b "${BENCH_LIMIT_S:-240}" "$py" examples/bench_baselines/bench_baselines.py --device cuda \
+    --random-shape 1b --tokens 48 --prompts 3 --costs --schemes 3:1 --exit -1 --json "$out/bench_1b.json"

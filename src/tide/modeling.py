@@ -131,8 +131,8 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
     def exit_tests(self, thresholds: dict[int, float]) -> dict:
         """{layer: test} for the checkpoints in `thresholds`; test(hidden [N, H]) -> (scores, exits, exit states).
 
-        A `CheckpointTest` (few small ops, the same result as `route` up to float rounding) where the final
-        norm is one `norm_params` describes and the fused CUDA kernel does not apply; `route` otherwise.
+        A `CheckpointTest` (few small ops, the same result as `route` up to float rounding; on CUDA the fused
+        kernel where one is loaded) where the final norm is one `norm_params` describes; `route` otherwise.
         """
         params = norm_params(self.parts.norm)
         tests = {}
@@ -140,7 +140,7 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
             router = self.routers[layer]
             self.routers.check_placement(layer, next(self.parts.layers[layer].parameters()))
             device = router.down.weight.device
-            if params is None or (device.type == "cuda" and router.translator is None):
+            if params is None:
                 tests[layer] = functools.partial(self.route, layer, threshold=threshold)
             else:
                 weight, bias, kind, eps = params

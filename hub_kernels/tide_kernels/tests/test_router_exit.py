@@ -107,11 +107,11 @@ def test_rejects_mismatched_inputs(kernel):
     args = make_inputs(2, 64, 16, RMS_NORM, torch.float32)
     bad_dtype = list(args)
     bad_dtype[5] = bad_dtype[5].half()
-    with pytest.raises(RuntimeError, match="dtype"):
+    with pytest.raises((RuntimeError, ValueError), match="dtype"):
         kernel.router_exit(*bad_dtype)
     bad_kind = list(args)
     bad_kind[3] = 7
-    with pytest.raises(RuntimeError, match="norm_kind"):
+    with pytest.raises((RuntimeError, ValueError), match="norm_kind"):
         kernel.router_exit(*bad_kind)
 
 

@@ -51,21 +51,29 @@ class BaseSession:
 
 def compiled_static_decoder(base, cache_len: int, compile_options: dict | None = None):
     """A greedy decode function `decode(ids [1, n], new_tokens) -> ids [1, n + new_tokens]` over `base`: single-token
-    steps of `torch.compile(base.forward, fullgraph=True, dynamic=False)` on a `StaticCache` of `cache_len`
-    positions (one shape for every prompt, so one graph), with end-of-sequence suppressed as `generate`'s
-    `min_new_tokens` does, so that its tokens compare with `generate`'s."""
-    step = torch.compile(base.forward, **(compile_options or dict(fullgraph=True, dynamic=False)))
+    steps of `torch.compile(base.forward, fullgraph=True, dynamic=False)` (on CUDA with `mode="reduce-overhead"`:
+    CUDA graphs, as transformers' own compiled generate uses) on one `StaticCache` of `cache_len` positions, reset
+    per call (one shape and one set of cache addresses for every prompt, so one graph), with end-of-sequence
+    suppressed as `generate`'s `min_new_tokens` does, so that its tokens compare with `generate`'s."""
+    if compile_options is None:
+        compile_options = dict(fullgraph=True, dynamic=False)
+        if base.device.type == "cuda":
+            compile_options["mode"] = "reduce-overhead"
+    step = torch.compile(base.forward, **compile_options)
     eos = base.generation_config.eos_token_id
     eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long, device=base.device)
+    cache = StaticCache(config=base.config, max_cache_len=cache_len)
 
-    def pick(logits):  # greedy with end-of-sequence suppressed, as generate's min_new_tokens does
-        return logits.index_fill(-1, eos, float("-inf")).argmax(-1, keepdim=True)
+    def pick(logits):  # greedy with end-of-sequence suppressed, as generate's min_new_tokens does; laid out afresh,
+        # since a token picked from the prompt's last position keeps that slice's row stride, a guard of the graph
+        ids = logits.index_fill(-1, eos, float("-inf")).argmax(-1, keepdim=True)
+        return ids.clone(memory_format=torch.contiguous_format)
 
     @torch.no_grad()
     def decode(ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
         if ids.shape[1] + new_tokens > cache_len:
             raise ValueError(f"the static cache holds {cache_len} positions; {ids.shape[1]} + {new_tokens} do not fit")
-        cache = StaticCache(config=base.config, max_cache_len=cache_len)
+        cache.reset()
         n = ids.shape[1]
         logits = base(input_ids=ids, past_key_values=cache, use_cache=True,
                       position_ids=torch.arange(n, device=ids.device)[None]).logits[:, -1]

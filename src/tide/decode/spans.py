@@ -81,8 +81,15 @@ class SpanRunner:
             for i in range(start, stop):
                 hidden = calls[i].run(self.parts, i, hidden)
             return hidden
-        return self._span(start, stop)(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple,
-                                       hidden, _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs))
+        out = self._span(start, stop)(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple,
+                                      hidden, _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs))
+        # A CUDA graph's output lives in its memory pool, which the next replay of any span overwrites; the loops
+        # keep states across spans and steps (pending drafts, exit states), so they get a copy of their own.
+        return out.clone() if self.cuda_graphs else out
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.options is not None and self.options.get("mode") == "reduce-overhead"
 
     def _span(self, start: int, stop: int):
         fn = self._compiled.get((start, stop))

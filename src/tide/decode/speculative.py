@@ -107,7 +107,7 @@ class LosslessSession:
     def shallow_step(self, token: torch.Tensor, cache, mask) -> torch.Tensor:
         """Run token [1, 1] through layers 0..E on the real cache; keep and return its layer-E state [1, 1, H].
         Tokens [1, T] that need no head between them (n-gram drafts) run as one chunk, eagerly."""
-        inputs = new_positions(mask, layer_length(cache, 0), token.shape[1])
+        inputs = new_positions(mask, layer_length(cache, 0), token.shape[1], token.device)
         hidden, calls = self.layer_args.calls(token, cache, inputs.get("attention_mask"), inputs["position_ids"])
         if token.shape[1] == 1:
             hidden = self.spans.run(0, self.draft_layer + 1, hidden, calls)
@@ -154,7 +154,7 @@ class LosslessSession:
         if pad:  # compiled on a static cache: one width for every verification (one graph)
             ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
             states = torch.cat([states, states.new_zeros(1, pad, states.shape[-1])], 1)
-        inputs = new_positions(mask, deep_length, ids.shape[1])
+        inputs = new_positions(mask, deep_length, ids.shape[1], ids.device)
         _, calls = self.layer_args.calls(ids, cache, inputs.get("attention_mask"), inputs["position_ids"], past=deep_length)
         deep = range(self.draft_layer + 1, self.parts.num_layers)
         with few_row_linears(self.parts), grouped_query_attention_in_place():  # P + 1 positions: the CPU layouts

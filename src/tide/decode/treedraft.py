@@ -312,7 +312,7 @@ class TreeDrafter:
         x_ids, x_state = session.pending_ids, session.pending_states  # [1, 1], [1, 1, H]
         nodes = torch.tensor([tree.tokens[1:]], dtype=x_ids.dtype, device=x_ids.device)
         have = layer_length(cache, 0)  # shallow layers hold x; deep layers do not yet
-        inputs = new_positions(mask, have - 1, q)  # the chunk [x, nodes]: the mask grown over it
+        inputs = new_positions(mask, have - 1, q, x_ids.device)  # the chunk [x, nodes]: the mask grown over it
         depths = torch.tensor([tree.depths], device=inputs["position_ids"].device)
         inputs["position_ids"] = inputs["position_ids"][:, :1] + depths  # each node at x's position + its depth
         blocked = tree.blocked()

@@ -1,9 +1,12 @@
-"""The router exit step (final norm -> router -> sigmoid -> threshold) and the switch to its fused CUDA kernel.
+"""The exit tests' switch to their fused CUDA kernels: the router exit step (final norm -> router -> sigmoid ->
+threshold) and the decode loop's checkpoint test (the same on the exit head's state, `tide::checkpoint_test`).
 
-`router_exit_reference` is the implementation: pure PyTorch, fp32 arithmetic, used on CPU and whenever the
-kernel is unavailable. On CUDA, `load_router_kernel` may replace it with the Hub kernel
-`tide-transformers/tide-kernels` (sources in `hub_kernels/tide_kernels/`), which computes the same thing in
-one launch. `TIDE_KERNELS=auto|torch|kernel` picks the path; the path taken is logged once.
+The PyTorch references are the implementations: fp32 arithmetic, used on CPU and whenever the kernel is
+unavailable (`router_exit_reference` here, `checkpoint_test_reference` in `heads/router.py`). On CUDA the Hub
+kernel `tide-transformers/tide-kernels` (sources in `hub_kernels/tide_kernels/`) computes the same thing in one
+launch each: `load_router_kernel` returns its `router_exit`, and this module registers its `checkpoint_test`
+as the CUDA implementation of the `tide::checkpoint_test` op, which compiled graphs call as one node.
+`TIDE_KERNELS=auto|torch|kernel` picks the path; the path taken is logged once.
 
 This module does not decide where checkpoints are, move tensors between devices or touch the KV cache.
 """
@@ -20,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .router import GEMMA_RMS_NORM, LAYER_NORM, RMS_NORM, exit_decision  # the op's norm_kind
+from .router import (GEMMA_RMS_NORM, LAYER_NORM, RMS_NORM, checkpoint_test,  # the op's norm_kind
+                     checkpoint_test_reference, exit_decision)
 
-__all__ = ["GEMMA_RMS_NORM", "KERNEL_REPO", "KERNEL_VERSION", "LAYER_NORM", "RMS_NORM", "load_router_kernel",
-           "norm_params", "router_exit", "router_exit_reference"]
+__all__ = ["GEMMA_RMS_NORM", "KERNEL_REPO", "KERNEL_VERSION", "LAYER_NORM", "RMS_NORM", "load_checkpoint_kernel",
+           "load_router_kernel", "norm_params", "router_exit", "router_exit_reference"]
 
 logger = logging.getLogger("tide")
 
@@ -71,17 +75,43 @@ def load_router_kernel(mode: str | None = None) -> Callable:
     kernel on CUDA and falls back to the reference; "kernel" raises if the kernel cannot be loaded.
     A local build is used when `LOCAL_KERNELS` holds `tide-transformers/tide-kernels=<dir>`.
     """
+    module = _load(_mode(mode))
+    return router_exit_reference if module is None else module.router_exit
+
+
+def load_checkpoint_kernel(mode: str | None = None) -> Callable:
+    """The checkpoint-test function for CUDA tensors: the fused kernel's `checkpoint_test`, or
+    `checkpoint_test_reference` (same arguments and results). `mode` as in `load_router_kernel`; "kernel" also
+    raises when the loaded build predates `checkpoint_test`."""
+    mode = _mode(mode)
+    module = _load(mode)
+    fused = getattr(module, "checkpoint_test", None)
+    if fused is None and module is not None and mode == "kernel":
+        raise RuntimeError(f"TIDE_KERNELS=kernel, but this build of {KERNEL_REPO} has no checkpoint_test; rebuild it "
+                           "(hub_kernels/tide_kernels/build_local.py) or use TIDE_KERNELS=auto.")
+    return checkpoint_test_reference if fused is None else fused
+
+
+@checkpoint_test.register_kernel("cuda")
+def _checkpoint_test_cuda(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias, up_weight,
+                          layer_norm, eps, threshold):
+    return load_checkpoint_kernel()(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias,
+                                    up_weight, layer_norm, eps, threshold)
+
+
+def _mode(mode: str | None) -> str:
     mode = (mode or os.environ.get("TIDE_KERNELS") or "auto").strip().lower()
     if mode not in KERNEL_MODES:
         raise ValueError(f"TIDE_KERNELS / mode must be one of {', '.join(KERNEL_MODES)}, got {mode!r}.")
-    return _load(mode)
+    return mode
 
 
 @functools.cache
-def _load(mode: str) -> Callable:
+def _load(mode: str):
+    """The kernel module, or None where the references run (mode "torch", or "auto" without a kernel)."""
     if mode == "torch":
-        logger.info("Tide router exit: PyTorch reference (TIDE_KERNELS=torch).")
-        return router_exit_reference
+        logger.info("Tide exit tests: PyTorch reference (TIDE_KERNELS=torch).")
+        return None
     try:
         kernel, source = _load_kernel()
     except Exception as err:  # no CUDA, no matching build variant, Hub unreachable, ...
@@ -91,10 +121,10 @@ def _load(mode: str) -> Callable:
                 f"not be loaded: {err}. Use TIDE_KERNELS=auto to fall back to the PyTorch reference."
             ) from err
         log = logger.warning if torch.cuda.is_available() else logger.info
-        log("Tide router exit: PyTorch reference (fused kernel unavailable: %s).", err)
-        return router_exit_reference
-    logger.info("Tide router exit: fused CUDA kernel from %s.", source)
-    return kernel.router_exit
+        log("Tide exit tests: PyTorch reference (fused kernel unavailable: %s).", err)
+        return None
+    logger.info("Tide exit tests: fused CUDA kernels from %s.", source)
+    return kernel
 
 
 def _load_kernel():

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["CheckpointTest", "DraftHead", "Router", "RouterBank", "Translator", "exit_decision"]
+__all__ = ["CheckpointTest", "DraftHead", "Router", "RouterBank", "Translator", "checkpoint_test",
+           "checkpoint_test_reference", "exit_decision"]
 
 
 def exit_decision(scores: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -158,17 +159,15 @@ class CheckpointTest:
     def __call__(self, hidden: torch.Tensor):
         """hidden [N, H] -> (scores fp32 [N], exits bool [N], exit states [N, H] in hidden's dtype).
 
-        Under `torch.compile` (and wherever an opaque op is wanted) the same computation runs as the custom op
-        `tide::checkpoint_test`, which compiled graphs call as one node."""
+        On CUDA and under `torch.compile` the computation runs as the custom op `tide::checkpoint_test`: compiled
+        graphs call it as one node, and on CUDA it is the fused kernel where one is loaded
+        (`tide.heads.kernels`). On CPU, eagerly, the same arithmetic runs without the op's dispatch."""
         if isinstance(self.translate, nn.Module):  # a low-rank exit head: two small projections, as a module
-            return _checkpoint_test(hidden, self.translate(hidden.float()), None, *self.down, *self.up,
-                                    self.layer_norm, self.eps, self.threshold)
-        translate = self.translate or (None, None)
-        if torch.compiler.is_compiling():
-            return checkpoint_test(hidden, translate[0], translate[1], *self.down, *self.up, self.layer_norm,
-                                   self.eps, self.threshold)
-        return _checkpoint_test(hidden, translate[0], translate[1], *self.down, *self.up, self.layer_norm, self.eps,
-                                self.threshold)
+            translate = (self.translate(hidden.float()), None)
+        else:
+            translate = self.translate or (None, None)
+        test = checkpoint_test if hidden.is_cuda or torch.compiler.is_compiling() else _checkpoint_test
+        return test(hidden, *translate, *self.down, *self.up, self.layer_norm, self.eps, self.threshold)
 
 
 def _checkpoint_test(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias, up_weight,
@@ -194,10 +193,21 @@ def _checkpoint_test(hidden, translate_weight, translate_bias, down_bias, down_w
 def checkpoint_test(hidden: torch.Tensor, translate_weight: torch.Tensor | None, translate_bias: torch.Tensor | None,
                     down_bias: torch.Tensor, down_weight: torch.Tensor, up_bias: torch.Tensor, up_weight: torch.Tensor,
                     layer_norm: bool, eps: float, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`CheckpointTest` as one op: (scores fp32 [N], exits bool [N], exit states [N, H]); see `_checkpoint_test`."""
+    """`CheckpointTest` as one op: (scores fp32 [N], exits bool [N], exit states [N, H]); see `_checkpoint_test`.
+    On CUDA, `tide.heads.kernels` registers the fused kernel in front of this reference."""
+    return checkpoint_test_reference(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias,
+                                     up_weight, layer_norm, eps, threshold)
+
+
+def checkpoint_test_reference(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias, up_weight,
+                              layer_norm, eps, threshold):
+    """The op's PyTorch implementation: `_checkpoint_test`, with an exit state that aliases no input (hidden, or a
+    low-rank head's translated state)."""
     scores, exits, state = _checkpoint_test(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias,
                                             up_weight, layer_norm, eps, threshold)
-    return scores, exits, state.clone() if state.data_ptr() == hidden.data_ptr() else state  # no output aliases
+    inputs = (hidden, translate_weight)
+    aliased = any(t is not None and t.data_ptr() == state.data_ptr() for t in inputs)
+    return scores, exits, state.clone() if aliased else state
 
 
 @checkpoint_test.register_fake

@@ -398,10 +398,11 @@ def grown_mask(mask, length: int):
     return torch.cat([mask, mask.new_ones(mask.shape[0], length - mask.shape[1])], dim=1)
 
 
-def new_positions(mask, past: int, length: int) -> dict:
-    """attention_mask / position_ids for `length` new positions after `past` cached ones (batch 1)."""
+def new_positions(mask, past: int, length: int, device=None) -> dict:
+    """attention_mask / position_ids for `length` new positions after `past` cached ones (batch 1), on the mask's
+    device, or on `device` where there is no mask."""
     if mask is None:
-        return {"position_ids": torch.arange(past, past + length).unsqueeze(0)}
+        return {"position_ids": torch.arange(past, past + length, device=device).unsqueeze(0)}
     mask = grown_mask(mask, past + length)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
     return {"attention_mask": mask, "position_ids": positions}

@@ -274,8 +274,7 @@ def additive_masks(parts: ModelParts, calls: list[LayerCall]) -> list[LayerCall]
         if not (isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 4):
             return value
         if id(value) not in converted:
-            converted[id(value)] = torch.zeros(value.shape, dtype=dtype, device=value.device).masked_fill_(
-                value.logical_not(), float("-inf"))
+            converted[id(value)] = _additive(value, dtype)
         return converted[id(value)]
 
     def with_additive(call: LayerCall) -> LayerCall:
@@ -284,6 +283,17 @@ def additive_masks(parts: ModelParts, calls: list[LayerCall]) -> list[LayerCall]
                          {name: convert(v, dtype) for name, v in call.kwargs.items()})
 
     return map_calls(calls, with_additive)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form of a boolean mask [B, h, Q, K]. On CUDA its rows start 16-element aligned (a view of a buffer
+    whose last dimension is padded), as SDPA's memory-efficient kernel pads a bias it is given: cuDNN's attention
+    failed on an H200 (`mha_graph.execute(...).is_good()`, then misaligned addresses) on Tide's single-token passes,
+    whose masks have odd key lengths."""
+    keys = mask.shape[-1]
+    width = -(-keys // 16) * 16 if mask.is_cuda else keys
+    additive = torch.zeros(*mask.shape[:-1], width, dtype=dtype, device=mask.device)[..., :keys]
+    return additive.masked_fill_(mask.logical_not(), float("-inf"))
 
 
 @contextmanager

@@ -328,7 +328,9 @@ class _Stack:
             if sample is None or (positions := _positions([sample.call], [0])) is None:
                 return False
             hidden = sample.hidden.to(self.weight.device, self.weight.dtype)
-            keys, values = self.kv([i], hidden, positions.rotary)
+            rotary = positions.rotary  # recorded where the probe ran: the model may have moved since
+            rotary = None if rotary is None else tuple(t.to(self.weight.device) for t in rotary)
+            keys, values = self.kv([i], hidden, rotary)
             low = self.weight.dtype != torch.float32 or sample.keys.dtype != torch.float32
             tol = dict(atol=5e-2, rtol=5e-2) if low else dict(atol=1e-4, rtol=1e-3)
             for mine, own in ((keys[0], sample.keys), (values[0], sample.values)):

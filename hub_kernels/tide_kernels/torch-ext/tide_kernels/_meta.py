@@ -1,4 +1,4 @@
-"""Fake (meta) implementation of router_exit, so torch.compile can trace through the op.
+"""Fake (meta) implementations of router_exit and checkpoint_test, so torch.compile can trace through the op.
 
 Registration is skipped when the compiled op library is not loaded (e.g. importing the sources on a
 machine without the built extension); the op itself is then unavailable anyway.
@@ -19,8 +19,17 @@ def _router_exit_fake(hidden, norm_weight, norm_bias, norm_kind, eps, down_weigh
     return hidden.new_empty((batch,), dtype=torch.float32), hidden.new_empty((batch,), dtype=torch.bool)
 
 
+def _checkpoint_test_fake(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias, up_weight,
+                          layer_norm, eps, threshold):
+    torch._check(hidden.dim() == 2, lambda: f"checkpoint_test: hidden must be [N, H], got {tuple(hidden.shape)}")
+    rows = hidden.shape[0]
+    return (hidden.new_empty((rows,), dtype=torch.float32), hidden.new_empty((rows,), dtype=torch.bool),
+            hidden.new_empty(hidden.shape))
+
+
 if add_op_namespace_prefix is not None:
-    try:
-        torch.library.register_fake(add_op_namespace_prefix("router_exit"))(_router_exit_fake)
-    except RuntimeError:  # the op library is not loaded in this process
-        pass
+    for _name, _fake in (("router_exit", _router_exit_fake), ("checkpoint_test", _checkpoint_test_fake)):
+        try:
+            torch.library.register_fake(add_op_namespace_prefix(_name))(_fake)
+        except RuntimeError:  # the op library is not loaded in this process
+            pass
