@@ -63,3 +63,19 @@ def test_auc():
     assert auc(scores, torch.tensor([False, False, True, True])) == 0.75
     assert auc(torch.ones(4), torch.tensor([False, True, False, True])) == 0.5
     assert auc(scores, torch.zeros(4, dtype=torch.bool)) is None
+
+
+def test_the_decode_check_jumps_to_the_budget_its_errors_point_at():
+    from tide.calibration.run import allowed_errors, next_budget
+    from tide.calibration.thresholds import EXIT_ERROR_BUDGETS, binomial_upper_bound
+
+    allowed = allowed_errors(1024, 0.99, 0.95)
+    assert 1.0 - binomial_upper_bound(allowed, 1024, 0.95) >= 0.99 > 1.0 - binomial_upper_bound(allowed + 1, 1024, 0.95)
+    assert allowed_errors(10, 0.99, 0.95) == -1  # ten tokens cannot show 0.99 at 95%
+    budget = EXIT_ERROR_BUDGETS[12]
+    smaller = [b for b in EXIT_ERROR_BUDGETS if b < budget]
+    assert next_budget(smaller, budget, 5, 4) == smaller[-1]  # a few errors too many: one step of 1.25 down
+    assert next_budget(smaller, budget, 16, 4) <= budget / 2  # four times the errors: half the budget
+    assert next_budget(smaller, budget, 16, 4) > budget / 2 / 1.25  # and no further
+    assert next_budget(smaller, budget, 10**6, allowed) == smaller[0]  # never below the smallest budget
+    assert next_budget(smaller, budget, 5, -1) == smaller[0]

@@ -765,7 +765,29 @@ def _validate(tide, token_lists, selection, dropped, target: float, procs: Proce
         if not smaller:
             selection, dropped = held.select(target, max_budget=0.0)
             return selection, dropped, result
-        selection, dropped = held.select(target, max_budget=smaller[-1])
+        selection, dropped = held.select(target, max_budget=next_budget(
+            smaller, selection.exit_error_budget, errors, allowed_errors(tokens, target, held.confidence)))
+
+
+def allowed_errors(tokens: int, target: float, confidence: float) -> int:
+    """The most disagreements in `tokens` decoded tokens whose lower confidence bound still reaches `target`
+    (-1 where even none would not)."""
+    allowed = -1
+    while allowed + 1 < tokens and 1.0 - binomial_upper_bound(allowed + 1, tokens, confidence) >= target:
+        allowed += 1
+    return allowed
+
+
+def next_budget(smaller: list[float], budget: float, errors: int, allowed: int) -> float:
+    """The per-exit error budget to check next after `errors` disagreements at `budget` where `allowed` would pass:
+    the largest of the `smaller` budgets at most budget x sqrt(allowed / errors), and at least one step down.
+    Decoded disagreements grow more slowly than the budget (part of them come from the approximate K/V of
+    skipped layers, not from the exits the budget allows), so the step is half the one that proportion would
+    give, in log scale: a few rounds to the budget the measurement points at, where stepping down one budget a
+    round took up to 7 rounds of the check on the shipped model, and no overshoot to a budget far below it."""
+    estimate = budget * math.sqrt(max(allowed, 0) / max(errors, 1))
+    fitting = [b for b in smaller if b <= estimate * 1.0001]  # the budgets are rounded to 6 decimals
+    return fitting[-1] if fitting else smaller[0]
 
 
 def thresholds_for_target(model, target_agreement: float) -> dict[str, float] | None:
