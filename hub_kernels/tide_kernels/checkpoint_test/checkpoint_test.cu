@@ -22,31 +22,16 @@
 #include <optional>
 #include <tuple>
 
+#include "../common/reductions.cuh"
+
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+using tide_kernels::block_sum;
+using tide_kernels::kThreads;
+using tide_kernels::kWarps;
+using tide_kernels::warp_sum;
+
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
-
-__device__ __forceinline__ float warp_sum(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
-
-// Sum of `value` over the block, returned to every thread. `scratch` holds kWarps floats.
-__device__ __forceinline__ float block_sum(float value, float* scratch) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  value = warp_sum(value);
-  __syncthreads();  // the previous call's readers are done with scratch
-  if (lane == 0) scratch[warp] = value;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += scratch[w];
-  return total;
-}
 
 template <typename in_t, typename out_t>
 __global__ void __launch_bounds__(kThreads) checkpoint_test_kernel(

@@ -6,15 +6,11 @@ Needs a CUDA device and a build (see test_router_exit.py).
     pytest hub_kernels/tide_kernels/tests
 """
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-KERNEL_DIR = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -32,16 +28,6 @@ def reference(hidden, translate_weight, translate_bias, down_bias, down_weight, 
     z = torch.nn.functional.silu(down_bias + (x @ down_weight) * inv_rms)
     scores = torch.sigmoid(up_bias + z @ up_weight).squeeze(-1)
     return scores, scores > threshold, state
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    from kernels import get_local_kernel
-
-    try:
-        return get_local_kernel(Path(os.environ.get("TIDE_KERNELS_BUILD", KERNEL_DIR)))
-    except Exception as err:  # no build for this torch/CUDA
-        pytest.skip(f"no local build of the kernel: {err}")
 
 
 def make_inputs(rows, hidden_size, bottleneck, head, dtype, layer_norm=False, seed=0):
