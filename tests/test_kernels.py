@@ -177,13 +177,15 @@ def test_build_toml_has_the_kernel_builder_sections():
     assert general["name"] == "tide-kernels" and general["backends"] == ["cuda"]
     assert general["version"] == tk.KERNEL_VERSION and general["hub"]["repo-id"] == tk.KERNEL_REPO
     assert config["torch"]["src"] == ["torch-ext/torch_binding.cpp", "torch-ext/torch_binding.h"]
-    kernel = config["kernel"]["router_exit"]
-    assert kernel["backend"] == "cuda" and kernel["depends"] == ["torch"]
-    assert kernel["cuda-capabilities"] == ["8.0", "9.0"] and kernel["src"] == ["router_exit/router_exit.cu"]
+    assert sorted(config["kernel"]) == ["checkpoint_test", "router_exit"]
+    for name, kernel in config["kernel"].items():
+        assert kernel["backend"] == "cuda" and kernel["depends"] == ["torch"]
+        assert kernel["cuda-capabilities"] == ["8.0", "9.0"]
+        assert kernel["src"] == [f"{name}/{name}.cu", "common/reductions.cuh"]  # the header both include
     listed = [*config["torch"]["src"], *(s for k in config["kernel"].values() for s in k["src"])]
     assert [s for s in listed if not (KERNEL_DIR / s).is_file()] == []
     for path in ("torch-ext/tide_kernels/__init__.py", "torch-ext/tide_kernels/_meta.py", "README.md",
-                 "tests/test_router_exit.py", "build_local.py"):
+                 "tests/test_router_exit.py", "tests/test_checkpoint_test.py", "tests/conftest.py", "build_local.py"):
         assert (KERNEL_DIR / path).is_file(), path
 
 
