@@ -4,6 +4,7 @@
 # 1. builds the fused kernels (hub_kernels/tide_kernels/build_local.py) for this torch/CUDA into a temporary folder
 #    and points Tide at it (LOCAL_KERNELS);
 # 2. kernel parity: hub_kernels' own tests and `pytest -m gpu tests/test_kernels.py`, against the PyTorch references;
+#    then the checkpoint test's time, fused against the reference (examples/gpu/time_checkpoint_test.py);
 # 3. tests/test_gpu.py: exit and lossless modes token for token the base model on CUDA, eagerly and with CUDA graphs;
 # 4. examples/bench_baselines on the shipped model on CUDA: Tide eager and compiled, against `generate` and against
 #    the base model's compiled static-cache decode with CUDA graphs (ROUTERS: a router repo for it, e.g. the demo's);
@@ -42,6 +43,7 @@ export LOCAL_KERNELS="tide-transformers/tide-kernels=$build" TIDE_KERNELS_BUILD=
 
 step kernel_tests "${KERNEL_TESTS_LIMIT_S:-120}" bash -c "'$py' -m pytest -p no:cacheprovider hub_kernels/tide_kernels/tests; \
     a=\$?; '$py' -m pytest -p no:cacheprovider -m gpu tests/test_kernels.py; exit \$((a | \$?))"
+step kernel_timing "${KERNEL_TIMING_LIMIT_S:-60}" "$py" examples/gpu/time_checkpoint_test.py --json "$out/kernel_timing.json"
 step gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$py" -m pytest -p no:cacheprovider tests/test_gpu.py
 
 routers=()
