@@ -376,3 +376,18 @@ def test_repo_generation_defaults_apply_and_a_call_overrides_them():
     model.generate(ids, **GREEDY)
     assert model.last_stats.exits == {"1": GREEDY["max_new_tokens"] - 1}
     assert torch.equal(model.generate(ids, tide_config={"exit_threshold": 1.0}, **GREEDY), base.generate(ids, **GREEDY))
+
+
+def test_tide_passes_run_without_cudnn_attention_on_cuda():
+    """On CUDA the loops' SDPA leaves out cuDNN's attention (`tide.decode.attention_backends`; the flags need no
+    device); elsewhere nothing changes."""
+    from types import SimpleNamespace
+
+    from tide.decode import attention_backends
+
+    with attention_backends(SimpleNamespace(device=torch.device("cuda"))):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored
+    with attention_backends(SimpleNamespace(device=torch.device("cpu"))):
+        assert torch.backends.cuda.cudnn_sdp_enabled()

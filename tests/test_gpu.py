@@ -69,3 +69,4 @@ def test_lossless_with_sdpa_in_bfloat16_equals_the_base_model():
     for scheme in ({"max_draft": 3}, {"max_draft": 1, "draft_topk": 3}):
         assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=20,
                                           tide_config={"mode": "lossless", **scheme}), ref), scheme
+

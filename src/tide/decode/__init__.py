@@ -8,11 +8,13 @@ and verification, `accept.py` the acceptance rules, `emit.py` what the loops han
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from ..models import compat
 from .exits import exit_decode
 from .lossless import lossless_decode
 
-__all__ = ["generate_with_loop", "exit_decode", "lossless_decode"]
+__all__ = ["attention_backends", "generate_with_loop", "exit_decode", "lossless_decode"]
 
 
 def generate_with_loop(base, session, loop, args: tuple, kwargs: dict):
@@ -22,6 +24,20 @@ def generate_with_loop(base, session, loop, args: tuple, kwargs: dict):
 
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                **model_kwargs):
-        return loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
+        with attention_backends(model):
+            return loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                        model_kwargs)
 
     return base.generate(*args, custom_generate=decode, **kwargs)
+
+
+def attention_backends(base):
+    """The SDPA backends Tide's passes run with: on CUDA, all but cuDNN's attention. On an H200 it failed in Tide's
+    single-token passes with explicit masks (`mha_graph.execute(...).is_good()`, then misaligned addresses; the
+    failure known from pytorch/pytorch#122695, whose workaround is this), while flash, memory-efficient and math
+    attention compute the same. Elsewhere nothing changes."""
+    if base.device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
