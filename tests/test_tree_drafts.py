@@ -519,16 +519,36 @@ def test_merged_tree_with_an_in_place_processor(monkeypatch):
     assert torch.equal(out, ref) and model.last_stats.merged_cycles > 0
 
 
-def test_merged_tree_compiled_runs_its_ngram_trees_eagerly(monkeypatch):
+def test_merged_tree_compiled_pads_its_ngram_trees_to_one_width(monkeypatch):
+    """Compiled (static cache): trees with n-gram branches run compiled, padded to one width (x, k candidates and
+    the longest continuation); the padding leaves no trace in the tokens or the cache."""
     from transformers import CompileConfig
+
+    from tide.decode.spans import SpanRunner
 
     model, base = _wrap()
     ids = prompt_ids()
-    ref = base.generate(ids, do_sample=False, max_new_tokens=14)
-    _install_oracles(monkeypatch, model, ref)
+    ref = base.generate(ids, do_sample=False, max_new_tokens=14, return_dict_in_generate=True)
+    _install_oracles(monkeypatch, model, ref.sequences)
+    runs, run = [], SpanRunner.run
+
+    def recording(self, start, stop, hidden, calls, eager=False):
+        runs.append((start, hidden.shape[1], eager))
+        return run(self, start, stop, hidden, calls, eager=eager)
+
+    monkeypatch.setattr(SpanRunner, "run", recording)
     out = model.generate(ids, do_sample=False, max_new_tokens=14, compile_config=CompileConfig(backend="eager"),
-                         tide_config=_merged(compile=True))
-    assert torch.equal(out, ref) and model.last_stats.merged_cycles > 0
+                         return_dict_in_generate=True, tide_config=_merged(compile=True))
+    assert torch.equal(out.sequences, ref.sequences) and model.last_stats.merged_cycles > 0
+    deep = [(width, eager) for start, width, eager in runs if start == 2 and width > 1]  # verifications (layer 1 drafts)
+    widest = 1 + 3 + 3  # x, 3 candidates, a continuation of up to 3
+    assert any(width == widest for width, _ in deep)
+    # every tree compiled at one of two widths (head-only, or with n-gram branches, padded); only the last chain
+    # verifications, with no room left in the static cache for the compiled width, run eagerly
+    assert all(not eager for width, eager in deep if width in (1 + 3, widest))
+    assert all(width <= 1 + 3 for width, eager in deep if eager)
+    full = base(out.sequences[:, :-1], use_cache=True).past_key_values
+    _assert_same_kv(out.past_key_values, full, out.sequences.shape[1] - 1)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

@@ -308,14 +308,18 @@ class TreeDrafter:
 
     def _verify(self, tree: DraftTree, cache, mask) -> torch.Tensor | None:
         """Full-model logits [1, N, V] at the pending token x and at each node of `tree`; None if no tree mask."""
-        session, parts, q = self.session, self.session.parts, len(tree)
+        session, parts, n = self.session, self.session.parts, len(tree)
+        pad = self._padding(tree, cache)
+        q = n + pad  # the chunk's width: the tree, and padding after it to the compiled width of n-gram trees
         x_ids, x_state = session.pending_ids, session.pending_states  # [1, 1], [1, 1, H]
-        nodes = torch.tensor([tree.tokens[1:]], dtype=x_ids.dtype, device=x_ids.device)
+        nodes = torch.tensor([tree.tokens[1:] + [0] * pad], dtype=x_ids.dtype, device=x_ids.device)
         have = layer_length(cache, 0)  # shallow layers hold x; deep layers do not yet
         inputs = new_positions(mask, have - 1, q, x_ids.device)  # the chunk [x, nodes]: the mask grown over it
-        depths = torch.tensor([tree.depths], device=inputs["position_ids"].device)
+        depths = torch.tensor([tree.depths + [1] * pad], device=inputs["position_ids"].device)
         inputs["position_ids"] = inputs["position_ids"][:, :1] + depths  # each node at x's position + its depth
-        blocked = tree.blocked()
+        blocked = tree.blocked()  # the padding sees what causal attention lets it see, and no node sees it
+        if pad:
+            blocked = torch.nn.functional.pad(blocked, (0, pad, 0, pad), value=False)
         deep = capture_layer_calls(parts, input_ids=torch.cat([x_ids, nodes], 1),
                                    past_key_values=LengthView(cache, have - 1), use_cache=True, **inputs)
         deep = tree_mask_calls(deep, blocked, start=have - 1)
@@ -331,11 +335,16 @@ class TreeDrafter:
                                                           past_key_values=LengthView(cache, have)), blocked[1:, 1:],
                                       start=have)
             shallow = additive_masks(parts, shallow)
-        eager = tree.has_ngram  # compiled graphs serve the head's k-wide trees; n-gram branches vary in depth
+        # compiled graphs serve the head's k-wide trees and, padded to one width, trees with n-gram branches
+        eager = tree.has_ngram and not pad
         with few_row_linears(parts), grouped_query_attention_in_place():  # N - 1 and N positions: the CPU layouts
             states = session.spans.run(0, session.draft_layer + 1, shallow[0].hidden, shallow, eager=eager)
             states = session.spans.run(session.draft_layer + 1, parts.num_layers, torch.cat([x_state, states], 1),
                                        deep, eager=eager)
+            if pad:  # the padding's K/V lie past every layer's length, where the next chunk overwrites them
+                states = states[:, :n]
+                for layer in range(parts.num_layers):
+                    crop_layer(cache, layer, -pad)
             session.verified_contexts = parts.final_norm(states)
             logits = parts.logits_from_normed(session.verified_contexts)
         session.pending_ids = session.pending_states = None
@@ -343,6 +352,15 @@ class TreeDrafter:
         session.stats.verify_passes += 1
         session.stats.decode_steps += 1
         return logits
+
+    def _padding(self, tree: DraftTree, cache) -> int:
+        """Positions to add after a tree with n-gram branches so that compiled passes see one width for them (the
+        widest such a tree gets: x, k candidates and the longest continuation), on a static cache with room for it;
+        0 where nothing is compiled, for the head's trees (one width already), and where there is no room."""
+        if not (self.session.spans.compiled and tree.has_ngram):
+            return 0
+        widest = 1 + self.k + self.session.max_draft
+        return widest - len(tree) if _room_for(cache, widest) else 0
 
 
 def _room_for(cache, positions: int) -> bool:
