@@ -14,7 +14,7 @@ from torch import nn
 
 import tide.heads.kernels as tk
 from tide.models.architectures import resolve
-from tide.heads.router import Router
+from tide.heads.router import Router, checkpoint_test_reference
 from tiny_models import FAMILIES, tiny_model
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "hub_kernels" / "tide_kernels"
@@ -254,8 +254,6 @@ def test_binding_defines_both_ops_with_the_tide_op_schema():
 @pytest.fixture(scope="module")
 def cpu_stand_in(tmp_path_factory):
     """The torch-ext package over CPU ops with the binding's schemas, implemented by the references."""
-    from tide.heads.router import checkpoint_test_reference
-
     namespace = "_tide_kernels_cpu_stand_in"
     library = torch.library.Library(namespace, "DEF")
     for schema in _binding_schemas():
@@ -292,7 +290,7 @@ def test_torch_ext_package_calls_the_op_and_registers_its_fake(cpu_stand_in):
 def test_torch_ext_package_checkpoint_test_calls_the_op_and_registers_its_fake(cpu_stand_in, translate):
     args = _checkpoint_args(translate, "cpu", torch.float32)
     scores, exits, state = cpu_stand_in.checkpoint_test(*args)
-    want = _checkpoint_reference(*args)
+    want = checkpoint_test_reference(*args)
     torch.testing.assert_close(scores, want[0])
     torch.testing.assert_close(state, want[2])
     torch.library.opcheck(cpu_stand_in.ops.checkpoint_test.default, args)
@@ -323,15 +321,7 @@ def _checkpoint_args(translate: str, device, dtype, rows: int = 4, hidden_size: 
     return (*tensors, test.layer_norm, test.eps, test.threshold)
 
 
-def _checkpoint_reference(*args):
-    from tide.heads.router import checkpoint_test_reference
-
-    return checkpoint_test_reference(*args)
-
-
 def test_checkpoint_kernel_falls_back_to_the_reference(monkeypatch):
-    from tide.heads.router import checkpoint_test_reference
-
     assert tk.load_checkpoint_kernel("torch") is checkpoint_test_reference
     assert tk.load_checkpoint_kernel("auto") is checkpoint_test_reference  # no CUDA here, or no build
     older = type("OlderBuild", (), {"router_exit": staticmethod(tk.router_exit_reference)})
@@ -406,8 +396,6 @@ def test_kernel_runs_without_host_sync(gpu_kernel, hidden_size, bottleneck):
 @pytest.fixture
 def gpu_checkpoint_kernel(gpu_kernel):
     fused = tk.load_checkpoint_kernel("kernel")
-    from tide.heads.router import checkpoint_test_reference
-
     assert fused is not checkpoint_test_reference
     return fused
 
@@ -422,7 +410,7 @@ def test_checkpoint_kernel_matches_reference_on_gpu(gpu_checkpoint_kernel, dtype
     args = _checkpoint_args(translate, "cuda", dtype, rows=5, hidden_size=hidden_size, bottleneck=bottleneck,
                             layer_norm=layer_norm)
     scores, exits, state = gpu_checkpoint_kernel(*args)
-    want_scores, want_exits, want_state = _checkpoint_reference(*args)
+    want_scores, want_exits, want_state = checkpoint_test_reference(*args)
     assert scores.dtype == torch.float32 and exits.dtype == torch.bool and state.dtype == dtype
     torch.testing.assert_close(scores, want_scores, atol=1e-4, rtol=0)
     torch.testing.assert_close(state, want_state, atol=0, rtol=0)  # the same GEMM, the same rounding
@@ -431,11 +419,9 @@ def test_checkpoint_kernel_matches_reference_on_gpu(gpu_checkpoint_kernel, dtype
 
 
 @pytest.mark.gpu
-def test_checkpoint_op_on_cuda_is_the_kernel_and_passes_opcheck(gpu_checkpoint_kernel, monkeypatch):
+def test_checkpoint_op_on_cuda_is_the_kernel_and_passes_opcheck(gpu_checkpoint_kernel):
     from tide.heads.router import checkpoint_test
 
-    monkeypatch.setenv("LOCAL_KERNELS", LOCAL_KERNELS or "")
-    tk._load.cache_clear()
     args = _checkpoint_args("full", "cuda", torch.bfloat16, rows=3, hidden_size=256, bottleneck=32)
     for got, want in zip(checkpoint_test(*args), gpu_checkpoint_kernel(*args)):
         assert torch.equal(got, want)

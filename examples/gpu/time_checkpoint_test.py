@@ -69,7 +69,8 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if cuda else torch.float32
     fused = load_checkpoint_kernel() if cuda else checkpoint_test_reference
     has_kernel = fused is not checkpoint_test_reference
-    print(f"{torch.cuda.get_device_name(0) if cuda else 'CPU'}, {dtype}, fused kernel: "
+    device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    print(f"{device_name}, {dtype}, fused kernel: "
           f"{'loaded' if has_kernel else 'not loaded (reference only)'}")
     print(f"{'rows':>5}{'hidden':>8}{'R':>5}{'fused (us)':>12}{'reference (us)':>16}{'layer, 1 row (us)':>19}")
     rows_out = []
@@ -88,7 +89,7 @@ def main(argv=None) -> dict:
                              "reference_us": reference, "layer_us": layer_us})
             fused_text = "-" if kernel is None else f"{kernel:.1f}"
             print(f"{rows:>5}{hidden:>8}{bottleneck:>5}{fused_text:>12}{reference:>16.1f}{layer_us:>19.1f}")
-    result = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "dtype": str(dtype),
+    result = {"device": device_name, "dtype": str(dtype),
               "torch": torch.__version__, "repeats": args.repeats, "rows": rows_out}
     if args.json:
         with open(args.json, "w") as f:

@@ -64,10 +64,8 @@ def compiled_static_decoder(base, cache_len: int, compile_options: dict | None =
     eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long, device=base.device)
     cache = StaticCache(config=base.config, max_cache_len=cache_len)
 
-    def pick(logits):  # greedy with end-of-sequence suppressed, as generate's min_new_tokens does; laid out afresh,
-        # since a token picked from the prompt's last position keeps that slice's row stride, a guard of the graph
-        ids = logits.index_fill(-1, eos, float("-inf")).argmax(-1, keepdim=True)
-        return ids.clone(memory_format=torch.contiguous_format)
+    def pick(logits):  # greedy with end-of-sequence suppressed, as generate's min_new_tokens does
+        return logits.index_fill(-1, eos, float("-inf")).argmax(-1, keepdim=True)
 
     @torch.no_grad()
     def decode(ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
