@@ -11,6 +11,7 @@
 # 5. a random-weight Llama of a 1B shape (bf16), eager Tide rows against both baselines, with Tide's cost table.
 # Every step has a time limit and runs even when an earlier one failed; OUT_DIR/log.txt records each step's exit
 # status and seconds, OUT_DIR/<step>.txt its output, and the benches write their rows as JSON beside it.
+# STEPS (space-separated step names, default all) runs only those steps, e.g. STEPS="build_kernels gpu_tests".
 # docs/gpu.md says how to read the results into docs/benchmarks.md.
 set -uo pipefail
 out="${1:-docs/results/gpu}"
@@ -22,6 +23,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 step() {  # step NAME LIMIT_S COMMAND...: output to OUT_DIR/NAME.txt, its tail and status to the console and the log
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
   echo "== $name (limit ${limit} s)" | tee -a "$log"
   timeout --kill-after=10 "$limit" "$@" >"$out/$name.txt" 2>&1
   rc=$?
