@@ -1,5 +1,7 @@
 """`tide_config={"compile": True}`: compiled runs of layers on a static cache, token for token as eager ones."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from transformers import CompileConfig, DynamicCache
@@ -117,3 +119,37 @@ def test_compiled_base_leaves_beam_search_to_transformers():
     options = dict(do_sample=False, max_new_tokens=8, num_beams=2)
     out = model.generate(ids, tide_config={"compile": True}, compile_config=EAGER_BACKEND, **options)
     assert torch.equal(out, base.generate(ids, **options))
+
+
+def test_compiled_calls_share_one_static_cache():
+    """Compiled calls decode on one lent static cache (the same tensors call after call: CUDA graphs captured on
+    its addresses replay), reset each call and never shorter than the last; a call that returns its cache, and a
+    call while the cache is lent, get one of their own."""
+    model, base = noisy_tide("llama")
+    ids, longer = prompt_ids(), prompt_ids(length=12, seed=1)
+    seen, original = [], model.static_caches.lend
+
+    @contextmanager
+    def lend(*args, **kwargs):  # the caches lent, as the calls see them
+        with original(*args, **kwargs) as cache:
+            seen.append(cache)
+            yield cache
+
+    model.static_caches.lend = lend
+    run = dict(do_sample=False, compile_config=EAGER_BACKEND, tide_config={"mode": "lossless", "max_draft": 3,
+                                                                          "compile": True})
+    for prompt, new in ((ids, 20), (longer, 8), (ids, 20)):
+        assert torch.equal(model.generate(prompt, max_new_tokens=new, **run),
+                           base.generate(prompt, do_sample=False, max_new_tokens=new))
+    assert len(seen) == 3 and seen[0] is seen[1] is seen[2]
+    held, keys = seen[0], seen[0].layers[0].keys
+    assert held.layers[0].max_cache_len == ids.shape[1] + 20 - 1  # as generate sizes it: max_length - 1
+    out = model.generate(ids, max_new_tokens=20, return_dict_in_generate=True, **run)
+    assert len(seen) == 3 and out.past_key_values is not held  # a returned cache: generate made it, not lent
+    with original(base.config, 8, 1, next(base.parameters())) as taken:
+        assert taken is held  # the free one: at least 8 positions (the longest lent so far)
+        assert torch.equal(model.generate(ids, max_new_tokens=20, **run),
+                           base.generate(ids, do_sample=False, max_new_tokens=20))
+        assert seen[-1] is not held  # lent elsewhere meanwhile: a cache of its own
+    model.generate(ids, max_new_tokens=20, **run)
+    assert seen[-1] is held and held.layers[0].keys is keys

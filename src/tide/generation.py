@@ -81,6 +81,32 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     model.last_stats = None
     run = resolve_run_config(model, tide_config)
     compiled = tide_config is not False and model.config.resolve_generation(tide_config).compile
+    length = _static_cache_length(model, args, kwargs) if compiled else None
+    if length is None:
+        return _generate(model, tide_config, run, compiled, args, kwargs)
+    rows = _inputs(args, kwargs).shape[0] * (_option(model, kwargs, "num_return_sequences") or 1)
+    with model.static_caches.lend(model.base.config, length, rows, next(model.base.parameters())) as cache:
+        return _generate(model, tide_config, run, compiled, args, {**kwargs, "past_key_values": cache})
+
+
+def _static_cache_length(model, args, kwargs) -> int | None:
+    """The static cache `generate` would make for a compiled call (its `max_length` - 1 positions), where Tide
+    lends one of its own instead (`decode.cachepool`): a call on token ids that passes no cache, keeps the cache
+    on, does not return its cache, and runs no beams. None elsewhere (generate makes it, or the call has none)."""
+    inputs = _inputs(args, kwargs)
+    if (kwargs.get("past_key_values") is not None or _no_cache(kwargs) or not isinstance(inputs, torch.Tensor)
+            or inputs.dim() != 2 or kwargs.get("inputs_embeds") is not None
+            or _option(model, kwargs, "cache_implementation") not in (None, "static")
+            or _option(model, kwargs, "return_dict_in_generate") or (_option(model, kwargs, "num_beams") or 1) > 1):
+        return None
+    new_tokens = _option(model, kwargs, "max_new_tokens")
+    max_length = inputs.shape[1] + new_tokens if new_tokens is not None else _option(model, kwargs, "max_length")
+    if max_length is None:
+        return None
+    return max(int(max_length) - 1, int(_option(model, kwargs, "max_cache_len") or 0), 1)
+
+
+def _generate(model, tide_config, run, compiled: bool, args, kwargs):
     if run is not None and compiled and not run.compiled_modes and not _ASKS_A_MODE & _given_fields(tide_config):
         run = None  # calibration timed Tide's modes no faster than the base model's compiled decode
     if run is not None and run.mode == "auto":

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel
 
 from .config import TideConfig
+from .decode.cachepool import StaticCachePool
 from .generation import generate_with_tide
 from .heads.draftvocab import restricted_logits
 from .heads.kernels import norm_params, router_exit
@@ -56,6 +57,7 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         self.generation_config = base_model.generation_config
         self.last_stats = None
         self.span_runners: dict = {}  # compile options -> decode.spans.SpanRunner: compiled runs of layers, kept
+        self.static_caches = StaticCachePool()  # lent to compiled calls, the same across calls (decode/cachepool.py)
         # token ids [n] the full model predicted most in calibration, most frequent first (draftvocab.py); None: none
         self.draft_vocabulary: torch.Tensor | None = None
         self.align_routers()

@@ -17,9 +17,15 @@ class Emitted:
         self.scores = () if as_dict and generation_config.output_scores else None
         self.logits = () if as_dict and generation_config.output_logits else None
 
-    def add(self, tokens: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> None:
-        """tokens: [B, n] emitted now; scores / logits: [B, >= n, V] processed and raw, one row per token. The
-        streamer gets what transformers' loops give it: [B] for one token a step, [1, n] for several."""
+    @property
+    def keeps_outputs(self) -> bool:
+        """Whether the call returns per-token scores or logits (else `add` needs neither)."""
+        return self.scores is not None or self.logits is not None
+
+    def add(self, tokens: torch.Tensor, scores: torch.Tensor | None, logits: torch.Tensor | None) -> None:
+        """tokens: [B, n] emitted now; scores / logits: [B, >= n, V] processed and raw, one row per token (None
+        where the call keeps neither). The streamer gets what transformers' loops give it: [B] for one token a step,
+        [1, n] for several."""
         n = tokens.shape[1]
         if self.scores is not None:
             self.scores += tuple(scores[:, i] for i in range(n))

@@ -40,11 +40,14 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
     while True:
         draft = drafter.draft(input_ids)
         start = time.perf_counter()
-        raw = draft.verified if draft.verified is not None else session.verify(draft.ids, cache)
-        raw = raw.to(torch.float32, copy=True)  # [1, k + 1, V]
-        scores = _processed(logits_processor, draft.ids, raw)
-        # (a sampled tree walk decided already: its acceptance is random and depends on the path it took)
-        verdict = draft.decided if draft.decided is not None else _decide(draft, scores, sample)
+        # (a tree walk decided already: it judged each node on the way; a sampled one's acceptance is random and
+        # depends on the path it took) Its scores and logits are computed here only where the call keeps them.
+        verdict, raw, scores = draft.decided, None, None
+        if verdict is None or emitted.keeps_outputs:
+            raw = draft.verified if draft.verified is not None else session.verify(draft.ids, cache)
+            raw = raw.to(torch.float32, copy=True)  # [1, k + 1, V]
+            scores = _processed(logits_processor, draft.ids, raw)
+            verdict = verdict if verdict is not None else _decide(draft, scores, sample)
         # Drafts end at a token that stops generation (EOS included) and within the length budget, so the verdict
         # fits; if the stopping draft is accepted, generation ends there: no bonus token.
         tokens = verdict.tokens

@@ -15,9 +15,10 @@ class Draft:
 
     `ids` is the sequence with the drafted tokens appended. `scores` holds the processed draft scores the tokens
     were sampled from (sampling only; the speculative-sampling rule needs them). A tree draft verifies its
-    candidates in the same pass that drafts them and hands over the full model's logits as `verified`; under
-    sampling its walk also decides what is kept (the acceptance is random and depends on the path), and hands
-    over that verdict as `decided`: the loop emits it as is, without judging the draft again. A draft whose last
+    candidates in the same pass that drafts them and hands over the full model's logits as `verified`; its walk
+    also decides what is kept (it judged each node on the way; under sampling the acceptance is random and depends
+    on the path), and hands over that verdict as `decided`: the loop emits it as is, without judging the draft
+    again. A draft whose last
     token would stop generation says so (`stops`): if verification accepts it, nothing follows it.
     """
 
@@ -26,7 +27,7 @@ class Draft:
     scores: torch.Tensor | None = None  # [1, k, V] (sampling)
     verified: torch.Tensor | None = None  # [1, k + 1, V] full-model logits at the last k + 1 positions of `ids`
     stops: bool = False  # the last drafted token ends generation (EOS, a stop string, the caller's criteria)
-    decided: Verdict | None = None  # the verdict, already decided (a sampled tree walk): every drafted token kept
+    decided: Verdict | None = None  # the verdict, already decided (a tree walk): every drafted token kept
 
 
 @dataclass

@@ -40,6 +40,7 @@ distribution and an n-gram chain as certain of its tokens, by the speculative-sa
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -49,6 +50,7 @@ from ..layers.calls import LayerCall, additive_masks, capture_layer_calls, map_c
 from ..layers.fewrows import few_row_linears
 from ..models.compat import (
     LengthView,
+    crop_cache,
     crop_layer,
     grouped_query_attention_in_place,
     is_static_layer,
@@ -59,7 +61,7 @@ from .accept import among_certain_drafts, certain_scores
 from .processors import process
 from .records import Draft, Verdict
 
-__all__ = ["DraftTree", "TreeDrafter", "keep_of_tail", "tree_mask_calls", "without_first_position"]
+__all__ = ["DraftTree", "TreeDrafter", "keep_of_tail", "keep_path", "tree_mask_calls", "without_first_position"]
 
 
 class DraftTree:
@@ -99,13 +101,18 @@ class DraftTree:
 
     def blocked(self) -> torch.Tensor:
         """[N, N] (query node, key node), x included: True where a node would see an earlier node that is not its
-        ancestor. Later nodes are left to the causal mask."""
-        sees = torch.zeros(len(self), len(self), dtype=torch.bool)
-        for node in range(len(self)):
-            if node:
-                sees[node] = sees[self.parents[node]]
-            sees[node, node] = True
-        return ~sees & torch.ones_like(sees).tril()
+        ancestor. Later nodes are left to the causal mask. (Shared between trees of one shape: do not modify.)"""
+        return _blocked(tuple(self.parents))
+
+
+@functools.lru_cache(maxsize=256)
+def _blocked(parents: tuple[int, ...]) -> torch.Tensor:
+    sees = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for node in range(len(parents)):
+        if node:
+            sees[node] = sees[parents[node]]
+        sees[node, node] = True
+    return ~sees & torch.ones_like(sees).tril()
 
 
 def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor, start: int | None = None) -> list[LayerCall] | None:
@@ -170,6 +177,16 @@ def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | 
 
 
 _UNPLACED = object()
+
+
+def keep_path(cache, num_layers: int, tail: int, keep: list[int]) -> None:
+    """`keep_of_tail` on every layer; where the kept positions are already the tail's first (a path of first
+    children), one crop of the whole cache."""
+    if keep == list(range(len(keep))):
+        crop_cache(cache, tail - len(keep))
+        return
+    for layer in range(num_layers):
+        keep_of_tail(cache, layer, tail, keep)
 
 
 def keep_of_tail(cache, layer: int, tail: int, keep: list[int]) -> None:
@@ -256,34 +273,30 @@ class TreeDrafter:
         stats.ngram_drafted += len(continuation)
         stats.merged_cycles += bool(continuation)
         stats.tree_cycles += 1
-        if chain.do_sample:
-            self.path, out, last = self._sampled_walk(tree, logits, input_ids)
-        else:
-            self.path, out = self._walk(tree, logits, input_ids)
+        walk = self._sampled_walk if chain.do_sample else self._walk
+        self.path, out, last = walk(tree, logits, input_ids)
         stats.later_children_accepted += sum(next(iter(tree.children[tree.parents[node]].values())) != node
                                              for node in self.path[1:])
-        for layer in range(session.parts.num_layers):
-            keep_of_tail(cache, layer, nodes, [node - 1 for node in self.path[1:]])
+        keep_path(cache, session.parts.num_layers, nodes, [node - 1 for node in self.path[1:]])
         session.verified_contexts = session.verified_contexts[:, self.path]
         count = len(self.path) - 1
-        decided = None
-        if chain.do_sample:  # the walk decided: the path's tokens, then the token drawn after them
-            decided = Verdict(torch.cat([out[:, out.shape[1] - count:], last.to(out.device)], 1), count)
+        # the walk decided: the path's tokens, then the token after them (the loop does not judge them again)
+        decided = Verdict(torch.cat([out[:, out.shape[1] - count:], last.to(out.device)], 1), count)
         return Draft(out, count, verified=logits[:, self.path], decided=decided)
 
     def _walk(self, tree: DraftTree, logits: torch.Tensor, input_ids: torch.LongTensor):
-        """The accepted path (node indices, x first) and the sequence with its tokens: from x, the child equal to
-        the full model's processed argmax, while one exists and that token would not stop generation (a
-        stopping token comes from its parent's logits, as the loop's bonus token)."""
+        """The accepted path (node indices, x first), the sequence with its tokens, and the full model's token
+        [1, 1] after them: from x, the child equal to the full model's processed argmax, while one exists and that
+        token would not stop generation (a stopping token is the one after the path, as the loop's bonus token)."""
         path, ids = [0], input_ids
         while True:
             node = path[-1]
-            # (a copy: processors may work in place, and the loop applies them to these logits itself)
+            # (a copy: processors may work in place, and the loop may apply them to these logits itself)
             scores = process(self.chain.logits_processor, ids, logits[:, node].to(torch.float32, copy=True))
             target = scores.argmax(-1, keepdim=True)
             child = tree.children[node].get(int(target))
             if child is None or self.chain.stops(torch.cat([ids, target], 1), logits[:, node]):
-                return path, ids
+                return path, ids, target
             path.append(child)
             ids = torch.cat([ids, target], 1)
 
@@ -310,6 +323,9 @@ class TreeDrafter:
         """Full-model logits [1, N, V] at the pending token x and at each node of `tree`; None if no tree mask."""
         session, parts, n = self.session, self.session.parts, len(tree)
         pad = self._padding(tree, cache)
+        # compiled graphs serve the head's k-wide trees and, padded to one width, trees with n-gram branches; where
+        # a static cache has no room left for that width, an n-gram tree runs eagerly
+        eager, pad = pad is None, pad or 0
         q = n + pad  # the chunk's width: the tree, and padding after it to the compiled width of n-gram trees
         x_ids, x_state = session.pending_ids, session.pending_states  # [1, 1], [1, 1, H]
         nodes = torch.tensor([tree.tokens[1:] + [0] * pad], dtype=x_ids.dtype, device=x_ids.device)
@@ -335,8 +351,6 @@ class TreeDrafter:
                                                           past_key_values=LengthView(cache, have)), blocked[1:, 1:],
                                       start=have)
             shallow = additive_masks(parts, shallow)
-        # compiled graphs serve the head's k-wide trees and, padded to one width, trees with n-gram branches
-        eager = tree.has_ngram and not pad
         with few_row_linears(parts), grouped_query_attention_in_place():  # N - 1 and N positions: the CPU layouts
             states = session.spans.run(0, session.draft_layer + 1, shallow[0].hidden, shallow, eager=eager)
             states = session.spans.run(session.draft_layer + 1, parts.num_layers, torch.cat([x_state, states], 1),
@@ -353,14 +367,14 @@ class TreeDrafter:
         session.stats.decode_steps += 1
         return logits
 
-    def _padding(self, tree: DraftTree, cache) -> int:
+    def _padding(self, tree: DraftTree, cache) -> int | None:
         """Positions to add after a tree with n-gram branches so that compiled passes see one width for them (the
         widest such a tree gets: x, k candidates and the longest continuation), on a static cache with room for it;
-        0 where nothing is compiled, for the head's trees (one width already), and where there is no room."""
+        0 where nothing is compiled and for the head's trees (one width already); None where there is no room."""
         if not (self.session.spans.compiled and tree.has_ngram):
             return 0
         widest = 1 + self.k + self.session.max_draft
-        return widest - len(tree) if _room_for(cache, widest) else 0
+        return widest - len(tree) if _room_for(cache, widest) else None
 
 
 def _room_for(cache, positions: int) -> bool:
