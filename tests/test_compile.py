@@ -94,6 +94,27 @@ def test_compiled_call_runs_the_compiled_base_where_modes_do_not_pay():
     assert model.last_stats.mode == "lossless"
 
 
+def test_compiled_base_steps_get_their_tokens_laid_out_afresh(monkeypatch):
+    """Each compiled base step gets its tokens in a tensor of their own, not a slice of the sequence: a slice's
+    stride holds the sequence's length, and a compiled forward records a graph (on a GPU, a CUDA graph) for every
+    stride it sees."""
+    from tide.decode.baseline import BaseSession
+
+    model, base = noisy_tide("llama")
+    model.config.set_generation_defaults(compiled_modes=False)
+    strides, forward = [], BaseSession.forward
+
+    def recording(self, input_ids=None, **kwargs):
+        strides.append(input_ids.stride())
+        return forward(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(BaseSession, "forward", recording)
+    ids = prompt_ids()
+    out = model.generate(ids, do_sample=False, max_new_tokens=6, compile_config=EAGER_BACKEND, tide_config={"compile": True})
+    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=6))
+    assert len(strides) == 6 and set(strides[1:]) == {(1, 1)}  # the prompt, then one token a step
+
+
 def test_compiled_base_serves_processors_stops_and_padded_batches():
     model, base = noisy_tide("llama")
     model.config.set_generation_defaults(compiled_modes=False, exit_threshold=0.5)

@@ -46,7 +46,9 @@ def exit_decode(session, input_ids, logits_processor, stopping_criteria, generat
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
         if positions is not None:
             positions = positions[..., -1:] + 1
-        out = session.forward(input_ids=input_ids[:, -1:], past_key_values=cache, attention_mask=mask,
+        # (this step's tokens as a tensor of their own: a slice of the sequence would carry its length in its
+        # stride, and a compiled forward (`baseline.BaseSession`) records a graph for every stride it sees)
+        out = session.forward(input_ids=tokens[:, None], past_key_values=cache, attention_mask=mask,
                               position_ids=positions, use_cache=True)
         logits = out.logits[:, -1]
 
