@@ -7,7 +7,8 @@
 #    then the checkpoint test's time, fused against the reference (examples/gpu/time_checkpoint_test.py);
 # 3. tests/test_gpu.py: exit and lossless modes token for token the base model on CUDA, eagerly and with CUDA graphs;
 # 4. examples/bench_baselines on the shipped model on CUDA: Tide eager and compiled, against `generate` and against
-#    the base model's compiled static-cache decode with CUDA graphs (ROUTERS: a router repo for it, e.g. the demo's);
+#    the base model's compiled static-cache decode with CUDA graphs (ROUTERS: a router repo for it, e.g. the demo's),
+#    and lossless mode forced on its calibrated scheme (a tree of 3 from layer 0, n-gram branches, 4 deep);
 # 5. a random-weight Llama of a 1B shape (bf16), eager Tide rows against both baselines, with Tide's cost table.
 # Every step has a time limit and runs even when an earlier one failed; OUT_DIR/log.txt records each step's exit
 # status and seconds, OUT_DIR/<step>.txt its output, and the benches write their rows as JSON beside it.
@@ -53,6 +54,6 @@ step gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$py" -m pytest -p no:cacheprovider t
 routers=()
 if [ -n "${ROUTERS:-}" ]; then routers=(--routers "$ROUTERS"); fi
 step bench_shipped "${BENCH_LIMIT_S:-240}" "$py" examples/bench_baselines/bench_baselines.py --device cuda --compile \
-    "${routers[@]}" --tokens 48 --prompts 4 --json "$out/bench_shipped.json"
+    "${routers[@]}" --schemes 0:4:k3 --tokens 48 --prompts 4 --json "$out/bench_shipped.json"
 step bench_1b "${BENCH_LIMIT_S:-240}" "$py" examples/bench_baselines/bench_baselines.py --device cuda \
     --random-shape 1b --tokens 48 --prompts 3 --costs --schemes 3:1 --exit -1 --json "$out/bench_1b.json"
