@@ -63,7 +63,9 @@ def test_tree_drafts_on_a_static_cache_are_token_identical(family):
     assert model.last_stats.draft_topk == 3 and model.last_stats.drafted > 0
 
 
-def test_tree_verification_runs_compiled_spans():
+def test_tree_verification_runs_the_compiled_backbone():
+    """Compiled, a tree is verified in one pass of the backbone's own compiled forward, the tree as a 4-D mask:
+    x and its 3 candidates (one width, one graph, replayed by later calls), token for token the base model."""
     from transformers import CompileConfig
 
     model, base = noisy_tide("llama")
@@ -74,11 +76,10 @@ def test_tree_verification_runs_compiled_spans():
                          tide_config=config)
     assert torch.equal(out, ref) and model.last_stats.draft_topk == 3
     runner = next(iter(model.span_runners.values()))
-    widths = []
-    real = runner._span
-    runner._span = lambda start, stop: (lambda layers, returns, hidden, *rest: (
-        widths.append(hidden.shape[1]), real(start, stop)(layers, returns, hidden, *rest))[1])
-    with torch._dynamo.config.patch(error_on_recompile=True):  # the tree's widths replay their graphs
+    widths, real = [], runner.backbone
+    runner.backbone = lambda **inputs: (widths.append(inputs["input_ids"].shape[1]), real(**inputs))[1]
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the tree's width replays its graph
         out = model.generate(ids, do_sample=False, max_new_tokens=16, compile_config=CompileConfig(backend="eager"),
                              tide_config=config)
-    assert torch.equal(out, ref) and {3, 4} <= set(widths)  # the candidates' shallow run, the deep run over x + 3
+    assert torch.equal(out, ref) and widths and set(widths) == {4}
+    assert model.last_stats.tree_cycles == len(widths)

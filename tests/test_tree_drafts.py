@@ -36,6 +36,28 @@ def test_greedy_is_token_identical(family, draft_layer, topk):
         assert stats.layer_passes == stats.verify_passes * model.parts.num_layers + stats.drafted * (draft_layer + 1)
 
 
+# Static caches that lossless mode cannot use: sliding windows drop evicted positions (mode='lossless' refuses), and
+# this Falcon (alibi) does not decode on a static cache in transformers itself.
+NO_STATIC_LOSSLESS = {"falcon", "gemma2", "gemma3_text", "mistral", "qwen2"}
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - NO_STATIC_LOSSLESS))
+def test_compiled_trees_are_token_identical(family):
+    """Compiled on a static cache, trees are verified by the backbone's own compiled forward with the tree as a 4-D
+    mask (where the family takes one: full attention, positions in position_ids); token for token the base model,
+    n-gram branches included."""
+    from transformers import CompileConfig
+
+    model, base = _wrap(family)
+    ids = torch.cat([prompt_ids(), prompt_ids()], 1)  # a prompt that repeats itself: n-gram branches
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    out = model.generate(ids, do_sample=False, max_new_tokens=16, compile_config=CompileConfig(backend="eager"),
+                         tide_config={**_tree(1, 3), "draft_ngram": 3, "compile": True})
+    assert torch.equal(out, ref)
+    stats = model.last_stats
+    assert stats.decode_tokens == 16 and (stats.tree_cycles > 0) == model.parts.spec.tree_drafts
+
+
 class _RankedOracle:
     """A draft head that ranks the base model's true next token `rank`-th (0 = top-1), knowing the reference;
     installed as `model.draft_logits`."""
@@ -521,7 +543,8 @@ def test_merged_tree_with_an_in_place_processor(monkeypatch):
 
 def test_merged_tree_compiled_pads_its_ngram_trees_to_one_width(monkeypatch):
     """Compiled (static cache): trees with n-gram branches run compiled, padded to one width (x, k candidates and
-    the longest continuation); the padding leaves no trace in the tokens or the cache."""
+    the longest continuation), through the backbone's compiled forward; the padding leaves no trace in the tokens
+    or the cache."""
     from transformers import CompileConfig
 
     from tide.decode.spans import SpanRunner
@@ -530,22 +553,26 @@ def test_merged_tree_compiled_pads_its_ngram_trees_to_one_width(monkeypatch):
     ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=14, return_dict_in_generate=True)
     _install_oracles(monkeypatch, model, ref.sequences)
-    runs, run = [], SpanRunner.run
+    runs, trees, run, backbone = [], [], SpanRunner.run, SpanRunner.backbone
 
     def recording(self, start, stop, hidden, calls, eager=False):
         runs.append((start, hidden.shape[1], eager))
         return run(self, start, stop, hidden, calls, eager=eager)
 
+    def verifying(self, **inputs):
+        trees.append(inputs["input_ids"].shape[1])
+        return backbone(self, **inputs)
+
     monkeypatch.setattr(SpanRunner, "run", recording)
+    monkeypatch.setattr(SpanRunner, "backbone", verifying)
     out = model.generate(ids, do_sample=False, max_new_tokens=14, compile_config=CompileConfig(backend="eager"),
                          return_dict_in_generate=True, tide_config=_merged(compile=True))
     assert torch.equal(out.sequences, ref.sequences) and model.last_stats.merged_cycles > 0
-    deep = [(width, eager) for start, width, eager in runs if start == 2 and width > 1]  # verifications (layer 1 drafts)
     widest = 1 + 3 + 3  # x, 3 candidates, a continuation of up to 3
-    assert any(width == widest for width, _ in deep)
-    # every tree compiled at one of two widths (head-only, or with n-gram branches, padded); only the last chain
-    # verifications, with no room left in the static cache for the compiled width, run eagerly
-    assert all(not eager for width, eager in deep if width in (1 + 3, widest))
+    # every tree compiled at one of two widths (head-only, or with n-gram branches, padded)
+    assert widest in trees and set(trees) <= {1 + 3, widest}
+    # only the last chain verifications, with no room left in the static cache for a tree, run eagerly
+    deep = [(width, eager) for start, width, eager in runs if start == 2 and width > 1]  # (layer 1 drafts)
     assert all(width <= 1 + 3 for width, eager in deep if eager)
     full = base(out.sequences[:, :-1], use_cache=True).past_key_values
     _assert_same_kv(out.past_key_values, full, out.sequences.shape[1] - 1)

@@ -64,7 +64,7 @@ class SpanRunner:
 
     def __init__(self, parts: ModelParts, options: dict | None = None):
         self.parts, self.options = parts, options
-        self._compiled: dict[tuple[int, int], object] = {}
+        self._compiled: dict = {}  # (start, stop) -> a span's compiled function; "backbone" -> the backbone's
 
     @property
     def compiled(self) -> bool:
@@ -85,6 +85,15 @@ class SpanRunner:
                                       hidden, _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs))
         # A CUDA graph's output lives in its memory pool, which the next replay of any span overwrites; the loops
         # keep states across spans and steps (pending drafts, exit states), so they get a copy of their own.
+        return out.clone() if self.cuda_graphs else out
+
+    def backbone(self, **inputs):
+        """The backbone's own forward on `inputs`, compiled (one graph per input shape): its last hidden state
+        [B, T, H], which the backbone gives after its final norm."""
+        fn = self._compiled.get("backbone")
+        if fn is None:
+            fn = self._compiled["backbone"] = torch.compile(self.parts.backbone.forward, **self.options)
+        out = fn(**inputs)[0]
         return out.clone() if self.cuda_graphs else out
 
     @property

@@ -46,7 +46,7 @@ import time
 import torch
 
 from ..layers.args import new_positions
-from ..layers.calls import LayerCall, additive_masks, capture_layer_calls, map_calls
+from ..layers.calls import LayerCall, additive_mask, additive_masks, capture_layer_calls, map_calls
 from ..layers.fewrows import few_row_linears
 from ..models.compat import (
     LengthView,
@@ -323,6 +323,8 @@ class TreeDrafter:
         """Full-model logits [1, N, V] at the pending token x and at each node of `tree`; None if no tree mask."""
         session, parts, n = self.session, self.session.parts, len(tree)
         pad = self._padding(tree, cache)
+        if pad is not None and self._through_backbone(cache):
+            return self._verify_through_backbone(tree, cache, mask, pad)
         # compiled graphs serve the head's k-wide trees and, padded to one width, trees with n-gram branches; where
         # a static cache has no room left for that width, an n-gram tree runs eagerly
         eager, pad = pad is None, pad or 0
@@ -363,6 +365,54 @@ class TreeDrafter:
             logits = parts.logits_from_normed(session.verified_contexts)
         session.pending_ids = session.pending_states = None
         session.stats.layer_passes += parts.num_layers  # the nodes' shallow layers and everything's deep ones
+        session.stats.verify_passes += 1
+        session.stats.decode_steps += 1
+        return logits
+
+    def _through_backbone(self, cache) -> bool:
+        """Whether a compiled call verifies its trees in one pass of the backbone's own compiled forward, with the
+        tree as a custom 4-D mask (which transformers passes to every layer as given): every layer takes the same
+        arguments (one mask serves all), attention adds the mask (SDPA, eager), the backbone's output is its final
+        norm's (no projection after it, e.g. OPT's project_out), and the cache is a full-attention static one (one
+        shape, one graph)."""
+        session, parts = self.session, self.session.parts
+        return (session.spans.compiled and parts.uniform_layers and parts.post_norm is None
+                and parts.spec.norm.startswith(parts.spec.backbone + ".")
+                and getattr(parts.backbone.config, "_attn_implementation", None) in ("sdpa", "eager")
+                and all(is_static_layer(layer) for layer in cache.layers))
+
+    def _verify_through_backbone(self, tree: DraftTree, cache, mask, pad: int) -> torch.Tensor:
+        """`_verify` as one compiled pass of the backbone over the chunk [x, nodes, padding] (positions x's + the
+        nodes' depths, the tree mask), from x's position in every layer: the draft layers drop x first, and the
+        pass writes it again with the rest. The backbone's output is the full model's final normed state."""
+        session, parts, n = self.session, self.session.parts, len(tree)
+        q = n + pad
+        x_ids = session.pending_ids  # [1, 1]
+        nodes = torch.tensor([tree.tokens[1:] + [0] * pad], dtype=x_ids.dtype, device=x_ids.device)
+        for layer in range(session.draft_layer + 1):
+            crop_layer(cache, layer, -1)
+        past = layer_length(cache, 0)  # every layer holds the context before x
+        inputs = new_positions(mask, past, q, x_ids.device)
+        depths = torch.tensor([tree.depths + [1] * pad], device=inputs["position_ids"].device)
+        blocked = tree.blocked()  # the padding sees what causal attention lets it see, and no node sees it
+        if pad:
+            blocked = torch.nn.functional.pad(blocked, (0, pad, 0, pad), value=False)
+        keys = cache.layers[0].get_mask_sizes(q)[0]  # a static layer's masks span the whole cache
+        sees = torch.zeros(1, 1, q, keys, dtype=torch.bool, device=x_ids.device)
+        context = inputs.get("attention_mask")
+        sees[..., :past] = True if context is None else context[:, None, None, :past].bool()
+        sees[0, 0, :, past:past + q] = torch.ones(q, q, dtype=torch.bool).tril().logical_and_(blocked.logical_not()).to(sees.device)
+        states = session.spans.backbone(
+            input_ids=torch.cat([x_ids, nodes], 1), position_ids=inputs["position_ids"][:, :1] + depths,
+            attention_mask=additive_mask(sees, session.pending_states.dtype),
+            past_key_values=cache, use_cache=True)
+        if pad:  # the padding's K/V lie past every layer's length, where the next chunk overwrites them
+            states = states[:, :n]
+            crop_cache(cache, pad)
+        session.verified_contexts = states
+        logits = parts.logits_from_normed(states)
+        session.pending_ids = session.pending_states = None
+        session.stats.layer_passes += parts.num_layers
         session.stats.verify_passes += 1
         session.stats.decode_steps += 1
         return logits

@@ -24,7 +24,7 @@ import torch
 from ..models.architectures import ModelParts
 
 __all__ = ["LayerCall", "PartialRows", "INNER_FORWARD", "call_own", "install_forward", "capture_layer_calls", "capture_outputs", "write_kv_only", "run_to_cache_write",
-           "additive_masks", "map_calls"]
+           "additive_mask", "additive_masks", "map_calls"]
 
 
 @dataclass
@@ -274,7 +274,7 @@ def additive_masks(parts: ModelParts, calls: list[LayerCall]) -> list[LayerCall]
         if not (isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 4):
             return value
         if id(value) not in converted:
-            converted[id(value)] = _additive(value, dtype)
+            converted[id(value)] = additive_mask(value, dtype)
         return converted[id(value)]
 
     def with_additive(call: LayerCall) -> LayerCall:
@@ -285,7 +285,7 @@ def additive_masks(parts: ModelParts, calls: list[LayerCall]) -> list[LayerCall]
     return map_calls(calls, with_additive)
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive form of a boolean mask [B, h, Q, K]. On CUDA its rows start 16-element aligned (a view of a buffer
     whose last dimension is padded), as SDPA's memory-efficient kernel pads a bias it is given: cuDNN's attention
     failed on an H200 (`mha_graph.execute(...).is_good()`, then misaligned addresses) on Tide's single-token passes,
