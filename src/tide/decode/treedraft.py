@@ -30,7 +30,11 @@ often among its top few (docs/benchmarks.md), and where the text repeats itself 
 
 The tree mask is the mask the backbone builds for the chunk [x, nodes] with the entries between non-ancestors
 blocked, and positions set to depths; the nodes' shallow calls are the same calls without x's row (one capture
-per cycle). Where no 4-D mask tensor reaches the layers, or a cache layer is neither a plain `DynamicLayer` nor
+per cycle). Compiled calls (a static cache) verify instead in one pass of the backbone's own compiled forward over
+[x, nodes], from x's position in every layer (the draft layers drop x, and the pass writes it again), with the tree
+given as a custom 4-D mask, which transformers passes to the layers as it is: one graph per tree width, no capture,
+no masks patched per cycle. That needs one mask for every layer (one attention type), attention that adds a mask
+(SDPA, eager) and a backbone whose output is its final norm's (`TreeDrafter._through_backbone`). Where no 4-D mask tensor reaches the layers, or a cache layer is neither a plain `DynamicLayer` nor
 a full-attention static layer (sliding windows keep their own bookkeeping), or a static cache has no room for
 x and every node, the cycle drafts as before: the n-gram continuation as a chain where there is one, else a
 chain from the head. Families whose positions live in the mask rather than in `position_ids` (alibi) never get
