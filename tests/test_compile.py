@@ -110,7 +110,8 @@ def test_compiled_base_steps_get_their_tokens_laid_out_afresh(monkeypatch):
 
     monkeypatch.setattr(BaseSession, "forward", recording)
     ids = prompt_ids()
-    out = model.generate(ids, do_sample=False, max_new_tokens=6, compile_config=EAGER_BACKEND, tide_config={"compile": True})
+    out = model.generate(ids, do_sample=False, max_new_tokens=6, compile_config=EAGER_BACKEND,
+                         tide_config={"compile": True})
     assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=6))
     assert len(strides) == 6 and set(strides[1:]) == {(1, 1)}  # the prompt, then one token a step
 

@@ -18,8 +18,8 @@ class Draft:
     candidates in the same pass that drafts them and hands over the full model's logits as `verified`; its walk
     also decides what is kept (it judged each node on the way; under sampling the acceptance is random and depends
     on the path), and hands over that verdict as `decided`: the loop emits it as is, without judging the draft
-    again. A draft whose last
-    token would stop generation says so (`stops`): if verification accepts it, nothing follows it.
+    again. A draft whose last token would stop generation says so (`stops`): if verification accepts it, nothing
+    follows it.
     """
 
     ids: torch.Tensor  # [1, n + k]

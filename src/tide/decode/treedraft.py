@@ -34,12 +34,13 @@ per cycle). Compiled calls (a static cache) verify instead in one pass of the ba
 [x, nodes], from x's position in every layer (the draft layers drop x, and the pass writes it again), with the tree
 given as a custom 4-D mask, which transformers passes to the layers as it is: one graph per tree width, no capture,
 no masks patched per cycle. That needs one mask for every layer (one attention type), attention that adds a mask
-(SDPA, eager) and a backbone whose output is its final norm's (`TreeDrafter._through_backbone`). Where no 4-D mask tensor reaches the layers, or a cache layer is neither a plain `DynamicLayer` nor
-a full-attention static layer (sliding windows keep their own bookkeeping), or a static cache has no room for
-x and every node, the cycle drafts as before: the n-gram continuation as a chain where there is one, else a
-chain from the head. Families whose positions live in the mask rather than in `position_ids` (alibi) never get
-here (`ArchSpec.tree_drafts`). Those chains are judged as chains: sampling a head chain from the head's
-distribution and an n-gram chain as certain of its tokens, by the speculative-sampling rule.
+(SDPA, eager) and a backbone whose output is its final norm's (`TreeDrafter._through_backbone`). Where no 4-D mask
+tensor reaches the layers, or a cache layer is neither a plain `DynamicLayer` nor a full-attention static layer
+(sliding windows keep their own bookkeeping), or a static cache has no room for x and every node, the cycle drafts
+as before: the n-gram continuation as a chain where there is one, else a chain from the head. Families whose
+positions live in the mask rather than in `position_ids` (alibi) never get here (`ArchSpec.tree_drafts`). Those
+chains are judged as chains: sampling a head chain from the head's distribution and an n-gram chain as certain of
+its tokens, by the speculative-sampling rule.
 """
 
 from __future__ import annotations
@@ -405,7 +406,8 @@ class TreeDrafter:
         sees = torch.zeros(1, 1, q, keys, dtype=torch.bool, device=x_ids.device)
         context = inputs.get("attention_mask")
         sees[..., :past] = True if context is None else context[:, None, None, :past].bool()
-        sees[0, 0, :, past:past + q] = torch.ones(q, q, dtype=torch.bool).tril().logical_and_(blocked.logical_not()).to(sees.device)
+        tree_part = torch.ones(q, q, dtype=torch.bool).tril().logical_and_(blocked.logical_not())  # ancestors, itself
+        sees[0, 0, :, past:past + q] = tree_part.to(sees.device)
         states = session.spans.backbone(
             input_ids=torch.cat([x_ids, nodes], 1), position_ids=inputs["position_ids"][:, :1] + depths,
             attention_mask=additive_mask(sees, session.pending_states.dtype),
