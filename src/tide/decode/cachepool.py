@@ -7,7 +7,8 @@ model's static caches between calls and lends one to each call that would have a
 reset (its tensors zeroed in place), sized as `generate` sizes it, never smaller than the last (one shape for
 compiled graphs, as `generate` keeps `_previous_max_cache_length`). A lent cache belongs to one call at a time:
 concurrent calls get caches of their own. Calls that return their cache (`return_dict_in_generate`) get a fresh
-one from `generate`, so that no later call overwrites it.
+one from `generate`, so that no later call overwrites it. The free caches stay allocated between calls (as
+transformers' own generate once kept one); `model.static_caches.clear()` frees them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class StaticCachePool:
 
     def __setstate__(self, state):
         self.__init__()
+
+    def clear(self) -> None:
+        """Drop the free caches (their memory goes back once nothing else holds them); later calls make new ones."""
+        with self._lock:
+            self._free.clear()
+            self.length = 0
 
     @contextmanager
     def lend(self, config, length: int, rows: int, like: torch.Tensor):
