@@ -48,16 +48,27 @@ def test_exit_steps_use_the_fused_checkpoint_test_where_it_is_loaded():
         pytest.skip("no build of the fused kernel for this torch/CUDA: the reference ran")
 
 
-@pytest.mark.parametrize("mode", ["lossless", "exit"])
+CUDA_GRAPH_CONFIGS = {
+    "lossless": {"mode": "lossless", "max_draft": 3},
+    # trees verified by the backbone's compiled forward, the tree as a 4-D mask; n-gram branches padded to one width
+    "tree": {"mode": "lossless", "max_draft": 3, "draft_topk": 3, "draft_ngram": 3},
+    "exit": {"exit_threshold": 1.0},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(CUDA_GRAPH_CONFIGS))
 def test_cuda_graphs_equal_the_base_model(mode):
-    """compile=True with transformers' default CompileConfig (mode="reduce-overhead": CUDA graphs)."""
+    """compile=True with transformers' default CompileConfig (mode="reduce-overhead": CUDA graphs), on the static
+    cache the model lends its compiled calls (the same one both times)."""
     model, base = _on_cuda("llama")
-    ids = prompt_ids().cuda()
+    ids = torch.cat([prompt_ids(), prompt_ids()], 1).cuda()  # a prompt that repeats itself: n-gram branches
     ref = base.generate(ids, do_sample=False, max_new_tokens=24)
-    config = {"mode": "lossless", "max_draft": 3} if mode == "lossless" else {"exit_threshold": 1.0}
     for _ in range(2):  # the second call replays the captured graphs
-        out = model.generate(ids, do_sample=False, max_new_tokens=24, tide_config={**config, "compile": True})
+        out = model.generate(ids, do_sample=False, max_new_tokens=24,
+                             tide_config={**CUDA_GRAPH_CONFIGS[mode], "compile": True})
         assert torch.equal(out, ref)
+    if mode == "tree":
+        assert model.last_stats.tree_cycles > 0
 
 
 def test_lossless_with_sdpa_in_bfloat16_equals_the_base_model():
