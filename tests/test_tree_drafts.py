@@ -58,6 +58,32 @@ def test_compiled_trees_are_token_identical(family):
     assert stats.decode_tokens == 16 and (stats.tree_cycles > 0) == model.parts.spec.tree_drafts
 
 
+def test_compiled_trees_serve_padding_stops_processors_and_sampling():
+    """The backbone's compiled tree verification with a left-padded prompt (the mask's zeros reach the tree mask),
+    an end-of-sequence token mid-way, a logits processor, returned scores, and sampling."""
+    from transformers import CompileConfig
+
+    model, base = _wrap()
+    run = dict(compile_config=CompileConfig(backend="eager"),
+               tide_config={**_tree(1, 3), "draft_ngram": 3, "compile": True})
+    ids = torch.cat([prompt_ids(), prompt_ids()], 1)
+    padded = torch.cat([torch.ones(1, 3, dtype=ids.dtype), ids], 1)  # three pad tokens on the left
+    mask = (torch.arange(padded.shape[1]) >= 3).long()[None]
+    assert torch.equal(model.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=20, **run),
+                       base.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=20))
+    assert model.last_stats.tree_cycles > 0
+    eos = int(base.generate(ids, do_sample=False, max_new_tokens=12, repetition_penalty=1.3)[0, -1])
+    options = dict(do_sample=False, max_new_tokens=20, eos_token_id=eos, repetition_penalty=1.3,
+                   output_scores=True, return_dict_in_generate=True)
+    out, ref = model.generate(ids, **options, **run), base.generate(ids, **options)
+    assert ref.sequences.shape[1] < ids.shape[1] + 20  # it stopped at the end-of-sequence token
+    assert torch.equal(out.sequences, ref.sequences) and len(out.scores) == len(ref.scores)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(out.scores, ref.scores))
+    torch.manual_seed(0)
+    out = model.generate(ids, do_sample=True, max_new_tokens=16, min_new_tokens=16, **run)
+    assert out.shape[1] == ids.shape[1] + 16 and model.last_stats.tree_cycles > 0
+
+
 class _RankedOracle:
     """A draft head that ranks the base model's true next token `rank`-th (0 = top-1), knowing the reference;
     installed as `model.draft_logits`."""
