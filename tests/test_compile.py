@@ -8,7 +8,6 @@ from transformers import CompileConfig, DynamicCache
 
 from generation_helpers import exits_by_sign
 from tiny_models import noisy_tide, prompt_ids
-from tide.generation import CACHE_LENGTH_STEP
 
 EAGER_BACKEND = CompileConfig(backend="eager")  # dynamo's graph capture without inductor's code generation: fast
 
@@ -166,7 +165,7 @@ def test_compiled_calls_share_one_static_cache():
                            base.generate(prompt, do_sample=False, max_new_tokens=new))
     assert len(seen) == 3 and seen[0] is seen[1] is seen[2]
     held, keys = seen[0], seen[0].layers[0].keys
-    assert held.layers[0].max_cache_len == CACHE_LENGTH_STEP  # generate's max_length - 1, rounded up
+    assert held.layers[0].max_cache_len == ids.shape[1] + 20 - 1  # as generate sizes it: max_length - 1
     out = model.generate(ids, max_new_tokens=20, return_dict_in_generate=True, **run)
     assert len(seen) == 3 and out.past_key_values is not held  # a returned cache: generate made it, not lent
     with original(base.config, 8, 1, next(base.parameters())) as taken:
@@ -176,8 +175,6 @@ def test_compiled_calls_share_one_static_cache():
         assert seen[-1] is not held  # lent elsewhere meanwhile: a cache of its own
     model.generate(ids, max_new_tokens=20, **run)
     assert seen[-1] is held and held.layers[0].keys is keys
-    model.static_caches.clear()  # frees them: the next call gets a new one
+    model.static_caches.clear()  # frees them: the next call gets a new one, sized for itself
     model.generate(ids, max_new_tokens=8, **run)
-    assert seen[-1] is not held
-    model.generate(ids, max_new_tokens=CACHE_LENGTH_STEP, **run)  # longer than a step: the next multiple
-    assert seen[-1].layers[0].max_cache_len == 2 * CACHE_LENGTH_STEP
+    assert seen[-1] is not held and seen[-1].layers[0].max_cache_len == ids.shape[1] + 8 - 1

@@ -4,9 +4,8 @@ A compiled call (`tide_config={"compile": True}`) decodes on a static cache. tra
 `StaticCache` on every call; its tensors are marked as static addresses, and on a GPU every CUDA graph that was
 captured on the last call's cache is recorded again on the new one, at every call. `StaticCachePool` keeps a
 model's static caches between calls and lends one to each call that would have asked `generate` for a fresh one,
-reset (its tensors zeroed in place), at least as long as `generate` would make it and never shorter than the last
-(one shape for compiled graphs, as `generate` keeps `_previous_max_cache_length`; the call rounds the length up,
-`generation.CACHE_LENGTH_STEP`). A lent cache belongs to one call at a time:
+reset (its tensors zeroed in place), sized as `generate` sizes it, never shorter than the last (one shape for
+compiled graphs, as `generate` keeps `_previous_max_cache_length`). A lent cache belongs to one call at a time:
 concurrent calls get caches of their own. Calls that return their cache (`return_dict_in_generate`) get a fresh
 one from `generate`, so that no later call overwrites it. The free caches stay allocated between calls (as
 transformers' own generate once kept one); `model.static_caches.clear()` frees them.

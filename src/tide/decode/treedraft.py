@@ -216,6 +216,7 @@ class TreeDrafter:
         self.session, self.chain = session, chain  # chain: the session's chain drafter (prefill, masks, stopping)
         self.k = session.draft_topk
         self.usable = None  # known at the first call: the cache can be compacted and the layers take a tree mask
+        self.backbone = None  # known at the first tree: trees are verified by the backbone's compiled forward
         self.tree: DraftTree | None = None  # the last cycle's tree (None: it drafted a chain)
         self.path: list[int] = []  # the last tree's accepted path, x first
 
@@ -328,7 +329,9 @@ class TreeDrafter:
         """Full-model logits [1, N, V] at the pending token x and at each node of `tree`; None if no tree mask."""
         session, parts, n = self.session, self.session.parts, len(tree)
         pad = self._padding(tree, cache)
-        if pad is not None and self._through_backbone(cache):
+        if self.backbone is None:  # (known at the first tree: the call's cache and compile options stay)
+            self.backbone = self._through_backbone(cache)
+        if pad is not None and self.backbone:
             return self._verify_through_backbone(tree, cache, mask, pad)
         # compiled graphs serve the head's k-wide trees and, padded to one width, trees with n-gram branches; where
         # a static cache has no room left for that width, an n-gram tree runs eagerly
