@@ -333,6 +333,26 @@ def test_checkpoint_kernel_falls_back_to_the_reference(monkeypatch):
         tk.load_checkpoint_kernel("kernel")
 
 
+def test_checkpoint_op_on_cuda_takes_the_kernel_for_few_rows_only(monkeypatch):
+    """The op's CUDA implementation runs the fused kernel for up to FUSED_MAX_ROWS rows where TIDE_KERNELS is auto
+    (more rows: the reference, which was faster there), and for any count with TIDE_KERNELS=kernel. Called directly,
+    on CPU tensors, with a stand-in kernel that records its calls."""
+    ran = []
+
+    def fused(*args):
+        ran.append(args[0].shape[0])
+        return checkpoint_test_reference(*args)
+
+    monkeypatch.setattr(tk, "load_checkpoint_kernel", lambda mode=None: fused)
+    few, many = tk.FUSED_MAX_ROWS, tk.FUSED_MAX_ROWS + 1
+    for rows, mode, expected in ((few, "auto", [few]), (many, "auto", []), (many, "kernel", [many])):
+        monkeypatch.setenv("TIDE_KERNELS", mode)
+        ran.clear()
+        args = _checkpoint_args("full", "cpu", torch.float32, rows=rows)
+        assert torch.equal(tk._checkpoint_test_cuda(*args)[1], checkpoint_test_reference(*args)[1])
+        assert ran == expected, (rows, mode)
+
+
 def test_torch_ext_package_imports_without_the_op_library(tmp_path):
     package = tmp_path / "tide_kernels"
     shutil.copytree(KERNEL_DIR / "torch-ext" / "tide_kernels", package)
