@@ -175,6 +175,11 @@ def test_compiled_calls_share_one_static_cache():
         assert seen[-1] is not held  # lent elsewhere meanwhile: a cache of its own
     model.generate(ids, max_new_tokens=20, **run)
     assert seen[-1] is held and held.layers[0].keys is keys
+    pool = model.static_caches
+    for rows in range(1, pool.KEEP + 2):  # one free cache per batch size, the most recent KEEP of them
+        with original(base.config, 8, rows, next(base.parameters())):
+            pass
+    assert len(pool._free) == pool.KEEP and all(key[1] > 1 for key in pool._free)
     model.static_caches.clear()  # frees them: the next call gets a new one, sized for itself
     model.generate(ids, max_new_tokens=8, **run)
     assert seen[-1] is not held and seen[-1].layers[0].max_cache_len == ids.shape[1] + 8 - 1

@@ -23,7 +23,9 @@ __all__ = ["StaticCachePool"]
 
 
 class StaticCachePool:
-    """The free static caches of one model, by (length, rows, dtype, device)."""
+    """The free static caches of one model, by (length, rows, dtype, device): the `KEEP` most recently returned."""
+
+    KEEP = 4
 
     def __init__(self):
         self._free: dict[tuple, StaticCache] = {}
@@ -62,4 +64,7 @@ class StaticCachePool:
         finally:
             with self._lock:
                 if key[0] == self.length:  # a shorter one would not be lent again
-                    self._free[key] = cache
+                    self._free.pop(key, None)
+                    self._free[key] = cache  # (the newest last)
+                    while len(self._free) > self.KEEP:  # batch sizes, dtypes, devices seen long ago
+                        self._free.pop(next(iter(self._free)))
