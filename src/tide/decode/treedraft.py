@@ -337,17 +337,11 @@ class TreeDrafter:
         # a static cache has no room left for that width, an n-gram tree runs eagerly
         eager, pad = pad is None, pad or 0
         q = n + pad  # the chunk's width: the tree, and padding after it to the compiled width of n-gram trees
-        x_ids, x_state = session.pending_ids, session.pending_states  # [1, 1], [1, 1, H]
-        nodes = torch.tensor([tree.tokens[1:] + [0] * pad], dtype=x_ids.dtype, device=x_ids.device)
+        x_state = session.pending_states  # [1, 1, H]
         have = layer_length(cache, 0)  # shallow layers hold x; deep layers do not yet
-        inputs = new_positions(mask, have - 1, q, x_ids.device)  # the chunk [x, nodes]: the mask grown over it
-        depths = torch.tensor([tree.depths + [1] * pad], device=inputs["position_ids"].device)
-        inputs["position_ids"] = inputs["position_ids"][:, :1] + depths  # each node at x's position + its depth
-        blocked = tree.blocked()  # the padding sees what causal attention lets it see, and no node sees it
-        if pad:
-            blocked = torch.nn.functional.pad(blocked, (0, pad, 0, pad), value=False)
-        deep = capture_layer_calls(parts, input_ids=torch.cat([x_ids, nodes], 1),
-                                   past_key_values=LengthView(cache, have - 1), use_cache=True, **inputs)
+        ids, inputs, blocked = self._chunk(tree, pad, mask, have - 1)
+        deep = capture_layer_calls(parts, input_ids=ids, past_key_values=LengthView(cache, have - 1), use_cache=True,
+                                   **inputs)
         deep = tree_mask_calls(deep, blocked, start=have - 1)
         if deep is None:
             return None
@@ -357,7 +351,7 @@ class TreeDrafter:
         shallow = without_first_position(deep[: session.draft_layer + 1], q)
         if shallow is None:
             inputs["position_ids"] = inputs["position_ids"][:, 1:]
-            shallow = tree_mask_calls(capture_layer_calls(parts, input_ids=nodes, use_cache=True, **inputs,
+            shallow = tree_mask_calls(capture_layer_calls(parts, input_ids=ids[:, 1:], use_cache=True, **inputs,
                                                           past_key_values=LengthView(cache, have)), blocked[1:, 1:],
                                       start=have)
             shallow = additive_masks(parts, shallow)
@@ -365,14 +359,40 @@ class TreeDrafter:
             states = session.spans.run(0, session.draft_layer + 1, shallow[0].hidden, shallow, eager=eager)
             states = session.spans.run(session.draft_layer + 1, parts.num_layers, torch.cat([x_state, states], 1),
                                        deep, eager=eager)
-            if pad:  # the padding's K/V lie past every layer's length, where the next chunk overwrites them
-                states = states[:, :n]
-                for layer in range(parts.num_layers):
-                    crop_layer(cache, layer, -pad)
-            session.verified_contexts = parts.final_norm(states)
-            logits = parts.logits_from_normed(session.verified_contexts)
+            states = self._without_padding(states, cache, n, pad)
+            normed = parts.final_norm(states)
+            return self._verified(normed, parts.logits_from_normed(normed))
+
+    def _chunk(self, tree: DraftTree, pad: int, mask, past: int):
+        """The verification chunk [x, nodes, padding] after `past` cached positions: its ids [1, Q]; the backbone's
+        inputs for it (the mask grown over it, positions x's + each node's depth, the padding's depth 1); and the
+        tree's blocked entries [Q, Q] (the padding sees what causal attention lets it see, and no node sees it)."""
+        x_ids = self.session.pending_ids  # [1, 1]
+        nodes = torch.tensor([tree.tokens[1:] + [0] * pad], dtype=x_ids.dtype, device=x_ids.device)
+        inputs = new_positions(mask, past, len(tree) + pad, x_ids.device)
+        depths = torch.tensor([tree.depths + [1] * pad], device=inputs["position_ids"].device)
+        inputs["position_ids"] = inputs["position_ids"][:, :1] + depths
+        blocked = tree.blocked()
+        if pad:
+            blocked = torch.nn.functional.pad(blocked, (0, pad, 0, pad), value=False)
+        return torch.cat([x_ids, nodes], 1), inputs, blocked
+
+    @staticmethod
+    def _without_padding(states: torch.Tensor, cache, n: int, pad: int) -> torch.Tensor:
+        """The chunk's states without its padding; the padding's K/V lie past every layer's length afterwards, where
+        the next chunk overwrites them."""
+        if pad:
+            states = states[:, :n]
+            crop_cache(cache, pad)
+        return states
+
+    def _verified(self, normed: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """After a verification pass: the full model's final normed states [1, N, H] kept for the next drafts'
+        context, the pending token handed over, the counters; returns `logits`."""
+        session = self.session
+        session.verified_contexts = normed
         session.pending_ids = session.pending_states = None
-        session.stats.layer_passes += parts.num_layers  # the nodes' shallow layers and everything's deep ones
+        session.stats.layer_passes += session.parts.num_layers  # the nodes' shallow layers and everyone's deep ones
         session.stats.verify_passes += 1
         session.stats.decode_steps += 1
         return logits
@@ -393,38 +413,23 @@ class TreeDrafter:
         """`_verify` as one compiled pass of the backbone over the chunk [x, nodes, padding] (positions x's + the
         nodes' depths, the tree mask), from x's position in every layer: the draft layers drop x first, and the
         pass writes it again with the rest. The backbone's output is the full model's final normed state."""
-        session, parts, n = self.session, self.session.parts, len(tree)
+        session, n = self.session, len(tree)
         q = n + pad
-        x_ids = session.pending_ids  # [1, 1]
-        nodes = torch.tensor([tree.tokens[1:] + [0] * pad], dtype=x_ids.dtype, device=x_ids.device)
         for layer in range(session.draft_layer + 1):
             crop_layer(cache, layer, -1)
         past = layer_length(cache, 0)  # every layer holds the context before x
-        inputs = new_positions(mask, past, q, x_ids.device)
-        depths = torch.tensor([tree.depths + [1] * pad], device=inputs["position_ids"].device)
-        blocked = tree.blocked()  # the padding sees what causal attention lets it see, and no node sees it
-        if pad:
-            blocked = torch.nn.functional.pad(blocked, (0, pad, 0, pad), value=False)
+        ids, inputs, blocked = self._chunk(tree, pad, mask, past)
         keys = cache.layers[0].get_mask_sizes(q)[0]  # a static layer's masks span the whole cache
-        sees = torch.zeros(1, 1, q, keys, dtype=torch.bool, device=x_ids.device)
+        sees = torch.zeros(1, 1, q, keys, dtype=torch.bool, device=ids.device)
         context = inputs.get("attention_mask")
         sees[..., :past] = True if context is None else context[:, None, None, :past].bool()
         tree_part = torch.ones(q, q, dtype=torch.bool).tril().logical_and_(blocked.logical_not())  # ancestors, itself
         sees[0, 0, :, past:past + q] = tree_part.to(sees.device)
-        states = session.spans.backbone(
-            input_ids=torch.cat([x_ids, nodes], 1), position_ids=inputs["position_ids"][:, :1] + depths,
-            attention_mask=additive_mask(sees, session.pending_states.dtype),
-            past_key_values=cache, use_cache=True)
-        if pad:  # the padding's K/V lie past every layer's length, where the next chunk overwrites them
-            states = states[:, :n]
-            crop_cache(cache, pad)
-        session.verified_contexts = states
-        logits = parts.logits_from_normed(states)
-        session.pending_ids = session.pending_states = None
-        session.stats.layer_passes += parts.num_layers
-        session.stats.verify_passes += 1
-        session.stats.decode_steps += 1
-        return logits
+        states = session.spans.backbone(input_ids=ids, position_ids=inputs["position_ids"],
+                                        attention_mask=additive_mask(sees, session.pending_states.dtype),
+                                        past_key_values=cache, use_cache=True)
+        states = self._without_padding(states, cache, n, pad)
+        return self._verified(states, session.parts.logits_from_normed(states))
 
     def _padding(self, tree: DraftTree, cache) -> int | None:
         """Positions to add after a tree with n-gram branches so that compiled passes see one width for them (the

@@ -103,9 +103,9 @@ FUSED_MAX_ROWS = 4
 @checkpoint_test.register_kernel("cuda")
 def _checkpoint_test_cuda(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias, up_weight,
                           layer_norm, eps, threshold):
-    test = load_checkpoint_kernel()
-    if hidden.shape[0] > FUSED_MAX_ROWS and _mode(None) == "auto":
-        test = checkpoint_test_reference
+    mode = _mode(None)
+    many = hidden.shape[0] > FUSED_MAX_ROWS and mode == "auto"
+    test = checkpoint_test_reference if many else load_checkpoint_kernel(mode)
     return test(hidden, translate_weight, translate_bias, down_bias, down_weight, up_bias, up_weight, layer_norm,
                 eps, threshold)
 
