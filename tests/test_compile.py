@@ -183,3 +183,26 @@ def test_compiled_calls_share_one_static_cache():
     model.static_caches.clear()  # frees them: the next call gets a new one, sized for itself
     model.generate(ids, max_new_tokens=8, **run)
     assert seen[-1] is not held and seen[-1].layers[0].max_cache_len == ids.shape[1] + 8 - 1
+
+
+def test_the_draft_head_runs_in_the_shallow_layers_graph():
+    """Compiled drafts run the shallow layers and the draft head as one graph; a `draft_logits` replaced on the model
+    is called instead (eagerly), and both give the base model's tokens."""
+    model, base = noisy_tide("llama")
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    config = {"mode": "lossless", "max_draft": 3, "compile": True}
+    out = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config=config, compile_config=EAGER_BACKEND)
+    assert torch.equal(out, ref)
+    (runner,) = model.span_runners.values()
+    assert [key for key in runner._compiled if key[-1] == "then"], list(runner._compiled)
+    calls = []
+    original = model.draft_logits
+
+    def replaced(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    model.draft_logits = replaced
+    out = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config=config, compile_config=EAGER_BACKEND)
+    assert torch.equal(out, ref) and calls

@@ -163,16 +163,19 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         one, else its exit head (which ignores the context). The normed state stands in for the context of the
         next draft in a chain, whose real one is not computed yet. `vocab_size` > 0: only the first that many
         ids of `draft_vocabulary` get logits (-inf elsewhere)."""
-        router = self.routers[layer]
-        if router.draft is None:
-            state = router.exit_state(hidden)
-        else:
-            state = router.draft(hidden, torch.zeros_like(hidden) if context is None else context)
-        normed = self.parts.final_norm(state)
-        if not vocab_size:
-            return self.parts.logits_from_normed(normed), normed
-        ids, head = self._draft_head(vocab_size)
-        return restricted_logits(self.parts, normed, ids, head, self.num_head_rows), normed
+        return self._draft_function(layer, vocab_size)(hidden, context)
+
+    def draft_function(self, layer: int, vocab_size: int = 0):
+        """`draft_logits` of checkpoint `layer` as a function of (hidden, context) that compiled code can call (the
+        draft vocabulary's head rows are looked up here, not inside it); None where `draft_logits` is replaced, on
+        the model or in a subclass: callers then call that."""
+        if "draft_logits" in self.__dict__ or type(self).draft_logits is not TideForCausalLM.draft_logits:
+            return None
+        return self._draft_function(layer, vocab_size)
+
+    def _draft_function(self, layer: int, vocab_size: int):
+        rows = self._draft_head(vocab_size) if vocab_size else None
+        return functools.partial(_draft_logits, self.parts, self.routers[layer], rows, self.num_head_rows)
 
     @property
     def num_head_rows(self) -> int:
@@ -247,3 +250,17 @@ def _register_auto_classes() -> None:
 
 
 _register_auto_classes()
+
+
+def _draft_logits(parts: ModelParts, router, rows: tuple | None, num_head_rows: int, hidden: torch.Tensor,
+                  context: torch.Tensor | None):
+    """(logits, normed state) of `router`'s draft head (its exit head where it has none) on `hidden` and `context`;
+    `rows`: (ids, their head rows) of a draft vocabulary, or None for the whole head."""
+    if router.draft is None:
+        state = router.exit_state(hidden)
+    else:
+        state = router.draft(hidden, torch.zeros_like(hidden) if context is None else context)
+    normed = parts.final_norm(state)
+    if rows is None:
+        return parts.logits_from_normed(normed), normed
+    return restricted_logits(parts, normed, *rows, num_head_rows), normed

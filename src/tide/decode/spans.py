@@ -6,7 +6,8 @@ the same arguments. Eagerly that is a Python loop over the layers. Compiled, eac
 transformers' `CompileConfig`, where it gives them): a span runs on a static cache with static shapes, so a
 graph is made once per span and width and then replayed; on a GPU `mode="reduce-overhead"` captures it in a
 CUDA graph. Each span gets a code object of its own, so that its graphs never count against another span's
-recompile limit. Layers whose calls differ (per-layer-type masks), and layers called with another cache
+recompile limit. A draft step runs the shallow layers and the draft head in one graph (`run_then`): one compiled
+call a drafted token. Layers whose calls differ (per-layer-type masks), and layers called with another cache
 object (row splitting), run eagerly.
 """
 
@@ -26,6 +27,11 @@ def _run_span(layers, returns_tuple: bool, hidden, args, kwargs):
         out = layer(hidden, *args, **kwargs)
         hidden = out[0] if returns_tuple or isinstance(out, tuple) else out
     return hidden
+
+
+def _run_span_then(layers, returns_tuple: bool, hidden, args, kwargs, then, context):
+    hidden = _run_span(layers, returns_tuple, hidden, args, kwargs)
+    return hidden, then(hidden[:, -1], context)
 
 
 def compile_options(compile_config=None) -> dict:
@@ -86,6 +92,29 @@ class SpanRunner:
         # A CUDA graph's output lives in its memory pool, which the next replay of any span overwrites; the loops
         # keep states across spans and steps (pending drafts, exit states), so they get a copy of their own.
         return out.clone() if self.cuda_graphs else out
+
+    def run_then(self, start: int, stop: int, hidden: torch.Tensor, calls, then, context):
+        """`run`, then `then(output at the last position [B, H], context)`, in the same graph where the span is
+        compiled (the draft head after the shallow layers: one compiled call, not a compiled span and eager head
+        ops). -> (the span's output, what `then` returns)."""
+        span = calls[start:stop]
+        call = span[0] if span else None
+        if self.options is None or not span or any(c is not call for c in span) or not call.args:
+            hidden = self.run(start, stop, hidden, calls)
+            return hidden, then(hidden[:, -1], context)
+        fn = self._compiled.get((start, stop, "then"))
+        if fn is None:
+            name = f"tide_layers_{start}_to_{stop - 1}_and_draft"
+            code = _run_span_then.__code__.replace(co_name=name, co_qualname=name)
+            fn = torch.compile(types.FunctionType(code, _run_span_then.__globals__, name), **self.options)
+            self._compiled[(start, stop, "then")] = fn
+        if context is not None:  # (a row of the verified states: its offset and strides would recompile the graph)
+            context = context.clone(memory_format=torch.contiguous_format)
+        hidden, out = fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, hidden,
+                         _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs), then, context)
+        if self.cuda_graphs:  # (see `run`)
+            hidden, out = hidden.clone(), tuple(t.clone() for t in out)
+        return hidden, out
 
     def backbone(self, **inputs):
         """The backbone's own forward on `inputs`, compiled (one graph per input shape): its last hidden state

@@ -107,20 +107,38 @@ class LosslessSession:
     def shallow_step(self, token: torch.Tensor, cache, mask) -> torch.Tensor:
         """Run token [1, 1] through layers 0..E on the real cache; keep and return its layer-E state [1, 1, H].
         Tokens [1, T] that need no head between them (n-gram drafts) run as one chunk, eagerly."""
-        inputs = new_positions(mask, layer_length(cache, 0), token.shape[1], token.device)
-        hidden, calls = self.layer_args.calls(token, cache, inputs.get("attention_mask"), inputs["position_ids"])
+        hidden, calls = self._shallow_calls(token, cache, mask)
         if token.shape[1] == 1:
             hidden = self.spans.run(0, self.draft_layer + 1, hidden, calls)
         else:
             with few_row_linears(self.parts), grouped_query_attention_in_place():
                 hidden = self.spans.run(0, self.draft_layer + 1, hidden, calls, eager=True)
+        self._keep_pending(token, hidden)
+        return hidden
+
+    def draft_step(self, token: torch.Tensor, cache, mask, context: torch.Tensor | None):
+        """`shallow_step` for one token [1, 1], then the draft head on its state and `context` (`draft_logits`),
+        in one compiled call where spans are compiled: -> (logits [1, V], the draft's normed state [1, H])."""
+        head = self.model.draft_function(self.draft_layer, self.draft_vocab_size)
+        if head is None:  # a replaced draft_logits: called as it is
+            hidden = self.shallow_step(token, cache, mask)
+            return self.model.draft_logits(self.draft_layer, hidden[:, -1], context, self.draft_vocab_size)
+        hidden, calls = self._shallow_calls(token, cache, mask)
+        hidden, drafted = self.spans.run_then(0, self.draft_layer + 1, hidden, calls, head, context)
+        self._keep_pending(token, hidden)
+        return drafted
+
+    def _shallow_calls(self, token, cache, mask):
+        inputs = new_positions(mask, layer_length(cache, 0), token.shape[1], token.device)
+        return self.layer_args.calls(token, cache, inputs.get("attention_mask"), inputs["position_ids"])
+
+    def _keep_pending(self, token, hidden) -> None:
         self.stats.layer_passes += self.draft_layer + 1
         if self.pending_ids is None:
             self.pending_ids, self.pending_states = token, hidden
         else:
             self.pending_ids = torch.cat([self.pending_ids, token], 1)
             self.pending_states = torch.cat([self.pending_states, hidden], 1)
-        return hidden
 
     def accept(self, num_matches: int) -> None:
         """After verification accepted `num_matches` drafts: the next draft's context is the state at that position."""
@@ -209,9 +227,7 @@ class ChainDrafter:
         token, context = input_ids[:, -1:], session.context
         with torch.no_grad():
             while len(draft_scores) < budget:
-                state = session.shallow_step(token, self.cache, self._mask(tokens))
-                logits, context = session.model.draft_logits(session.draft_layer, state[:, -1], context,
-                                                             session.draft_vocab_size)
+                logits, context = session.draft_step(token, self.cache, self._mask(tokens), context)
                 scores = process(self.logits_processor, tokens, logits.float())
                 token = self._choose(scores)
                 tokens = torch.cat([tokens, token], 1)

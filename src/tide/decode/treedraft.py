@@ -256,9 +256,7 @@ class TreeDrafter:
             return chain.draft(input_ids)
         x = input_ids[:, -1:]
         with torch.no_grad():
-            state = session.shallow_step(x, cache, session.grown_mask(input_ids.shape[1]))
-            logits, _ = session.model.draft_logits(session.draft_layer, state[:, -1], session.context,
-                                                   session.draft_vocab_size)
+            logits, _ = session.draft_step(x, cache, session.grown_mask(input_ids.shape[1]), session.context)
             draft_scores = process(chain.logits_processor, input_ids, logits.float())
             candidates = draft_scores.topk(self.k, dim=-1).indices  # [1, k]
             tree = DraftTree()

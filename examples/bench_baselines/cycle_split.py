@@ -1,0 +1,124 @@
+"""Where a lossless cycle's time goes, and what a cycle with no host work at all would give: `generate`, the
+compiled static-cache base and Tide's lossless mode (eager and `compile=True`) timed in one process, interleaved
+per prompt; then one more pass of each Tide row with timers around the model's own passes.
+
+A cycle's passes are the runs of layers (compiled spans, or eager layers), the verification's pass of the
+backbone (compiled trees), the final head on verified positions, the draft head, and the prompt's prefill
+(which `generate` pays too). "host" is the rest of the cycle: Tide's own Python (arguments, masks, the tree,
+the walk, cache crops, the loop). "no host work" divides `generate`'s time a token by the passes' time a token:
+the most this model, these drafts and this acceptance allow.
+
+    python examples/bench_baselines/cycle_split.py MODEL ROUTERS TEXT [OUT.json]
+    (MODEL: a local folder, or "shipped"; TEXT: heldout, code or quote; 6 prompts x 40 tokens, 1 thread)
+"""
+import collections
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import tide
+import tide.decode.speculative as speculative
+from tide.decode.baseline import compiled_static_decoder
+from tide.decode.spans import SpanRunner
+from tide.models.architectures import ModelParts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_baselines import _load_base, prompt_texts  # noqa: E402
+
+torch.set_num_threads(1)
+model_dir, routers, text = sys.argv[1], sys.argv[2], sys.argv[3]
+if model_dir == "shipped":
+    base, tok = _load_base()
+else:
+    base, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+model = tide.TideForCausalLM.from_pretrained(routers, base_model=base)
+prompts = [tok(t, return_tensors="pt").input_ids for t in prompt_texts(text, 6)]
+n = 40
+g = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
+comp = compiled_static_decoder(base, max(p.shape[1] for p in prompts) + n)
+tide_rows = {"lossless, eager": {"mode": "lossless"}, "lossless, compile=True": {"mode": "lossless", "compile": True}}
+rows = {"generate": lambda ids: base.generate(ids, **g), "static+compile": lambda ids: comp(ids, n),
+        **{k: functools.partial(lambda cfg, ids: model.generate(ids, **g, tide_config=cfg), v)
+           for k, v in tide_rows.items()}}
+for p in sorted(prompts, key=lambda p: -p.shape[1]) + prompts:  # warm-up, the longest prompt first (cache size)
+    for f in rows.values():
+        f(p)
+times = {k: [[] for _ in prompts] for k in rows}
+same = {k: 0 for k in rows}
+for rep in range(3):
+    for i, p in enumerate(prompts):
+        ref = None
+        for k, f in rows.items():
+            s = time.perf_counter()
+            out = f(p)
+            times[k][i].append(time.perf_counter() - s)
+            ref = out if k == "generate" else ref
+            same[k] += int(torch.equal(out, ref))
+med = {k: [statistics.median(t) for t in v] for k, v in times.items()}
+
+# Timers around the passes (one more pass of the prompts per Tide row).
+spent = collections.defaultdict(float)
+depth = [0]  # a pass inside a timed pass (the head inside the draft head) counts once, in the outer one
+
+
+def timer(owner, name, label):
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if not depth[0]:
+                spent[label] += time.perf_counter() - start
+    setattr(owner, name, timed)
+
+
+timer(SpanRunner, "run", "runs of layers")
+timer(SpanRunner, "backbone", "verification (backbone pass)")
+timer(ModelParts, "logits_from_normed", "final head")
+timer(speculative.ChainDrafter, "_prefill", "prefill")
+timer(type(model), "draft_logits", "draft head")
+result = {"model": model_dir, "text": text, "prompts": len(prompts), "tokens": n, "rows": {}, "split": {}}
+gen_token = statistics.median(med["generate"]) / n
+for k, v in med.items():
+    ratios = {b: sorted(x / y for x, y in zip(med[b], v)) for b in ("generate", "static+compile")}
+    result["rows"][k] = {"ms_token": statistics.median(v) / n * 1e3, "identical": same[k] / (3 * len(prompts)),
+                         **{f"vs_{b}": statistics.median(r) for b, r in ratios.items()}}
+print(f"{model_dir} {text}: {len(prompts)} prompts x {n} tokens, median of 3, 1 thread")
+print(f"{'row':26s} {'ms/token':>8s} {'vs generate':>12s} {'vs compiled':>12s} {'identical':>9s}")
+for k, r in result["rows"].items():
+    print(f"{k:26s} {r['ms_token']:8.2f} {r['vs_generate']:12.2f} {r['vs_static+compile']:12.2f} {r['identical']:9.2f}")
+for k, cfg in tide_rows.items():
+    spent.clear()
+    cycles = tokens = 0
+    start = time.perf_counter()
+    for p in prompts:
+        model.generate(p, **g, tide_config=cfg)
+        cycles += model.last_stats.verify_passes
+        tokens += n
+    total = time.perf_counter() - start
+    passes = sum(spent.values())
+    split = {label: t / cycles * 1e3 for label, t in sorted(spent.items())}
+    split["host"] = (total - passes) / cycles * 1e3
+    split["cycle"] = total / cycles * 1e3
+    split["tokens per cycle"] = tokens / cycles
+    split["no host work: x vs generate"] = gen_token / (passes / tokens)
+    result["split"][k] = split
+    print(f"\n{k}: {split['cycle']:.2f} ms a cycle, {split['tokens per cycle']:.2f} tokens a cycle (timed pass)")
+    for label, value in split.items():
+        if label not in ("cycle", "tokens per cycle", "no host work: x vs generate"):
+            print(f"  {label:30s} {value:6.2f} ms a cycle")
+    print(f"  with no host work: x{split['no host work: x vs generate']:.2f} over generate "
+          f"(generate {gen_token * 1e3:.2f} ms a token)")
+if len(sys.argv) > 4:
+    Path(sys.argv[4]).write_text(json.dumps(result, indent=1))
