@@ -2,8 +2,9 @@
 compiled static-cache base and Tide's lossless mode (eager and `compile=True`) timed in one process, interleaved
 per prompt; then one more pass of each Tide row with timers around the model's own passes.
 
-A cycle's passes are the runs of layers (compiled spans, or eager layers), the verification's pass of the
-backbone (compiled trees), the final head on verified positions, the draft head, and the prompt's prefill
+A cycle's passes are the draft steps (the shallow layers and the draft head, one graph when compiled), the other
+runs of layers (compiled spans, or eager layers: verification), the verification's pass of the backbone (compiled
+trees), the final head on verified positions, the draft head where it runs alone, and the prompt's prefill
 (which `generate` pays too). "host" is the rest of the cycle: Tide's own Python (arguments, masks, the tree,
 the walk, cache crops, the loop). "no host work" divides `generate`'s time a token by the passes' time a token:
 the most this model, these drafts and this acceptance allow.
@@ -84,6 +85,7 @@ def timer(owner, name, label):
 
 
 timer(SpanRunner, "run", "runs of layers")
+timer(SpanRunner, "run_then", "draft steps (shallow layers + draft head)")
 timer(SpanRunner, "backbone", "verification (backbone pass)")
 timer(ModelParts, "logits_from_normed", "final head")
 timer(speculative.ChainDrafter, "_prefill", "prefill")
