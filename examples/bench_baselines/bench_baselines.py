@@ -80,6 +80,38 @@ def timed(fn, *args):
     return time.perf_counter() - start, out
 
 
+def load_tide(model_dir: str, routers: str):
+    """(base model, tokenizer, Tide model with the router repo `routers`) for a local model folder, or "shipped"."""
+    if model_dir == "shipped":
+        base, tok = _load_base()
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        base, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    return base, tok, tide.TideForCausalLM.from_pretrained(routers, base_model=base)
+
+
+def time_interleaved(rows: dict, prompts, repeats: int = 3) -> tuple[dict, dict]:
+    """Every row on every prompt, interleaved per prompt, after a warm-up (the longest prompt first, so that a lent
+    static cache is sized once): ({row: median seconds per prompt}, {row: the share of runs whose tokens equal the
+    first row's})."""
+    for ids in sorted(prompts, key=lambda ids: -ids.shape[1]) + list(prompts):
+        for fn in rows.values():
+            fn(ids)
+    times = {k: [[] for _ in prompts] for k in rows}
+    same = dict.fromkeys(rows, 0)
+    for _ in range(repeats):
+        for i, ids in enumerate(prompts):
+            reference = None
+            for k, fn in rows.items():
+                seconds, out = timed(fn, ids)
+                times[k][i].append(seconds)
+                reference = out if reference is None else reference
+                same[k] += int(torch.equal(out, reference))
+    return ({k: [statistics.median(t) for t in v] for k, v in times.items()},
+            {k: v / (repeats * len(prompts)) for k, v in same.items()})
+
+
 def accepted_per_cycle(fn, prompts, model) -> float | None:
     """Drafted tokens accepted per verification cycle over one untimed run of every prompt (lossless rows;
     None where the row ran no verification: exit mode, or the base model)."""

@@ -8,57 +8,45 @@ beside `generate`, the compiled static-cache base and Tide's eager default; inte
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tide
 import tide.decode.treedraft as td
 from tide.decode.baseline import compiled_static_decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_baselines import _load_base, prompt_texts  # noqa: E402
+from bench_baselines import load_tide, prompt_texts, time_interleaved  # noqa: E402
 
 torch.set_num_threads(1)
 model_dir, routers, text = sys.argv[1], sys.argv[2], sys.argv[3]
-if model_dir == "shipped":
-    base, tok = _load_base()
-else:
-    base, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
-model = tide.TideForCausalLM.from_pretrained(routers, base_model=base)
+base, tok, model = load_tide(model_dir, routers)
 prompts = [tok(t, return_tensors="pt").input_ids for t in prompt_texts(text, 6)]
 n = 40
 g = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
 comp = compiled_static_decoder(base, max(p.shape[1] for p in prompts) + n)
 real = td.TreeDrafter._through_backbone
 cfg = {"mode": "lossless", "compile": True}
+
+
 def tide_old(ids):
     td.TreeDrafter._through_backbone = lambda self, cache: False
-    try: return model.generate(ids, **g, tide_config=cfg)
-    finally: td.TreeDrafter._through_backbone = real
+    try:
+        return model.generate(ids, **g, tide_config=cfg)
+    finally:
+        td.TreeDrafter._through_backbone = real
+
+
 rows = {"generate": lambda ids: base.generate(ids, **g), "static+compile": lambda ids: comp(ids, n),
         "tide default (eager)": lambda ids: model.generate(ids, **g),
         "lossless compiled, spans (before)": tide_old,
         "lossless compiled, backbone (after)": lambda ids: model.generate(ids, **g, tide_config=cfg)}
-for _ in range(2):
-    for p in prompts:
-        for f in rows.values(): f(p)
-times = {k: [[] for _ in prompts] for k in rows}
-same = {k: 0 for k in rows}
-for rep in range(3):
-    for i, p in enumerate(prompts):
-        ref = None
-        for k, f in rows.items():
-            s = time.perf_counter(); out = f(p); times[k][i].append(time.perf_counter() - s)
-            ref = out if k == "generate" else ref; same[k] += int(torch.equal(out, ref))
-med = {k: [statistics.median(t) for t in v] for k, v in times.items()}
+med, same = time_interleaved(rows, prompts)
 res = {}
 print(f"{model_dir} {text}: {len(prompts)} prompts x {n} tokens, median of 3, 1 thread")
 for k, v in med.items():
     r = {b: sorted(x / y for x, y in zip(med[b], v)) for b in ("generate", "static+compile")}
-    res[k] = {"ms_per_token": statistics.median(v) / n * 1e3, "identical": same[k] / (3 * len(prompts)),
+    res[k] = {"ms_per_token": statistics.median(v) / n * 1e3, "identical": same[k],
               **{f"vs {b}": [statistics.median(r[b]), r[b][0], r[b][-1]] for b in r}}
     print(f"{k:38s} {res[k]['ms_per_token']:6.2f} ms/token  vs generate x{statistics.median(r['generate']):.2f} [{r['generate'][0]:.2f}-{r['generate'][-1]:.2f}]"
           f"  vs compiled x{statistics.median(r['static+compile']):.2f} [{r['static+compile'][0]:.2f}-{r['static+compile'][-1]:.2f}]  identical {res[k]['identical']:.2f}")

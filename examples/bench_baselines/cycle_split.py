@@ -21,24 +21,18 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tide
-import tide.decode.speculative as speculative
+from tide.decode import speculative
 from tide.decode.baseline import compiled_static_decoder
 from tide.decode.spans import SpanRunner
 from tide.models.architectures import ModelParts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_baselines import _load_base, prompt_texts  # noqa: E402
+from bench_baselines import load_tide, prompt_texts, time_interleaved  # noqa: E402
 
 torch.set_num_threads(1)
 model_dir, routers, text = sys.argv[1], sys.argv[2], sys.argv[3]
-if model_dir == "shipped":
-    base, tok = _load_base()
-else:
-    base, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
-model = tide.TideForCausalLM.from_pretrained(routers, base_model=base)
+base, tok, model = load_tide(model_dir, routers)
 prompts = [tok(t, return_tensors="pt").input_ids for t in prompt_texts(text, 6)]
 n = 40
 g = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
@@ -47,21 +41,7 @@ tide_rows = {"lossless, eager": {"mode": "lossless"}, "lossless, compile=True": 
 rows = {"generate": lambda ids: base.generate(ids, **g), "static+compile": lambda ids: comp(ids, n),
         **{k: functools.partial(lambda cfg, ids: model.generate(ids, **g, tide_config=cfg), v)
            for k, v in tide_rows.items()}}
-for p in sorted(prompts, key=lambda p: -p.shape[1]) + prompts:  # warm-up, the longest prompt first (cache size)
-    for f in rows.values():
-        f(p)
-times = {k: [[] for _ in prompts] for k in rows}
-same = {k: 0 for k in rows}
-for rep in range(3):
-    for i, p in enumerate(prompts):
-        ref = None
-        for k, f in rows.items():
-            s = time.perf_counter()
-            out = f(p)
-            times[k][i].append(time.perf_counter() - s)
-            ref = out if k == "generate" else ref
-            same[k] += int(torch.equal(out, ref))
-med = {k: [statistics.median(t) for t in v] for k, v in times.items()}
+med, same = time_interleaved(rows, prompts)
 
 # Timers around the passes (one more pass of the prompts per Tide row).
 spent = collections.defaultdict(float)
@@ -94,7 +74,7 @@ result = {"model": model_dir, "text": text, "prompts": len(prompts), "tokens": n
 gen_token = statistics.median(med["generate"]) / n
 for k, v in med.items():
     ratios = {b: sorted(x / y for x, y in zip(med[b], v)) for b in ("generate", "static+compile")}
-    result["rows"][k] = {"ms_token": statistics.median(v) / n * 1e3, "identical": same[k] / (3 * len(prompts)),
+    result["rows"][k] = {"ms_token": statistics.median(v) / n * 1e3, "identical": same[k],
                          **{f"vs_{b}": statistics.median(r) for b, r in ratios.items()}}
 print(f"{model_dir} {text}: {len(prompts)} prompts x {n} tokens, median of 3, 1 thread")
 print(f"{'row':26s} {'ms/token':>8s} {'vs generate':>12s} {'vs compiled':>12s} {'identical':>9s}")
