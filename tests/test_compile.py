@@ -206,3 +206,27 @@ def test_the_draft_head_runs_in_the_shallow_layers_graph():
     model.draft_logits = replaced
     out = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config=config, compile_config=EAGER_BACKEND)
     assert torch.equal(out, ref) and calls
+
+
+def test_greedy_chains_draft_in_one_compiled_call():
+    """Compiled greedy chains with no logits processors draft every token of a chain in one call (one graph per chain
+    length); a chain cut by a stopping draft, and calls with a processor (drafted a call a token), give the base
+    model's tokens."""
+    model, base = noisy_tide("llama")
+    ids = prompt_ids()
+    config = {"mode": "lossless", "max_draft": 4, "compile": True}
+    ref = base.generate(ids, do_sample=False, max_new_tokens=20)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, tide_config=config, compile_config=EAGER_BACKEND)
+    assert torch.equal(out, ref)
+    (runner,) = model.span_runners.values()
+    chains = [key for key in runner._compiled if "chain" in key]
+    assert chains and model.last_stats.drafted > model.last_stats.verify_passes  # chains of 2+ drafts ran
+    stop = int(ref[0, ids.shape[1] + 5])  # a token the base model emits mid-way: generation stops there
+    ref = base.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=stop, pad_token_id=stop)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=stop, pad_token_id=stop,
+                         tide_config=config, compile_config=EAGER_BACKEND)
+    assert torch.equal(out, ref) and out.shape[1] < ids.shape[1] + 20
+    ref = base.generate(ids, do_sample=False, max_new_tokens=20, repetition_penalty=1.3)
+    out = model.generate(ids, do_sample=False, max_new_tokens=20, repetition_penalty=1.3, tide_config=config,
+                         compile_config=EAGER_BACKEND)
+    assert torch.equal(out, ref)

@@ -7,7 +7,7 @@ transformers' `CompileConfig`, where it gives them): a span runs on a static cac
 graph is made once per span and width and then replayed; on a GPU `mode="reduce-overhead"` captures it in a
 CUDA graph. Each span gets a code object of its own, so that its graphs never count against another span's
 recompile limit. A draft step runs the shallow layers and the draft head in one graph (`run_then`): one compiled
-call a drafted token. Layers whose calls differ (per-layer-type masks), and layers called with another cache
+call a drafted token; a greedy chain with no logits processors runs all its steps in one graph (`run_chain`). Layers whose calls differ (per-layer-type masks), and layers called with another cache
 object (row splitting), run eagerly.
 """
 
@@ -32,6 +32,19 @@ def _run_span(layers, returns_tuple: bool, hidden, args, kwargs):
 def _run_span_then(layers, returns_tuple: bool, hidden, args, kwargs, then, context):
     hidden = _run_span(layers, returns_tuple, hidden, args, kwargs)
     return hidden, then(hidden[:, -1], context)
+
+
+def _run_chain(layers, returns_tuple: bool, embed, hidden, steps, then, context):
+    states, tokens, logits = [], [], []
+    for i, (args, kwargs) in enumerate(steps):
+        if i:
+            hidden = embed(tokens[-1])
+        hidden = _run_span(layers, returns_tuple, hidden, args, kwargs)
+        step_logits, context = then(hidden[:, -1], context)
+        states.append(hidden)
+        logits.append(step_logits)
+        tokens.append(step_logits.argmax(-1, keepdim=True))
+    return torch.cat(states, 1), torch.cat(tokens, 1), torch.stack(logits, 1)
 
 
 def compile_options(compile_config=None) -> dict:
@@ -115,6 +128,25 @@ class SpanRunner:
         if self.cuda_graphs:  # (see `run`)
             hidden, out = hidden.clone(), tuple(t.clone() for t in out)
         return hidden, out
+
+    def run_chain(self, start: int, stop: int, hidden: torch.Tensor, steps: list, embed, then, context):
+        """A greedy chain of `len(steps)` drafts in one compiled call: each step runs layers start..stop-1 on its
+        token (the first on `hidden`, the next ones on `embed` of the token before) with its layer call's arguments
+        `steps[i]` = (args after the hidden state, kwargs), then `then(output at its position, context)` (the draft
+        head: logits and the next context), and takes the logits' argmax as the next token. -> (the states [B, k, H],
+        the drafted tokens [B, k], their logits [B, k, V]). Compiled spans only (one graph per chain length)."""
+        key = (start, stop, "chain", len(steps))
+        fn = self._compiled.get(key)
+        if fn is None:
+            name = f"tide_layers_{start}_to_{stop - 1}_chain_of_{len(steps)}"
+            code = _run_chain.__code__.replace(co_name=name, co_qualname=name)
+            fn = torch.compile(types.FunctionType(code, _run_chain.__globals__, name), **self.options)
+            self._compiled[key] = fn
+        if context is not None:  # (as in `run_then`)
+            context = context.clone(memory_format=torch.contiguous_format)
+        out = fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, embed, hidden,
+                 [(_at_offset_zero(args), _at_offset_zero(kwargs)) for args, kwargs in steps], then, context)
+        return tuple(t.clone() for t in out) if self.cuda_graphs else out
 
     def backbone(self, **inputs):
         """The backbone's own forward on `inputs`, compiled (one graph per input shape): its last hidden state

@@ -33,7 +33,7 @@ from .processors import process
 from .records import Draft
 from .spans import SpanRunner
 from .stats import GenerationStats
-from .treedraft import TreeDrafter
+from .treedraft import TreeDrafter, positions_of
 
 __all__ = ["LosslessSession", "ChainDrafter", "LosslessUnavailable", "check_rollback", "next_cap"]
 
@@ -127,6 +127,43 @@ class LosslessSession:
         hidden, drafted = self.spans.run_then(0, self.draft_layer + 1, hidden, calls, head, context)
         self._keep_pending(token, hidden)
         return drafted
+
+    def draft_chain(self, token: torch.Tensor, cache, mask, context: torch.Tensor | None, count: int):
+        """`count` greedy drafts after token [1, 1] in one compiled call: each token runs layers 0..E and the draft
+        head, and the next is the head's argmax (no logits processors: the caller checks). The tokens run (the
+        given one and every draft but the last) become pending with their states. -> (drafts [1, count], their
+        logits [1, count, V]); None where a chain cannot run as one call (eager spans, per-layer arguments,
+        embeddings the backbone transforms, arguments with no recognisable position axis, a replaced
+        `draft_logits`), and nothing has run."""
+        head = self.model.draft_function(self.draft_layer, self.draft_vocab_size)
+        if head is None or not self.spans.compiled or not self.parts.uniform_layers:
+            return None
+        inputs = new_positions(mask, layer_length(cache, 0), count, token.device)
+        hidden, calls = self.layer_args.calls(token.expand(-1, count), cache, inputs.get("attention_mask"),
+                                              inputs["position_ids"])
+        call = calls[0]
+        if (self.layer_args.embedding_form != "exact" or not call.args
+                or any(c is not call for c in calls[: self.draft_layer + 1])):
+            return None
+        steps = []
+        for i in range(count):  # position i's arguments of the chunk's call
+            step = positions_of([call], count, i, 1)
+            if step is None:
+                return None
+            steps.append((step[0].args[1:], step[0].kwargs))
+        embed = self.parts.backbone.get_input_embeddings()
+        states, drafts, logits = self.spans.run_chain(0, self.draft_layer + 1, hidden[:, :1], steps, embed, head,
+                                                      context)
+        self.stats.layer_passes += (self.draft_layer + 1) * (count - 1)  # (`_keep_pending` counts one token)
+        self._keep_pending(torch.cat([token, drafts[:, :-1]], 1), states)
+        return drafts, logits
+
+    def drop_pending(self, count: int, cache) -> None:
+        """Forget the last `count` pending tokens: their states, and their K/V in layers 0..E."""
+        for layer in range(self.draft_layer + 1):
+            crop_layer(cache, layer, -count)
+        self.pending_ids = self.pending_ids[:, :-count]
+        self.pending_states = self.pending_states[:, :-count]
 
     def _shallow_calls(self, token, cache, mask):
         inputs = new_positions(mask, layer_length(cache, 0), token.shape[1], token.device)
@@ -226,6 +263,10 @@ class ChainDrafter:
         tokens, draft_scores, stops = input_ids, [], False
         token, context = input_ids[:, -1:], session.context
         with torch.no_grad():
+            draft = self._chain_in_one_call(input_ids, budget)
+            if draft is not None:
+                stats.decode_time_s += time.perf_counter() - start
+                return draft
             while len(draft_scores) < budget:
                 logits, context = session.draft_step(token, self.cache, self._mask(tokens), context)
                 scores = process(self.logits_processor, tokens, logits.float())
@@ -242,6 +283,29 @@ class ChainDrafter:
         stats.decode_time_s += time.perf_counter() - start
         scores = torch.stack(draft_scores, 1) if (draft_scores and self.do_sample) else None
         return Draft(tokens, self.drafted, scores, stops=stops)
+
+    def _chain_in_one_call(self, input_ids: torch.LongTensor, budget: int) -> Draft | None:
+        """A greedy chain of `budget` drafts in one compiled call (`LosslessSession.draft_chain`), cut after the
+        first that would stop generation; None where the call samples, has logits processors, drafts fewer than
+        two, or the session cannot run a chain that way."""
+        processors = self.logits_processor
+        if budget < 2 or self.do_sample or not isinstance(processors, (list, tuple)) or len(processors):
+            return None
+        session = self.session
+        out = session.draft_chain(input_ids[:, -1:], self.cache, self._mask(input_ids), session.context, budget)
+        if out is None:
+            return None
+        drafts, logits = out
+        count, stops = budget, False
+        for i in range(budget):
+            if self.stops(torch.cat([input_ids, drafts[:, : i + 1]], 1), logits[:, i].float()):
+                count, stops = i + 1, True
+                break
+        if count < budget:  # the drafts after a stopping one: their shallow K/V and states go
+            session.drop_pending(budget - count, self.cache)
+        self.drafted = count
+        session.stats.drafted += count
+        return Draft(torch.cat([input_ids, drafts[:, :count]], 1), count, None, stops=stops)
 
     def verified(self, accepted: int) -> None:
         """After the loop accepted `accepted` of the drafts: the next context, the counters and the cap (of head

@@ -66,7 +66,8 @@ from .accept import among_certain_drafts, certain_scores
 from .processors import process
 from .records import Draft, Verdict
 
-__all__ = ["DraftTree", "TreeDrafter", "keep_of_tail", "keep_path", "tree_mask_calls", "without_first_position"]
+__all__ = ["DraftTree", "TreeDrafter", "keep_of_tail", "keep_path", "positions_of", "tree_mask_calls",
+           "without_first_position"]
 
 
 class DraftTree:
@@ -153,11 +154,16 @@ def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor, start: int | 
 
 
 def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | None:
-    """The calls for a chunk of `q` positions turned into calls for its last `q - 1` positions (same keys).
+    """The calls for a chunk of `q` positions turned into calls for its last `q - 1` positions (same keys)."""
+    return positions_of(calls, q, 1, q - 1)
 
-    Per-position arguments lose their first query: the hidden states and rotary tables [B, q, ...] (3-D),
-    position ids [B, q], cache positions [q], and 4-D masks [B, h, q, K] (rows). None when a tensor has a
-    dimension of size q anywhere else, which this cannot place."""
+
+def positions_of(calls: list[LayerCall], q: int, first: int, count: int) -> list[LayerCall] | None:
+    """The calls for a chunk of `q` positions turned into calls for its positions first..first+count-1 (same keys).
+
+    Per-position arguments keep those queries: the hidden states and rotary tables [B, q, ...] (3-D), position ids
+    [B, q], cache positions [q], and 4-D masks [B, h, q, K] (rows). None when a tensor has a dimension of size q
+    anywhere else, which this cannot place."""
 
     def cut(value):
         if isinstance(value, (tuple, list)):
@@ -166,11 +172,11 @@ def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | 
         if not isinstance(value, torch.Tensor) or q not in value.shape:
             return value
         if value.dim() == 4 and value.shape[-2] == q and q not in (value.shape[0], value.shape[1], value.shape[-1]):
-            return value[..., 1:, :]
+            return value.narrow(-2, first, count)
         if value.dim() in (2, 3) and value.shape[1] == q and q not in (value.shape[0], *value.shape[2:]):
-            return value[:, 1:]
+            return value.narrow(1, first, count)
         if value.dim() == 1:
-            return value[1:]
+            return value.narrow(0, first, count)
         return _UNPLACED
 
     def sliced(call: LayerCall) -> LayerCall | None:
