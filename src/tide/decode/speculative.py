@@ -86,6 +86,7 @@ class LosslessSession:
         self.verified_contexts = None  # [1, P + 1, H] the same for each position the last verification checked
         self.original_forward = base_forward(model.base)
         self.layer_args = LayerArgs(self.parts, stats=self.stats)  # drafted tokens' and verification's layer arguments
+        self.chains_in_one_call = True  # until `draft_chain` finds this model's arguments cannot run that way
 
     @property
     def pending(self) -> int:
@@ -136,21 +137,20 @@ class LosslessSession:
         embeddings the backbone transforms, arguments with no recognisable position axis, a replaced
         `draft_logits`), and nothing has run."""
         head = self.model.draft_function(self.draft_layer, self.draft_vocab_size)
-        if head is None or not self.spans.compiled or not self.parts.uniform_layers:
+        if head is None or not self.chains_in_one_call or not self.spans.compiled or not self.parts.uniform_layers:
             return None
         inputs = new_positions(mask, layer_length(cache, 0), count, token.device)
         hidden, calls = self.layer_args.calls(token.expand(-1, count), cache, inputs.get("attention_mask"),
                                               inputs["position_ids"])
         call = calls[0]
-        if (self.layer_args.embedding_form != "exact" or not call.args
-                or any(c is not call for c in calls[: self.draft_layer + 1])):
-            return None
         steps = []
-        for i in range(count):  # position i's arguments of the chunk's call
-            step = positions_of([call], count, i, 1)
-            if step is None:
-                return None
-            steps.append((step[0].args[1:], step[0].kwargs))
+        if (self.layer_args.embedding_form == "exact" and call.args
+                and all(c is call for c in calls[: self.draft_layer + 1])):
+            steps = [positions_of([call], count, i, 1) for i in range(count)]  # position i's arguments
+        if not steps or any(step is None for step in steps):
+            self.chains_in_one_call = False  # (this model and cache: not again in this call)
+            return None
+        steps = [(step[0].args[1:], step[0].kwargs) for step in steps]
         embed = self.parts.backbone.get_input_embeddings()
         states, drafts, logits = self.spans.run_chain(0, self.draft_layer + 1, hidden[:, :1], steps, embed, head,
                                                       context)
