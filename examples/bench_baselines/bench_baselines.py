@@ -91,6 +91,22 @@ def load_tide(model_dir: str, routers: str):
     return base, tok, tide.TideForCausalLM.from_pretrained(routers, base_model=base)
 
 
+def side_bench(argv: list[str], tokens: int = 40, prompts: int = 6):
+    """What the side scripts of this folder share, from their `MODEL ROUTERS TEXT` arguments: 1 thread, the models,
+    the prompts, greedy settings for `tokens` new tokens, and the base rows (`generate`, `static+compile`)."""
+    from types import SimpleNamespace
+
+    torch.set_num_threads(1)
+    model_dir, routers, text = argv[:3]
+    base, tok, model = load_tide(model_dir, routers)
+    ids = [tok(t, return_tensors="pt").input_ids for t in prompt_texts(text, prompts)]
+    greedy = dict(do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens)
+    compiled = compiled_static_decoder(base, max(p.shape[1] for p in ids) + tokens)
+    rows = {"generate": lambda p: base.generate(p, **greedy), "static+compile": lambda p: compiled(p, tokens)}
+    return SimpleNamespace(model_dir=model_dir, text=text, base=base, model=model, prompts=ids, tokens=tokens,
+                           greedy=greedy, base_rows=rows)
+
+
 def time_interleaved(rows: dict, prompts, repeats: int = 3) -> tuple[dict, dict]:
     """Every row on every prompt, interleaved per prompt, after a warm-up (the longest prompt first, so that a lent
     static cache is sized once): ({row: median seconds per prompt}, {row: the share of runs whose tokens equal the

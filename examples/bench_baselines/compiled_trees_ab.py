@@ -10,21 +10,14 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 import tide.decode.treedraft as td
-from tide.decode.baseline import compiled_static_decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_baselines import load_tide, prompt_texts, time_interleaved  # noqa: E402
+from bench_baselines import side_bench, time_interleaved  # noqa: E402
 
-torch.set_num_threads(1)
-model_dir, routers, text = sys.argv[1], sys.argv[2], sys.argv[3]
-base, tok, model = load_tide(model_dir, routers)
-prompts = [tok(t, return_tensors="pt").input_ids for t in prompt_texts(text, 6)]
-n = 40
-g = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
-comp = compiled_static_decoder(base, max(p.shape[1] for p in prompts) + n)
+bench = side_bench(sys.argv[1:])
+model_dir, text, model, prompts = bench.model_dir, bench.text, bench.model, bench.prompts
+n, g = bench.tokens, bench.greedy
 real = td.TreeDrafter._through_backbone
 cfg = {"mode": "lossless", "compile": True}
 
@@ -37,8 +30,7 @@ def tide_old(ids):
         td.TreeDrafter._through_backbone = real
 
 
-rows = {"generate": lambda ids: base.generate(ids, **g), "static+compile": lambda ids: comp(ids, n),
-        "tide default (eager)": lambda ids: model.generate(ids, **g),
+rows = {**bench.base_rows, "tide default (eager)": lambda ids: model.generate(ids, **g),
         "lossless compiled, spans (before)": tide_old,
         "lossless compiled, backbone (after)": lambda ids: model.generate(ids, **g, tide_config=cfg)}
 med, same = time_interleaved(rows, prompts)

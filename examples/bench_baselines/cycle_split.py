@@ -20,27 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from tide.decode import speculative
-from tide.decode.baseline import compiled_static_decoder
 from tide.decode.spans import SpanRunner
 from tide.models.architectures import ModelParts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_baselines import load_tide, prompt_texts, time_interleaved  # noqa: E402
+from bench_baselines import side_bench, time_interleaved  # noqa: E402
 
-torch.set_num_threads(1)
-model_dir, routers, text = sys.argv[1], sys.argv[2], sys.argv[3]
-base, tok, model = load_tide(model_dir, routers)
-prompts = [tok(t, return_tensors="pt").input_ids for t in prompt_texts(text, 6)]
-n = 40
-g = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
-comp = compiled_static_decoder(base, max(p.shape[1] for p in prompts) + n)
+bench = side_bench(sys.argv[1:])
+model_dir, text, model, prompts = bench.model_dir, bench.text, bench.model, bench.prompts
+n, g = bench.tokens, bench.greedy
 tide_rows = {"lossless, eager": {"mode": "lossless"}, "lossless, compile=True": {"mode": "lossless", "compile": True}}
-rows = {"generate": lambda ids: base.generate(ids, **g), "static+compile": lambda ids: comp(ids, n),
-        **{k: functools.partial(lambda cfg, ids: model.generate(ids, **g, tide_config=cfg), v)
-           for k, v in tide_rows.items()}}
+rows = {**bench.base_rows, **{k: functools.partial(lambda cfg, ids: model.generate(ids, **g, tide_config=cfg), v)
+                              for k, v in tide_rows.items()}}
 med, same = time_interleaved(rows, prompts)
 
 # Timers around the passes (one more pass of the prompts per Tide row).
