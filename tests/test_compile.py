@@ -208,11 +208,12 @@ def test_the_draft_head_runs_in_the_shallow_layers_graph():
     assert torch.equal(out, ref) and calls
 
 
-def test_greedy_chains_draft_in_one_compiled_call():
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: learned positions added to the embeddings
+def test_greedy_chains_draft_in_one_compiled_call(family):
     """Compiled greedy chains with no logits processors draft every token of a chain in one call (one graph per chain
     length); a chain cut by a stopping draft, and calls with a processor (drafted a call a token), give the base
     model's tokens."""
-    model, base = noisy_tide("llama")
+    model, base = noisy_tide(family)
     ids = prompt_ids()
     config = {"mode": "lossless", "max_draft": 4, "compile": True}
     ref = base.generate(ids, do_sample=False, max_new_tokens=20)

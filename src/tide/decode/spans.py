@@ -34,11 +34,11 @@ def _run_span_then(layers, returns_tuple: bool, hidden, args, kwargs, then, cont
     return hidden, then(hidden[:, -1], context)
 
 
-def _run_chain(layers, returns_tuple: bool, embed, hidden, steps, then, context):
+def _run_chain(layers, returns_tuple: bool, embed, positional, hidden, steps, then, context):
     states, tokens, logits = [], [], []
     for i, (args, kwargs) in enumerate(steps):
         if i:
-            hidden = embed(tokens[-1])
+            hidden = embed(tokens[-1]) if positional is None else embed(tokens[-1]) + positional[:, i:i + 1]
         hidden = _run_span(layers, returns_tuple, hidden, args, kwargs)
         step_logits, context = then(hidden[:, -1], context)
         states.append(hidden)
@@ -129,9 +129,10 @@ class SpanRunner:
             hidden, out = hidden.clone(), tuple(t.clone() for t in out)
         return hidden, out
 
-    def run_chain(self, start: int, stop: int, hidden: torch.Tensor, steps: list, embed, then, context):
+    def run_chain(self, start: int, stop: int, hidden: torch.Tensor, steps: list, embed, positional, then, context):
         """A greedy chain of `len(steps)` drafts in one compiled call: each step runs layers start..stop-1 on its
-        token (the first on `hidden`, the next ones on `embed` of the token before) with its layer call's arguments
+        token (the first on `hidden`, the next ones on `embed` of the token before, plus its row of `positional`
+        [B, k, H] where the backbone adds one to the embeddings) with its layer call's arguments
         `steps[i]` = (args after the hidden state, kwargs), then `then(output at its position, context)` (the draft
         head: logits and the next context), and takes the logits' argmax as the next token. -> (the states [B, k, H],
         the drafted tokens [B, k], their logits [B, k, V]). Compiled spans only (one graph per chain length)."""
@@ -144,7 +145,8 @@ class SpanRunner:
             self._compiled[key] = fn
         if context is not None:  # (as in `run_then`)
             context = context.clone(memory_format=torch.contiguous_format)
-        out = fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, embed, hidden,
+        out = fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, embed,
+                 _at_offset_zero(positional), hidden,
                  [(_at_offset_zero(args), _at_offset_zero(kwargs)) for args, kwargs in steps], then, context)
         return tuple(t.clone() for t in out) if self.cuda_graphs else out
 

@@ -134,17 +134,19 @@ class LosslessSession:
         head, and the next is the head's argmax (no logits processors: the caller checks). The tokens run (the
         given one and every draft but the last) become pending with their states. -> (drafts [1, count], their
         logits [1, count, V]); None where a chain cannot run as one call (eager spans, per-layer arguments,
-        embeddings the backbone transforms, arguments with no recognisable position axis, a replaced
-        `draft_logits`), and nothing has run."""
+        embeddings the backbone transforms beyond adding positions, arguments with no recognisable position axis,
+        a replaced `draft_logits`), and nothing has run."""
         head = self.model.draft_function(self.draft_layer, self.draft_vocab_size)
         if head is None or not self.chains_in_one_call or not self.spans.compiled or not self.parts.uniform_layers:
             return None
-        inputs = new_positions(mask, layer_length(cache, 0), count, token.device)
+        past = layer_length(cache, 0)
+        inputs = new_positions(mask, past, count, token.device)
         hidden, calls = self.layer_args.calls(token.expand(-1, count), cache, inputs.get("attention_mask"),
                                               inputs["position_ids"])
-        call = calls[0]
+        call, form = calls[0], self.layer_args.embedding_form
+        positional = self.layer_args.positional(past, count)  # (learned positions: what the backbone adds)
         steps = []
-        if (self.layer_args.embedding_form == "exact" and call.args
+        if ((form == "exact" or (form == "positional" and positional is not None)) and call.args
                 and all(c is call for c in calls[: self.draft_layer + 1])):
             steps = [positions_of([call], count, i, 1) for i in range(count)]  # position i's arguments
         if not steps or any(step is None for step in steps):
@@ -152,8 +154,8 @@ class LosslessSession:
             return None
         steps = [(step[0].args[1:], step[0].kwargs) for step in steps]
         embed = self.parts.backbone.get_input_embeddings()
-        states, drafts, logits = self.spans.run_chain(0, self.draft_layer + 1, hidden[:, :1], steps, embed, head,
-                                                      context)
+        states, drafts, logits = self.spans.run_chain(0, self.draft_layer + 1, hidden[:, :1], steps, embed,
+                                                      positional if form == "positional" else None, head, context)
         self.stats.layer_passes += (self.draft_layer + 1) * (count - 1)  # (`_keep_pending` counts one token)
         self._keep_pending(torch.cat([token, drafts[:, :-1]], 1), states)
         return drafts, logits

@@ -124,6 +124,14 @@ class LayerArgs:
         return additive_masks(self.parts, capture_layer_calls(
             self.parts, past_key_values=view, use_cache=True, **{k: v for k, v in inputs.items() if v is not None}))
 
+    def positional(self, past: int, length: int) -> torch.Tensor | None:
+        """What the backbone adds to the input embeddings of positions past..past+length-1 ([B, length, H]), read from
+        the window a `calls` request for them opened; None where it adds nothing or no window holds them."""
+        w = self.window
+        if w is None or w.positional is None or not (w.start <= past and past + length <= w.start + w.width):
+            return None
+        return w.positional[:, past - w.start:past - w.start + length]
+
     @property
     def embedding_form(self) -> str | None:
         """"exact", "positional" or "other" once read (per backbone)."""
