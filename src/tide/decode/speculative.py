@@ -144,7 +144,8 @@ class LosslessSession:
         hidden, calls = self.layer_args.calls(token.expand(-1, count), cache, inputs.get("attention_mask"),
                                               inputs["position_ids"])
         call, form = calls[0], self.layer_args.embedding_form
-        positional = self.layer_args.positional(past, count)  # (learned positions: what the backbone adds)
+        # learned positions: what the backbone adds to the embeddings, from the window these arguments were cut from
+        positional = self.layer_args.positional(past, count) if self.layer_args.off_reason is None else None
         steps = []
         if ((form == "exact" or (form == "positional" and positional is not None)) and call.args
                 and all(c is call for c in calls[: self.draft_layer + 1])):
