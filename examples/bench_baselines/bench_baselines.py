@@ -128,6 +128,11 @@ def time_interleaved(rows: dict, prompts, repeats: int = 3) -> tuple[dict, dict]
             {k: v / (repeats * len(prompts)) for k, v in same.items()})
 
 
+def baseline_ratios(medians: dict, row: str) -> dict:
+    """{baseline: the per-prompt speed ratios of `row` against it, sorted} for `time_interleaved`'s medians."""
+    return {b: sorted(x / y for x, y in zip(medians[b], medians[row])) for b in ("generate", "static+compile")}
+
+
 def accepted_per_cycle(fn, prompts, model) -> float | None:
     """Drafted tokens accepted per verification cycle over one untimed run of every prompt (lossless rows;
     None where the row ran no verification: exit mode, or the base model)."""

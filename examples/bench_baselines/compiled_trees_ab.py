@@ -13,7 +13,7 @@ from pathlib import Path
 import tide.decode.treedraft as td
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_baselines import side_bench, time_interleaved  # noqa: E402
+from bench_baselines import baseline_ratios, side_bench, time_interleaved  # noqa: E402
 
 bench = side_bench(sys.argv[1:])
 model_dir, text, model, prompts = bench.model_dir, bench.text, bench.model, bench.prompts
@@ -37,7 +37,7 @@ med, same = time_interleaved(rows, prompts)
 res = {}
 print(f"{model_dir} {text}: {len(prompts)} prompts x {n} tokens, median of 3, 1 thread")
 for k, v in med.items():
-    r = {b: sorted(x / y for x, y in zip(med[b], v)) for b in ("generate", "static+compile")}
+    r = baseline_ratios(med, k)
     res[k] = {"ms_per_token": statistics.median(v) / n * 1e3, "identical": same[k],
               **{f"vs {b}": [statistics.median(r[b]), r[b][0], r[b][-1]] for b in r}}
     print(f"{k:38s} {res[k]['ms_per_token']:6.2f} ms/token  vs generate x{statistics.median(r['generate']):.2f} [{r['generate'][0]:.2f}-{r['generate'][-1]:.2f}]"

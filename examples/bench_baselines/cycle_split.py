@@ -25,7 +25,7 @@ from tide.decode.spans import SpanRunner
 from tide.models.architectures import ModelParts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_baselines import side_bench, time_interleaved  # noqa: E402
+from bench_baselines import baseline_ratios, side_bench, time_interleaved  # noqa: E402
 
 bench = side_bench(sys.argv[1:])
 model_dir, text, model, prompts = bench.model_dir, bench.text, bench.model, bench.prompts
@@ -64,7 +64,7 @@ timer(speculative.ChainDrafter, "_prefill", "prefill")
 timer(type(model), "draft_logits", "draft head")
 result = {"model": model_dir, "text": text, "prompts": len(prompts), "tokens": n, "rows": {}, "split": {}}
 for k, v in med.items():
-    ratios = {b: sorted(x / y for x, y in zip(med[b], v)) for b in ("generate", "static+compile")}
+    ratios = baseline_ratios(med, k)
     result["rows"][k] = {"ms_token": statistics.median(v) / n * 1e3, "identical": same[k],
                          **{f"vs_{b}": statistics.median(r) for b, r in ratios.items()}}
 print(f"{model_dir} {text}: {len(prompts)} prompts x {n} tokens, median of 3, 1 thread")

@@ -7,8 +7,9 @@ transformers' `CompileConfig`, where it gives them): a span runs on a static cac
 graph is made once per span and width and then replayed; on a GPU `mode="reduce-overhead"` captures it in a
 CUDA graph. Each span gets a code object of its own, so that its graphs never count against another span's
 recompile limit. A draft step runs the shallow layers and the draft head in one graph (`run_then`): one compiled
-call a drafted token; a greedy chain with no logits processors runs all its steps in one graph (`run_chain`). Layers whose calls differ (per-layer-type masks), and layers called with another cache
-object (row splitting), run eagerly.
+call a drafted token; a greedy chain with no logits processors runs all its steps in one graph (`run_chain`).
+Layers whose calls differ (per-layer-type masks), and layers called with another cache object (row splitting),
+run eagerly.
 """
 
 from __future__ import annotations
@@ -92,42 +93,26 @@ class SpanRunner:
     def run(self, start: int, stop: int, hidden: torch.Tensor, calls, eager: bool = False) -> torch.Tensor:
         """Layers start..stop-1 on `hidden`, each with its call in `calls` (a list over all layers); `eager`: not
         compiled, e.g. for a width that would need a graph of its own."""
-        span = calls[start:stop]
-        if not span:
-            return hidden
-        call = span[0]
-        if eager or self.options is None or any(c is not call for c in span) or not call.args:
+        call = None if eager else self._shared_call(calls, start, stop)
+        if call is None:
             for i in range(start, stop):
                 hidden = calls[i].run(self.parts, i, hidden)
             return hidden
-        out = self._span(start, stop)(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple,
-                                      hidden, _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs))
-        # A CUDA graph's output lives in its memory pool, which the next replay of any span overwrites; the loops
-        # keep states across spans and steps (pending drafts, exit states), so they get a copy of their own.
-        return out.clone() if self.cuda_graphs else out
+        fn = self._function(_run_span, (start, stop), f"tide_layers_{start}_to_{stop - 1}")
+        return self._own(fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, hidden,
+                            _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs)))
 
     def run_then(self, start: int, stop: int, hidden: torch.Tensor, calls, then, context):
         """`run`, then `then(output at the last position [B, H], context)`, in the same graph where the span is
         compiled (the draft head after the shallow layers: one compiled call, not a compiled span and eager head
         ops). -> (the span's output, what `then` returns)."""
-        span = calls[start:stop]
-        call = span[0] if span else None
-        if self.options is None or not span or any(c is not call for c in span) or not call.args:
+        call = self._shared_call(calls, start, stop)
+        if call is None:
             hidden = self.run(start, stop, hidden, calls)
             return hidden, then(hidden[:, -1], context)
-        fn = self._compiled.get((start, stop, "then"))
-        if fn is None:
-            name = f"tide_layers_{start}_to_{stop - 1}_and_draft"
-            code = _run_span_then.__code__.replace(co_name=name, co_qualname=name)
-            fn = torch.compile(types.FunctionType(code, _run_span_then.__globals__, name), **self.options)
-            self._compiled[(start, stop, "then")] = fn
-        if context is not None:  # (a row of the verified states: its offset and strides would recompile the graph)
-            context = context.clone(memory_format=torch.contiguous_format)
-        hidden, out = fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, hidden,
-                         _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs), then, context)
-        if self.cuda_graphs:  # (see `run`)
-            hidden, out = hidden.clone(), tuple(t.clone() for t in out)
-        return hidden, out
+        fn = self._function(_run_span_then, (start, stop, "then"), f"tide_layers_{start}_to_{stop - 1}_and_draft")
+        return self._own(fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, hidden,
+                            _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs), then, _dense(context)))
 
     def run_chain(self, start: int, stop: int, hidden: torch.Tensor, steps: list, embed, positional, then, context):
         """A greedy chain of `len(steps)` drafts in one compiled call: each step runs layers start..stop-1 on its
@@ -136,19 +121,12 @@ class SpanRunner:
         `steps[i]` = (args after the hidden state, kwargs), then `then(output at its position, context)` (the draft
         head: logits and the next context), and takes the logits' argmax as the next token. -> (the states [B, k, H],
         the drafted tokens [B, k], their logits [B, k, V]). Compiled spans only (one graph per chain length)."""
-        key = (start, stop, "chain", len(steps))
-        fn = self._compiled.get(key)
-        if fn is None:
-            name = f"tide_layers_{start}_to_{stop - 1}_chain_of_{len(steps)}"
-            code = _run_chain.__code__.replace(co_name=name, co_qualname=name)
-            fn = torch.compile(types.FunctionType(code, _run_chain.__globals__, name), **self.options)
-            self._compiled[key] = fn
-        if context is not None:  # (as in `run_then`)
-            context = context.clone(memory_format=torch.contiguous_format)
-        out = fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, embed,
-                 _at_offset_zero(positional), hidden,
-                 [(_at_offset_zero(args), _at_offset_zero(kwargs)) for args, kwargs in steps], then, context)
-        return tuple(t.clone() for t in out) if self.cuda_graphs else out
+        fn = self._function(_run_chain, (start, stop, "chain", len(steps)),
+                            f"tide_layers_{start}_to_{stop - 1}_chain_of_{len(steps)}")
+        return self._own(fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, embed,
+                            _at_offset_zero(positional), hidden,
+                            [(_at_offset_zero(args), _at_offset_zero(kwargs)) for args, kwargs in steps], then,
+                            _dense(context)))
 
     def backbone(self, **inputs):
         """The backbone's own forward on `inputs`, compiled (one graph per input shape): its last hidden state
@@ -156,18 +134,42 @@ class SpanRunner:
         fn = self._compiled.get("backbone")
         if fn is None:
             fn = self._compiled["backbone"] = torch.compile(self.parts.backbone.forward, **self.options)
-        out = fn(**inputs)[0]
-        return out.clone() if self.cuda_graphs else out
+        return self._own(fn(**inputs)[0])
 
     @property
     def cuda_graphs(self) -> bool:
         return self.options is not None and self.options.get("mode") == "reduce-overhead"
 
-    def _span(self, start: int, stop: int):
-        fn = self._compiled.get((start, stop))
+    def _shared_call(self, calls, start: int, stop: int):
+        """The one call every layer of start..stop-1 takes, where that span runs compiled; None where it runs
+        eagerly (not compiled, calls that differ between layers, hidden states passed by keyword)."""
+        span = calls[start:stop]
+        call = span[0] if span else None
+        if self.options is None or call is None or any(c is not call for c in span) or not call.args:
+            return None
+        return call
+
+    def _function(self, function, key, name: str):
+        """`function` compiled under `key`, as a code object of its own named `name` (its own recompile limit)."""
+        fn = self._compiled.get(key)
         if fn is None:
-            name = f"tide_layers_{start}_to_{stop - 1}"
-            code = _run_span.__code__.replace(co_name=name, co_qualname=name)
-            fn = torch.compile(types.FunctionType(code, _run_span.__globals__, name), **self.options)
-            self._compiled[(start, stop)] = fn
+            code = function.__code__.replace(co_name=name, co_qualname=name)
+            fn = self._compiled[key] = torch.compile(types.FunctionType(code, function.__globals__, name),
+                                                     **self.options)
         return fn
+
+    def _own(self, out):
+        """A compiled call's output (tensors, in tuples), copied out of the CUDA graph's memory pool where it lives
+        there: the next replay of any graph overwrites it, and the loops keep states across spans and steps (pending
+        drafts, exit states)."""
+        return _copied(out) if self.cuda_graphs else out
+
+
+def _copied(value):
+    return value.clone() if isinstance(value, torch.Tensor) else tuple(_copied(v) for v in value)
+
+
+def _dense(context):
+    """A draft's context row [B, H] laid out afresh: a row of the verified states has their offset and strides, which
+    would recompile a graph made for another."""
+    return None if context is None else context.clone(memory_format=torch.contiguous_format)

@@ -299,11 +299,7 @@ class ChainDrafter:
         if out is None:
             return None
         drafts, logits = out
-        count, stops = budget, False
-        for i in range(budget):
-            if self.stops(torch.cat([input_ids, drafts[:, : i + 1]], 1), logits[:, i].float()):
-                count, stops = i + 1, True
-                break
+        count, stops = self._first_stop(input_ids, drafts, logits.float())
         if count < budget:  # the drafts after a stopping one: their shallow K/V and states go
             session.drop_pending(budget - count, self.cache)
         self.drafted = count
@@ -337,11 +333,7 @@ class ChainDrafter:
         session, stats = self.session, self.session.stats
         drafted = torch.tensor([continuation], dtype=input_ids.dtype, device=input_ids.device)
         scores = certain_scores(drafted, session.model.num_head_rows)
-        count, stops = drafted.shape[1], False
-        for i in range(drafted.shape[1]):
-            if self.stops(torch.cat([input_ids, drafted[:, : i + 1]], 1), scores[:, i]):
-                count, stops = i + 1, True
-                break
+        count, stops = self._first_stop(input_ids, drafted, scores)
         tokens = torch.cat([input_ids, drafted[:, :count]], 1)
         with torch.no_grad():
             session.shallow_step(tokens[:, -count - 1:], self.cache, self._mask(tokens))
@@ -378,6 +370,14 @@ class ChainDrafter:
         if self.do_sample:
             return torch.multinomial(scores.softmax(-1), 1)
         return scores.argmax(-1, keepdim=True)
+
+    def _first_stop(self, input_ids, drafted, scores) -> tuple[int, bool]:
+        """(how many of the drafts [1, k] to keep, whether the last kept one stops generation): up to and including
+        the first after which a stopping criterion fires (`scores` [1, k, V]: the drafts' scores, for the criteria)."""
+        for i in range(drafted.shape[1]):
+            if self.stops(torch.cat([input_ids, drafted[:, : i + 1]], 1), scores[:, i]):
+                return i + 1, True
+        return drafted.shape[1], False
 
     def stops(self, tokens, scores) -> bool:
         """Whether a stopping criterion of the call (EOS, length, stop strings, the caller's) fires on `tokens`
