@@ -16,8 +16,16 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
+# The tests run with torch.compile's caches (inductor's and Triton's) in a fresh folder of their own, removed
+# afterwards: every run compiles what a fresh machine compiles, and takes the time a new user waits.
+# PYTEST_ARGS: more pytest arguments, e.g. `make test PYTEST_ARGS=tests/test_compile.py`.
+PYTEST_ARGS ?=
 test: setup
-	$(BIN)/python -m pytest
+	@caches=$$(mktemp -d "$${TMPDIR:-/tmp}/tide-test-caches.XXXXXX") && \
+	trap 'rm -rf "$$caches"' EXIT && trap 'exit 130' INT TERM && \
+	echo "torch.compile caches: $$caches (fresh, removed afterwards)" && \
+	TORCHINDUCTOR_CACHE_DIR="$$caches/inductor" TRITON_CACHE_DIR="$$caches/triton" \
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/tide demo
