@@ -145,6 +145,65 @@ def accepted_per_cycle(fn, prompts, model) -> float | None:
     return accepted / cycles if cycles else None
 
 
+def bench_rows(base, model, prompts, tokens: int, configs: dict, repeats: int = 3, compile: bool = False,
+               extra_rows: dict | None = None) -> dict:
+    """Time `generate`, the compiled static-cache base, `extra_rows` ({name: fn(ids)}) and Tide with each of
+    `configs` ({name: tide_config}) on every prompt, interleaved, greedy for `tokens` new tokens; print the table
+    and return it as a dict (medians of per-prompt ratios against both baselines, their spread, identical runs,
+    drafted tokens accepted per cycle)."""
+    n = tokens
+    greedy = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    compiled = compiled_static_decoder(base, max(p.shape[1] for p in prompts) + n)
+    compile_s, _ = timed(compiled, prompts[0], n)  # the first call compiles
+    rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n)}
+    rows.update(extra_rows or {})
+    for name, config in configs.items():
+        rows[name] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
+    compile_s = {"static+compile": compile_s}
+    for name, config in configs.items() if compile else ():
+        config = {**(config or {}), "compile": True}
+        rows[f"{name} compiled"] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
+        compile_s[f"{name} compiled"], _ = timed(rows[f"{name} compiled"], prompts[0])  # the first call compiles
+    # Two untimed rounds of every row once all are set up, on the longest prompt: the static cache Tide lends compiled
+    # calls then has its final length (it grows to the longest call so far, as generate's own), so timed calls
+    # replay graphs of one shape. Tide's compiled base steps and the baseline's compile the same function (the base
+    # model's forward), so their graphs share one cache: the first rounds add entries for each other's inputs (the
+    # caches' lengths, the forwards Tide installs on its first call), none later.
+    longest = max(prompts, key=lambda ids: ids.shape[1])
+    for _ in range(2):
+        for fn in rows.values():
+            fn(longest)
+    times = {name: [] for name in rows}
+    same = {name: 0 for name in rows}
+    for ids in prompts:
+        ref = None
+        for _ in range(repeats):
+            for name, fn in rows.items():  # interleaved, so that load on the machine hits every row alike
+                seconds, out = timed(fn, ids)
+                times[name].append(seconds)
+                ref = out if name == "generate" else ref
+                same[name] += int(torch.equal(out, ref))
+    per_prompt = {name: [statistics.median(t[i * repeats:(i + 1) * repeats]) for i in range(len(prompts))]
+                  for name, t in times.items()}
+    cycles = {name: accepted_per_cycle(rows[name], prompts, model) for name in rows if name.startswith("tide")}
+    result = {"tokens": n, "prompts": len(prompts), "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
+              "threads": torch.get_num_threads(), "rows": {}}
+    print(f"{len(prompts)} prompts x {n} tokens, median of {repeats}; first compiled calls (s): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
+    print(f"{'row':<31}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}{'accepted/cycle':>16}")
+    for name, secs in per_prompt.items():
+        row = {"ms_per_token": statistics.median(secs) / n * 1e3, "identical_runs": same[name] / len(times[name]),
+               "accepted_per_cycle": cycles.get(name)}
+        for baseline in ("generate", "static+compile"):
+            ratios = [b / s for b, s in zip(per_prompt[baseline], secs)]
+            row[f"vs {baseline}"] = (statistics.median(ratios), min(ratios), max(ratios))
+        result["rows"][name] = row
+        cells = [f"x{m:.2f} [{lo:.2f}-{hi:.2f}]" for m, lo, hi in (row["vs generate"], row["vs static+compile"])]
+        accepted = "" if row["accepted_per_cycle"] is None else f"{row['accepted_per_cycle']:.2f}"
+        print(f"{name:<31}{row['ms_per_token']:>9.2f}{cells[0]:>22}{cells[1]:>24}{row['identical_runs']:>11.2f}{accepted:>16}")
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--routers", help="router repo for the shipped model")
@@ -189,11 +248,6 @@ def main(argv=None):
         costs = measure_costs(model)
         print("cost table (layers):", {k: round(v, 3) for k, v in costs.as_dict().items() if isinstance(v, float)
                                        and not k.endswith("_s")})
-    n = args.tokens
-    greedy = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    compiled = compiled_static_decoder(base, max(p.shape[1] for p in prompts) + n)
-    compile_s, _ = timed(compiled, prompts[0], n)  # the first call compiles
-    rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n)}
     configs = {"tide default": None}
     if args.routers:
         configs["tide exit (calibrated)"] = {"mode": "exit"}
@@ -203,8 +257,10 @@ def main(argv=None):
         if tree:
             config["draft_topk"] = int(tree[0].lstrip("k"))
         configs[f"lossless {scheme}"] = config
+    extra_rows = {}
     if args.ngram:
-        rows_ngram = {"prompt lookup (transformers)": lambda ids: base.generate(ids, **greedy, prompt_lookup_num_tokens=3)}
+        greedy = dict(do_sample=False, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
+        extra_rows["prompt lookup (transformers)"] = lambda ids: base.generate(ids, **greedy, prompt_lookup_num_tokens=3)
         configs["tide default, no n-gram"] = {"mode": "lossless", "draft_ngram": 0}
         configs["tide default + n-gram"] = {"mode": "lossless", "draft_ngram": 3}
         configs["tide n-gram only"] = {"mode": "lossless", "draft_ngram": 3, "max_draft": 4, "head_drafts": False}
@@ -212,52 +268,8 @@ def main(argv=None):
         configs["tide tree k3 + n-gram, one tree"] = {"mode": "lossless", "draft_topk": 3, "draft_ngram": 3}
     for threshold in args.exit:
         configs[f"exit {threshold:g}"] = {"exit_threshold": threshold}
-    if args.ngram:
-        rows.update(rows_ngram)
-    for name, config in configs.items():
-        rows[name] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
-    compile_s = {"static+compile": compile_s}
-    for name, config in configs.items() if args.compile else ():
-        config = {**(config or {}), "compile": True}
-        rows[f"{name} compiled"] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
-        compile_s[f"{name} compiled"], _ = timed(rows[f"{name} compiled"], prompts[0])  # the first call compiles
-    # Two untimed rounds of every row once all are set up, on the longest prompt: the static cache Tide lends compiled
-    # calls then has its final length (it grows to the longest call so far, as generate's own), so timed calls
-    # replay graphs of one shape. Tide's compiled base steps and the baseline's compile the same function (the base
-    # model's forward), so their graphs share one cache: the first rounds add entries for each other's inputs (the
-    # caches' lengths, the forwards Tide installs on its first call), none later.
-    longest = max(prompts, key=lambda ids: ids.shape[1])
-    for _ in range(2):
-        for fn in rows.values():
-            fn(longest)
-    times = {name: [] for name in rows}
-    same = {name: 0 for name in rows}
-    for ids in prompts:
-        ref = None
-        for _ in range(args.repeats):
-            for name, fn in rows.items():  # interleaved, so that load on the machine hits every row alike
-                seconds, out = timed(fn, ids)
-                times[name].append(seconds)
-                ref = out if name == "generate" else ref
-                same[name] += int(torch.equal(out, ref))
-    per_prompt = {name: [statistics.median(t[i * args.repeats:(i + 1) * args.repeats]) for i in range(len(prompts))]
-                  for name, t in times.items()}
-    cycles = {name: accepted_per_cycle(rows[name], prompts, model) for name in rows if name.startswith("tide")}
-    result = {"tokens": n, "prompts": len(prompts), "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
-              "threads": torch.get_num_threads(), "rows": {}}
-    print(f"{len(prompts)} prompts x {n} tokens, median of {args.repeats}; first compiled calls (s): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
-    print(f"{'row':<31}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}{'accepted/cycle':>16}")
-    for name, secs in per_prompt.items():
-        row = {"ms_per_token": statistics.median(secs) / n * 1e3, "identical_runs": same[name] / len(times[name]),
-               "accepted_per_cycle": cycles.get(name)}
-        for baseline in ("generate", "static+compile"):
-            ratios = [b / s for b, s in zip(per_prompt[baseline], secs)]
-            row[f"vs {baseline}"] = (statistics.median(ratios), min(ratios), max(ratios))
-        result["rows"][name] = row
-        cells = [f"x{m:.2f} [{lo:.2f}-{hi:.2f}]" for m, lo, hi in (row["vs generate"], row["vs static+compile"])]
-        accepted = "" if row["accepted_per_cycle"] is None else f"{row['accepted_per_cycle']:.2f}"
-        print(f"{name:<31}{row['ms_per_token']:>9.2f}{cells[0]:>22}{cells[1]:>24}{row['identical_runs']:>11.2f}{accepted:>16}")
+    result = bench_rows(base, model, prompts, args.tokens, configs, repeats=args.repeats, compile=args.compile,
+                        extra_rows=extra_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -29,6 +29,8 @@ from .costs import draft_candidates, layer_cost_of_cascade, prune_checkpoints
 from .data import load_texts
 from .distributed import Processes
 from .evaluate import teacher_forced
+from .selftext import SelfText, generated_texts, prompt_texts
+from .headloss import TEACHER_TOP, Candidates, draw_negatives, head_kl, uses_candidates
 from .measure import measure_costs
 from ..records import (
     CalibrationRecord,
@@ -82,6 +84,9 @@ class CalibrationOptions:
     draft_trials: int = 3  # lossless drafting schemes timed against the base model (best estimates first; 0: skip)
     compiled_trials: bool = True  # time the kept mode compiled against the base model's compiled decode
     timing_budget_s: float | None = None  # cap on the timing trials' seconds: later trials are cut (None: no cap)
+    prompt_new_tokens: int = 128  # with `prompts`: tokens the base model writes after each prompt
+    prompt_samples: int = 2  # with `prompts`: sampled continuations of each prompt, besides the greedy one
+    prompt_chat: bool | None = None  # with `prompts`: strings go through the chat template (None: where there is one)
     progress: bool = True
 
     def __post_init__(self):
@@ -108,30 +113,45 @@ class CalibrationOptions:
 def calibrate(
     model,
     tokenizer,
-    dataset,
+    dataset=None,
     config: TideConfig | None = None,
     *,
+    prompts: list | None = None,
     dataset_config: str | None = None,
     split: str = "train",
     text_column: str | None = None,
     **options,
 ) -> TideForCausalLM:
-    """Train exit heads and routers on `dataset` and calibrate per-checkpoint thresholds; returns a `TideForCausalLM`.
+    """Train exit heads and routers on `dataset` and/or on the model's own answers to `prompts`, and calibrate
+    per-checkpoint thresholds; returns a `TideForCausalLM`.
 
     `model` is a base causal LM (fresh routers are created from `config`) or a `TideForCausalLM` (its
-    routers are retrained). Extra keyword arguments set `CalibrationOptions` fields.
+    routers are retrained). `prompts` (strings, through the chat template where the tokenizer has one, or chat
+    message lists) are continued by the base model, greedily and `prompt_samples` times sampled, and calibration
+    reads those texts (with the dataset's, where both are given); held-out prompts are then what the timing trials
+    decode from. Extra keyword arguments set `CalibrationOptions` fields.
     """
     opts = _options(options)
+    if dataset is None and not prompts:
+        raise ValueError("calibrate needs text: pass dataset=... (a Hub name, local files, a datasets.Dataset or a "
+                         "list of strings) and/or prompts=[...] for the model to answer.")
     tide = _model_to_calibrate(model, config, opts)
     run = _Run(tide, tokenizer, opts, PhaseTimes())
-    run.read_texts(dataset, dataset_config=dataset_config, split=split, text_column=text_column)
+    run.read_texts(dataset, prompts, dataset_config=dataset_config, split=split, text_column=text_column)
     run.train_and_score()
     run.measure_costs()
     run.choose_thresholds()
     run.choose_drafts()
     run.time_compiled()
-    tide.config.calibration = run.record(dataset).to_dict()
+    tide.config.calibration = run.record(_data_name(dataset, prompts)).to_dict()
     return tide
+
+
+def _data_name(dataset, prompts) -> str:
+    """The calibration data in words, for the record and the model card."""
+    name = None if dataset is None else dataset if isinstance(dataset, str) else f"<{type(dataset).__name__}>"
+    own = f"the model's answers to {len(prompts)} prompts" if prompts else None
+    return " + ".join(n for n in (name, own) if n)
 
 
 def _options(options: dict) -> CalibrationOptions:
@@ -161,23 +181,44 @@ class _Run:
         self.num_layers = tide.parts.num_layers
         self.draft_selection = self.compiled_timing = None
 
-    def read_texts(self, dataset, **load) -> None:
-        """Read, shuffle and split the texts; each process keeps its shard of the training and held-out ones."""
+    def read_texts(self, dataset, prompts=None, **load) -> None:
+        """Read, shuffle and split the texts (the dataset's, then the model's answers to the prompts, split by
+        prompt); each process keeps its shard of the training and held-out ones."""
         opts, procs = self.opts, self.procs
         with self.phases("data"):
-            texts = load_texts(dataset, **load)
+            texts = load_texts(dataset, **load) if dataset is not None else []
         random.Random(opts.seed).shuffle(texts)
         texts = texts[: opts.num_samples]
-        if len(texts) < 2:
+        if len(texts) == 1 or (len(texts) < 2 and not prompts):
             raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
-        n_held = min(len(texts) - 1, max(1, round(len(texts) * opts.heldout_fraction)))
+        n_held = min(len(texts) - 1, max(1, round(len(texts) * opts.heldout_fraction))) if texts else 0
         train_texts, held_texts = texts[n_held:], texts[:n_held]
+        self.timing_texts = None  # what the timing trials decode from: the held-out texts' openings, or prompts
+        if prompts:
+            train_own, held_own, self.timing_texts = self._answers(prompts)
+            train_texts, held_texts = train_texts + train_own, held_texts + held_own
+            texts = train_texts + held_texts
         if procs.world > min(len(train_texts), len(held_texts)):
             raise ValueError(f"Calibration on {procs.world} processes needs at least {procs.world} training and "
                              f"{procs.world} held-out texts; got {len(train_texts)} and {len(held_texts)}.")
         self.num_texts = len(texts)
         self.all_held = held_texts  # the check through the decode step and the timing trials read the same as in one process
         self.train_texts, self.held_texts = procs.shard(train_texts), procs.shard(held_texts)
+
+    def _answers(self, prompts) -> tuple[list[str], list[str], list[str]]:
+        """(training texts, held-out texts, held-out prompts): the prompts split as texts are, and continued by the
+        base model (`selftext`); every process writes the answers of all prompts (the same, from the same seed)."""
+        opts = self.opts
+        prompts = prompt_texts(self.tokenizer, list(prompts), opts.prompt_chat)
+        random.Random(opts.seed).shuffle(prompts)
+        if len(prompts) < 2:
+            raise ValueError(f"Calibration from prompts needs at least 2 prompts (one held out); got {len(prompts)}.")
+        n_held = min(len(prompts) - 1, max(1, round(len(prompts) * opts.heldout_fraction)))
+        how = SelfText(opts.prompt_new_tokens, opts.prompt_samples, chat=opts.prompt_chat)
+        with self.phases("generation"):
+            train = generated_texts(self.tide.base, self.tokenizer, prompts[n_held:], how, seed=opts.seed)
+            held = generated_texts(self.tide.base, self.tokenizer, prompts[:n_held], how, seed=opts.seed + 1)
+        return train, held, prompts[:n_held]
 
     def train_and_score(self) -> None:
         """Stream the training texts (exit heads, draft heads, then routers), then score the held-out texts."""
@@ -193,7 +234,7 @@ class _Run:
             trainer = self.trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs)
             for batch in phases.counted("data", _batches(self.train_texts, self.tokenizer, opts, device)):
                 with phases("training"):
-                    trainer.add(_capture(tide, batch))
+                    trainer.add(_capture(tide, batch, top=trainer.candidates))
                 bar.update(batch["input_ids"].shape[0])
                 bar.set_postfix(kl=f"{trainer.last_kl:.3f}")
             with phases("training"):
@@ -224,7 +265,8 @@ class _Run:
             tokens = _validation_tokens(self.all_held, self.tokenizer, opts) if opts.validation_tokens else None
             self.validation_tokens = procs.shard_by_size(tokens, [len(ids) for ids in tokens]) if tokens else None
             timed = self.costs is not None
-            self.prompts = timing_prompts(self.tokenizer, self.all_held, device) if timed else None
+            self.prompts = (timing_prompts(self.tokenizer, self.timing_texts or self.all_held, device,
+                                           whole=self.timing_texts is not None) if timed else None)
             self.batch = timing_batch(self.tokenizer, self.all_held, device) if timed else None
 
     def choose_thresholds(self) -> None:
@@ -364,7 +406,7 @@ class PhaseTimes:
     """Seconds spent in each phase of a calibration, in this process: `with phases("training"): ...`, and
     `phases.counted("data", batches)` for the time an iterator spends making its items (reading, tokenising)."""
 
-    NAMES = ("data", "training", "held-out scoring", "thresholds", "decode validation", "cost measurement",
+    NAMES = ("data", "generation", "training", "held-out scoring", "thresholds", "decode validation", "cost measurement",
              "timing trials")
 
     def __init__(self):
@@ -463,10 +505,11 @@ class _Capture:
     context: torch.Tensor | None  # [N, H] the final normed state at the position before (zeros at a text's first
     # token); None when the model has no draft heads
     first: torch.Tensor | None = None  # [N] bool: a text's first token (with `context`)
+    top: torch.Tensor | None = None  # [N, TEACHER_TOP] the full model's best tokens (with `top=True`)
 
 
 @torch.no_grad()
-def _capture(tide: TideForCausalLM, batch) -> _Capture:
+def _capture(tide: TideForCausalLM, batch, top: bool = False) -> _Capture:
     parts, last = tide.parts, tide.parts.num_layers - 1
     with capture_outputs(parts, tide.checkpoints + [last]) as states:
         logits = tide.base(**batch, use_cache=False).logits
@@ -476,8 +519,9 @@ def _capture(tide: TideForCausalLM, batch) -> _Capture:
         normed = parts.final_norm(states[last])
         context = torch.cat([torch.zeros_like(normed[:, :1]), normed[:, :-1]], 1)[keep]
         first = (keep.cumsum(1) == 1)[keep]
-    return _Capture({k: states[k][keep] for k in tide.checkpoints}, states[last][keep], logits[keep].argmax(-1),
-                    context, first)
+    logits = logits[keep]
+    return _Capture({k: states[k][keep] for k in tide.checkpoints}, states[last][keep], logits.argmax(-1),
+                    context, first, logits.topk(TEACHER_TOP, -1).indices if top else None)
 
 
 def _labels(exit_logits: torch.Tensor, states: torch.Tensor, final: torch.Tensor, full_top1: torch.Tensor,
@@ -564,6 +608,8 @@ class _Trainer:
                        if tide.routers[k].draft is not None}
         self.context = torch.empty(size, hidden, device=device) if self.drafts else None
         self.predicted = torch.zeros(tide.num_head_rows, dtype=torch.long, device=device)  # full-model top-1 counts
+        self.candidates = uses_candidates(tide.num_head_rows, self.parts.head_rows_readable)  # else the whole vocabulary
+        self.top = torch.empty(size, TEACHER_TOP, dtype=torch.long, device=device) if self.candidates else None
         params = self._head_params()
         self.head_optim = torch.optim.Adam(params, lr=opts.head_lr) if params else None
         self.steps_per_batch = math.ceil(opts.head_steps / max(num_batches, 1))
@@ -584,6 +630,8 @@ class _Trainer:
         for k in self.layers:
             self.states[k][idx] = cap.states[k][-n:].float()
         self.final[idx], self.top1[idx] = cap.final[-n:].float(), cap.full_top1[-n:]
+        if self.top is not None:
+            self.top[idx] = cap.top[-n:]
         self.predicted += torch.bincount(cap.full_top1, minlength=self.predicted.numel())
         if self.context is not None:
             self.context[idx] = cap.context[-n:].float()
@@ -598,24 +646,27 @@ class _Trainer:
         pick = torch.randint(self.filled, (min(rows, self.filled),), generator=self.generator)
         return pick.to(self.final.device)
 
-    def _logits(self, normed_input: torch.Tensor) -> torch.Tensor:
-        """Final norm + head of the model on fp32 states (cast to the model's dtype). [N, H] -> fp32 [N, V]."""
-        dtype = self.parts.norm.weight.dtype if hasattr(self.parts.norm, "weight") else normed_input.dtype
-        return self.parts.logits_from_normed(self.parts.final_norm(normed_input.to(dtype))).float()
+    def _logits(self, state: torch.Tensor, candidates: Candidates | None) -> torch.Tensor:
+        """Final norm + head of the model on fp32 states (cast to the model's dtype), over the whole vocabulary or
+        the rows' candidates. [M, H] -> fp32 [M, V] or [M, C]."""
+        dtype = self.parts.norm.weight.dtype if hasattr(self.parts.norm, "weight") else state.dtype
+        normed = self.parts.final_norm(state.to(dtype))
+        if candidates is None:
+            return self.parts.logits_from_normed(normed).float()
+        return candidates.logits(self.parts, normed)
 
     def _head_step(self) -> None:
         self.head_steps_left -= 1
         pick = self._pick()
         self.head_rows += pick.numel()
+        candidates = (Candidates(self.top[pick], draw_negatives(self.predicted, self.generator))
+                      if self.candidates else None)
         with torch.no_grad():
-            teacher = F.log_softmax(self._logits(self.final[pick]), -1)  # [M, V]
+            teacher = self._logits(self.final[pick], candidates)  # [M, V] or [M, C]
         with torch.enable_grad():
             states = [t(self.states[k][pick]) for k, t in self.translators.items()]
             states += [d(self.states[k][pick], self.context[pick]) for k, d in self.drafts.items()]
-            loss = sum(
-                F.kl_div(F.log_softmax(self._logits(state), -1), teacher, log_target=True, reduction="batchmean")
-                for state in states
-            ) / len(states)
+            loss = sum(head_kl(self._logits(state, candidates), teacher) for state in states) / len(states)
             params = self._head_params()
             grads = torch.autograd.grad(loss, params)  # the base model's own parameters get no .grad
         for p, g in zip(params, grads):
@@ -924,7 +975,7 @@ def _summary(selection, held: _Heldout, cfg, num_layers, dataset, num_samples, t
     total = held.num_tokens
     mean_layers = (sum(r.exits * (r.layer + 1) for r in results) + (total - exits) * num_layers) / max(total, 1)
     return CalibrationRecord(
-        dataset=dataset if isinstance(dataset, str) else f"<{type(dataset).__name__}>",
+        dataset=dataset,
         num_samples=num_samples,
         train_tokens=train_tokens,
         heldout_tokens=total,

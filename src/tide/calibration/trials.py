@@ -59,9 +59,13 @@ def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_
     return statistics.median(seconds(base_run) / seconds(tide_run) for _ in range(repeats))
 
 
-def timing_prompts(tokenizer, texts, device) -> list[torch.Tensor]:
-    # Four prompts, 32 tokens, five alternating repeats (see `timed`): with two prompts of 24 tokens and three
+def timing_prompts(tokenizer, texts, device, whole: bool = False) -> list[torch.Tensor]:
+    """Four prompts: the first 16 tokens of `texts`, or with `whole` the texts themselves (prompts written for the
+    model, e.g. through its chat template)."""
+    # Four prompts, 32 new tokens, five alternating repeats (see `timed`): with two prompts of 24 tokens and three
     # repeats, one tree scheme on the shipped model timed x0.95-1.13 across runs (docs/benchmarks.md).
+    if whole:
+        return [tokenizer(t, return_tensors="pt", add_special_tokens=False).input_ids.to(device) for t in texts[:4]]
     return [torch.tensor([tokenizer(t)["input_ids"][:16]], device=device) for t in texts[:4]]
 
 

@@ -141,6 +141,21 @@ class ModelParts:
         if self.post_norm is not None:
             normed = self.post_norm(normed)
         logits = self.lm_head(normed) if head is None else nn.functional.linear(normed.to(head[0].device), *head)
+        return self._scaled(logits)
+
+    def logits_for_ids(self, normed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each row's logits for its own token ids, without the rest of the head. normed: [M, H], ids: [M, C] ->
+        [M, C]. Where the head's rows cannot be read alone (`head_rows_readable`), the whole head runs."""
+        if not self.head_rows_readable:
+            return self.logits_from_normed(normed).gather(-1, ids)
+        if self.post_norm is not None:
+            normed = self.post_norm(normed)
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        logits = torch.einsum("mh,mch->mc", normed.to(weight.dtype), weight[ids])  # [M, C]
+        return self._scaled(logits if bias is None else logits + bias[ids])
+
+    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's logit scale and soft-cap, on raw head outputs."""
         if self.spec.logit_scale is not None:
             logits = logits * self.spec.logit_scale
         if self.softcap:

@@ -1,0 +1,135 @@
+"""Tide on a real pretrained model (SmolLM2-135M-Instruct), against both baselines, in one process.
+
+    python examples/bench_real/bench_real.py calibrate --data self --out ROUTERS     # or corpus, mixed
+    python examples/bench_real/bench_real.py bench --routers ROUTERS --workload chat  # or prose
+    python examples/bench_real/bench_real.py all --out DIR                           # what `make bench-real` runs
+
+`calibrate` trains routers on the calibration questions (`--data self`: the model's own answers to them, through
+its chat template), on Python documentation prose (`corpus`), or on both (`mixed`), and records each phase's
+seconds. `bench` times `generate`, the compiled static-cache base and Tide's rows on held-out prompts that
+calibration never read: chat questions through the chat template, or the opening of held-out prose paragraphs.
+Every row is checked token for token against `generate`; ratios are medians of per-prompt ratios, with the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "bench_baselines")]
+
+import realmodel  # noqa: E402
+
+TARGET = 0.9  # exit mode's calibrated agreement target
+
+
+def calibrate(data: str, out: str, num_samples: int = 512, threads: int | None = None, **options) -> dict:
+    """Calibrate on `data` ("self", "corpus" or "mixed"), save the router repo to `out`; the calibration record."""
+    import tide
+
+    if threads:
+        torch.set_num_threads(threads)
+    base, tok = realmodel.load()
+    questions, _ = realmodel.questions()
+    prose, _ = realmodel.prose()
+    dataset = prose if data in ("corpus", "mixed") else None
+    prompts = questions if data in ("self", "mixed") else None
+    start = time.perf_counter()
+    model = tide.calibrate(base, tok, dataset=dataset, prompts=prompts, num_samples=num_samples,
+                           config=tide.TideConfig(target_agreement=TARGET), **options)
+    seconds = time.perf_counter() - start
+    model.save_pretrained(out)
+    record = model.config.calibration
+    print(f"calibrated on {data} in {seconds:.0f} s: {record['phase_seconds']}")
+    print("defaults:", model.config.generation)
+    return {"data": data, "seconds": round(seconds, 1), "phase_seconds": record["phase_seconds"],
+            "generation": model.config.generation, "draft_selection": record.get("draft_selection")}
+
+
+def prompts_for(workload: str, tok, count: int) -> list[torch.Tensor]:
+    """Held-out prompts: chat questions through the chat template, or the first 160 characters of held-out prose."""
+    if workload == "chat":
+        _, held = realmodel.questions()
+        texts = [realmodel.chat_prompt(tok, q) for q in held[:count]]
+        return [tok(t, return_tensors="pt", add_special_tokens=False).input_ids for t in texts]
+    _, held = realmodel.prose()
+    return [tok(t[:160], return_tensors="pt").input_ids for t in held[:count]]
+
+
+def bench(routers: str, workload: str, prompts: int = 12, tokens: int = 64, repeats: int = 3, threads: int = 1,
+          schemes: dict | None = None, compile: bool = False) -> dict:
+    """The rows of one workload: both baselines, Tide's default, exit mode at its calibrated thresholds, and
+    `schemes` ({name: tide_config})."""
+    import tide
+    from bench_baselines import bench_rows
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    base, tok = realmodel.load()
+    model = tide.TideForCausalLM.from_pretrained(routers, base_model=base)
+    configs = {"tide default": None, "tide exit (calibrated)": {"mode": "exit"}, **(schemes or {})}
+    print(f"\n== {workload}: {prompts} held-out prompts, routers {routers}; defaults {model.config.generation}")
+    result = bench_rows(base, model, prompts_for(workload, tok, prompts), tokens, configs, repeats=repeats,
+                        compile=compile)
+    result.update(workload=workload, routers=str(routers), defaults=model.config.generation)
+    return result
+
+
+def run_all(out: str, data: list[str], threads: int = 1, prompts: int = 12, tokens: int = 64) -> dict:
+    """Convert, calibrate on each of `data`, bench both workloads with each router repo; JSON into `out`."""
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    realmodel.converted_model()
+    results = {"threads": threads, "calibration": {}, "bench": {}}
+    for source in data:
+        routers = out_dir / f"routers-{source}"
+        results["calibration"][source] = calibrate(source, str(routers), threads=threads)
+        for workload in ("chat", "prose"):
+            results["bench"][f"{source}/{workload}"] = bench(str(routers), workload, prompts, tokens, threads=threads)
+            (out_dir / "bench_real.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    cal = sub.add_parser("calibrate", help="train and calibrate routers, save the repo")
+    cal.add_argument("--data", choices=["self", "corpus", "mixed"], default="self")
+    cal.add_argument("--out", required=True)
+    cal.add_argument("--num-samples", type=int, default=512)
+    cal.add_argument("--threads", type=int)
+    ben = sub.add_parser("bench", help="time the rows of one workload")
+    ben.add_argument("--routers", required=True)
+    ben.add_argument("--workload", choices=["chat", "prose"], default="chat")
+    ben.add_argument("--prompts", type=int, default=12)
+    ben.add_argument("--tokens", type=int, default=64)
+    ben.add_argument("--repeats", type=int, default=3)
+    ben.add_argument("--threads", type=int, default=1)
+    ben.add_argument("--config", action="append", default=[], help="NAME=JSON: a forced tide_config row")
+    ben.add_argument("--compile", action="store_true", help="also each Tide row with compile=True")
+    ben.add_argument("--json")
+    every = sub.add_parser("all", help="convert, calibrate and bench both workloads")
+    every.add_argument("--out", default="bench-real")
+    every.add_argument("--data", nargs="+", default=["self", "corpus"])
+    every.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.command == "calibrate":
+        calibrate(args.data, args.out, args.num_samples, args.threads)
+    elif args.command == "bench":
+        schemes = {name: json.loads(config) for name, config in (c.split("=", 1) for c in args.config)}
+        result = bench(args.routers, args.workload, args.prompts, args.tokens, args.repeats, args.threads, schemes,
+                       args.compile)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+    else:
+        run_all(args.out, args.data, args.threads)
+
+
+if __name__ == "__main__":
+    main()
