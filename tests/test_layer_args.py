@@ -143,3 +143,21 @@ def test_windows_hold_on_sliding_layers_below_their_window(family, check_every_s
     assert torch.equal(model.generate(ids, tide_config={"mode": "lossless", "max_draft": 3}, **long),
                        base.generate(ids, **long))
     assert "reach their window" in model.last_stats.arg_windows_off
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_backbone_that_passes_masks_that_see_every_key_gets_them(attention):
+    """Falcon's rotary layouts always pass the decode step's mask (its eager attention adds it unconditionally):
+    the one-query slice keeps the mask there, rather than the None most backbones pass, and the windows stay on."""
+    base = tiny_model("falcon", alibi=False, attention=attention)
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12)
+    for cfg in ({"exit_threshold": 1.0}, {"mode": "lossless", "draft_layer": 1, "max_draft": 3}):
+        assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=12, tide_config=cfg), ref)
+        assert model.last_stats.arg_windows_off is None
+    masks = []
+    model.parts.layers[3].register_forward_pre_hook(
+        lambda _m, _a, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True)
+    model.generate(ids, do_sample=False, max_new_tokens=3, tide_config={"exit_threshold": 1.0})
+    assert len(masks) >= 2 and all(m is not None for m in masks)

@@ -5,8 +5,9 @@ layer type, rotary embeddings, positions, the cache. `calls.capture_layer_calls`
 backbone's prelude, about a layer's worth of host work, which a decode step or a drafted token cannot afford.
 `LayerArgs` captures them once for a window of the next `width` positions and hands every request (T tokens
 at positions past..past+T-1) a slice of them: axes of the window's length cut to the request's rows, a mask's
-key axis cut to the request's key length. A one-query mask row that sees every key becomes None, as the
-backbone itself passes it. The layer-0 input is the model's input embedding of the tokens, plus the positional
+key axis cut to the request's key length. A one-query mask row that sees every key becomes None, as most
+backbones pass it; one whose check finds the mask passed anyway (Falcon's eager attention adds it unconditionally)
+keeps it. The layer-0 input is the model's input embedding of the tokens, plus the positional
 part the backbone adds to it (learned positions), read from a capture on zero embeddings.
 
 Every shortcut is checked against the backbone, never assumed: the embedding form once per model, and the first
@@ -25,7 +26,7 @@ import torch
 from transformers import Cache
 
 from ..models.architectures import ModelParts
-from ..models.compat import LengthView, has_sliding_layers, sliding_window_of
+from ..models.compat import LengthView, has_sliding_layers, is_static_layer, sliding_window_of
 from .calls import LayerCall, additive_masks, capture_layer_calls, map_calls
 
 __all__ = ["LayerArgs", "grown_mask", "new_positions"]
@@ -56,7 +57,7 @@ class LayerArgs:
         self.parts, self.width, self.stats = parts, width, stats  # stats: a GenerationStats to count captures in
         self.window: _Window | None = None
         # what was checked against the backbone holds for the model, not one call: kept per backbone
-        known = _KNOWN.setdefault(parts.backbone, {"checked": set(), "form": None})
+        known = _KNOWN.setdefault(parts.backbone, {"checked": set(), "form": None, "keeps_full_masks": False})
         self._known = known
         self.checked: set = known["checked"]  # (cache type, masked, request length) whose slice matched a capture
         self._off: str | None = None
@@ -106,15 +107,22 @@ class LayerArgs:
             return self._fresh(input_ids, cache, attention_mask, position_ids, past)
         key = (type(cache).__name__, attention_mask is not None, length)
         if key not in self.checked:
-            fresh_hidden, fresh = self._fresh(input_ids, cache, attention_mask, position_ids, past)
+            fresh_hidden, fresh = self._fresh(input_ids, cache, attention_mask, position_ids, past, every_layer_at_past=True)
+            if not self._known["keeps_full_masks"] and _passes_full_masks(calls, fresh):
+                self._known["keeps_full_masks"] = True  # the backbone passes a mask where the slice had None
+                hidden, calls = self._slice(input_ids, cache, past, length)
             if not (torch.equal(hidden, fresh_hidden) and all(map(_same_call, calls, fresh))):
                 self.off_reason = f"a slice of the window's layer arguments differed from the backbone's ({length} tokens)"
                 return fresh_hidden, fresh
             self.checked.add(key)
         return hidden, calls
 
-    def _fresh(self, input_ids, cache, attention_mask, position_ids, past):
-        view = cache if past == _length(cache) else LengthView(cache, past)
+    def _fresh(self, input_ids, cache, attention_mask, position_ids, past, every_layer_at_past=False):
+        """The backbone's own (layer-0 input, calls). `every_layer_at_past`: as if every layer held `past` positions,
+        as a window's slice assumes (where deeper layers are behind, a request at `past` does not run them, and
+        their masks' key lengths would differ)."""
+        as_is = past == _length(cache) and not (every_layer_at_past and _behind(cache, past))
+        view = cache if as_is else LengthView(cache, past)
         calls = self._captured(view, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         return calls[0].hidden, calls
 
@@ -225,7 +233,7 @@ class LayerArgs:
         def one(call: LayerCall) -> LayerCall:
             args, kwargs = _apply(_arguments(call),
                                   w.plans[id(call)], _Cut(first, length, None if key_length == w.key_length else key_length, cache, w.visible,
-                                       not getattr(cache, "is_compileable", False)))
+                                       not getattr(cache, "is_compileable", False) and not self._known["keeps_full_masks"]))
             if call.args:
                 return LayerCall((hidden, *args), kwargs)
             return LayerCall((), {**kwargs, "hidden_states": hidden})
@@ -251,7 +259,8 @@ class _Cut:
     cache: object
     visible: dict
     none_when_full: bool  # a one-query mask that sees every key becomes None (not on compileable, static caches,
-    # whose backbone always passes the mask, so that compiled layers see one kind of argument)
+    # whose backbone always passes the mask, so that compiled layers see one kind of argument, nor where the
+    # backbone was seen to pass such a mask: `LayerArgs` learns it from its first check)
 
 
 def _arguments(call: LayerCall):
@@ -346,11 +355,14 @@ def _same_call(a: LayerCall, b: LayerCall) -> bool:
 
 
 def _same(a, b) -> bool:
+    """Does the slice's argument `a` serve the layer as the backbone's `b` does? A sliced mask that sees every key
+    stands for the backbone's None; a None stands only for None (a layer may add the mask unconditionally)."""
     if isinstance(a, Cache) and isinstance(b, Cache):
         return True
-    if a is None or b is None:
-        other = b if a is None else a
-        return other is None or (isinstance(other, torch.Tensor) and _sees_all(other))
+    if b is None:
+        return a is None or (isinstance(a, torch.Tensor) and _sees_all(a))
+    if a is None:
+        return False
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                 and a.dtype == b.dtype and torch.equal(a, b))
@@ -362,6 +374,25 @@ def _same(a, b) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - values without a plain equality
         return a is b
+
+
+def _passes_full_masks(calls: list[LayerCall], fresh: list[LayerCall]) -> bool:
+    """The slice gave None where the backbone passed a mask that sees every key."""
+    found = []
+
+    def walk(a, b):
+        if a is None and isinstance(b, torch.Tensor):
+            found.append(_sees_all(b))
+        elif isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
+            for x, y in zip(a, b):
+                walk(x, y)
+        elif isinstance(a, dict) and isinstance(b, dict):
+            for k in a.keys() & b.keys():
+                walk(a[k], b[k])
+
+    for mine, theirs in zip(calls, fresh):
+        walk(_arguments(mine), _arguments(theirs))
+    return any(found)
 
 
 def _sees_all(mask: torch.Tensor) -> bool:
@@ -380,6 +411,11 @@ def _reference(cache):
 
 def _length(cache) -> int:
     return int(cache.get_seq_length())
+
+
+def _behind(cache, past: int) -> bool:
+    """Some dynamic layer of `cache` holds fewer than `past` positions (deep layers behind a lossless draft)."""
+    return any(layer.get_seq_length() < past for layer in getattr(cache, "layers", ()) if not is_static_layer(layer))
 
 
 def _sliding_limit(cache) -> int | None:

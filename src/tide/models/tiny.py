@@ -2,7 +2,9 @@
 
 `tiny_config("qwen2")` takes the config class's defaults and shrinks every size it knows by name: layers,
 widths, heads, experts, vocabulary, positions. Nested text configs (`text_config`) are shrunk the same way.
-Where the generic shrink cannot work, `OVERRIDES` adds a few per-type values. Nothing is downloaded.
+Where the generic shrink cannot work, `OVERRIDES` adds a few per-type values. `VARIANTS` names the configurations
+of a family whose switches take other code paths in its modeling file (Falcon's layouts, positions and attention
+implementations): `tiny_model("falcon[mha-sequential,rotary,sdpa]")` builds one. Nothing is downloaded.
 
 Used by the support matrix (`tide.tools.support_matrix`), the tests and the examples' offline mode.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-__all__ = ["VOCAB", "NUM_LAYERS", "OVERRIDES", "tiny_config", "tiny_model"]
+__all__ = ["VOCAB", "NUM_LAYERS", "OVERRIDES", "VARIANTS", "tiny_config", "tiny_model"]
 
 VOCAB = 128
 NUM_LAYERS = 4
@@ -55,6 +57,36 @@ OVERRIDES: dict[str, dict] = {
 }
 
 
+
+def _falcon_variants() -> dict[str, tuple[str, dict]]:
+    """Every Falcon configuration transformers builds, by the code paths it takes: the layout (the old one's
+    multi-query or per-head fused qkv, parallel or sequential blocks; the new one's one or two input norms; the new
+    layout ignores `multi_query` and does not build with `parallel_attn=False`), alibi or rotary positions, eager or
+    SDPA attention. The plain "falcon" row is the first of them."""
+    old = dict(new_decoder_architecture=False)
+    layouts = {
+        "mq": dict(old, multi_query=True, parallel_attn=True),
+        "mq-sequential": dict(old, multi_query=True, parallel_attn=False),
+        "mha": dict(old, multi_query=False, num_kv_heads=HEADS, parallel_attn=True),
+        "mha-sequential": dict(old, multi_query=False, num_kv_heads=HEADS, parallel_attn=False),  # Falcon-RW
+        "new": dict(new_decoder_architecture=True, parallel_attn=True, num_ln_in_parallel_attn=2),  # Falcon-40B
+        "new-1ln": dict(new_decoder_architecture=True, parallel_attn=True, num_ln_in_parallel_attn=1),  # Falcon-11B
+    }
+    variants = {}
+    for layout, values in layouts.items():
+        for positions in ("alibi", "rotary"):
+            for attention in ("eager", "sdpa"):
+                if (layout, positions, attention) != ("mq", "alibi", "eager"):  # the "falcon" row
+                    variants[f"falcon[{layout},{positions},{attention}]"] = (
+                        "falcon", dict(values, alibi=positions == "alibi", attn_implementation=attention))
+    return variants
+
+
+# Named configurations of a family that take other code paths: name -> (model type, config values; the attention
+# implementation as `attn_implementation`). The support matrix gives each a row.
+VARIANTS: dict[str, tuple[str, dict]] = _falcon_variants()
+
+
 def _set(config: PretrainedConfig, name: str, value) -> None:
     try:
         setattr(config, name, value)
@@ -88,7 +120,12 @@ def _shrink(config: PretrainedConfig, model_type: str) -> None:
 
 
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
-    """A tiny config of `model_type` (defaults of its config class, shrunk), with `overrides` applied last."""
+    """A tiny config of `model_type` (defaults of its config class, shrunk; or a name in `VARIANTS`), with
+    `overrides` applied last."""
+    if model_type in VARIANTS:
+        model_type, values = VARIANTS[model_type]
+        values = {k: v for k, v in values.items() if k != "attn_implementation"}
+        return tiny_config(model_type, **dict(values, **overrides))
     config = AutoConfig.for_model(model_type)
     for sub in ("text_config", "decoder"):
         nested = getattr(config, sub, None)
@@ -103,8 +140,11 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     return config
 
 
-def tiny_model(model_type: str, seed: int = 0, attn_implementation: str = "eager", **overrides):
-    """A random-init causal LM of `model_type` built from `tiny_config`, in eval mode, on CPU."""
+def tiny_model(model_type: str, seed: int = 0, attn_implementation: str | None = None, **overrides):
+    """A random-init causal LM of `model_type` (or a name in `VARIANTS`) built from `tiny_config`, in eval mode, on
+    CPU, with eager attention unless `attn_implementation` or the variant names another."""
+    if attn_implementation is None:
+        attn_implementation = VARIANTS.get(model_type, ("", {}))[1].get("attn_implementation", "eager")
     config = tiny_config(model_type, **overrides)
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
