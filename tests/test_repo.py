@@ -218,3 +218,19 @@ def test_unknown_attributes_come_from_the_base_model():
     assert model.model is base.model and model.vocab_size == base.vocab_size
     assert not hasattr(model, "no_such_attribute")
     assert model.routers is not None and model.base is base  # own attributes stay the wrapper's
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_saved_files_get_the_permissions_the_umask_gives(tmp_path, umask):
+    """Every repo file as `open` would create it (a group-shared repo's routers readable like its config), still
+    written beside the repo and moved into place."""
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
+    old = os.umask(umask)
+    try:
+        model.save_pretrained(tmp_path / "repo")
+    finally:
+        os.umask(old)
+    modes = {name: (tmp_path / "repo" / name).stat().st_mode & 0o777 for name in REPO_FILES}
+    assert modes == {name: 0o666 & ~umask for name in REPO_FILES}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no temporary folder left behind

@@ -88,12 +88,26 @@ def save_router_repo(model, save_directory) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tide-save-", dir=parent))
     try:
         write_router_files(model, tmp)
+        mode = _created_mode(tmp)
         out.mkdir(exist_ok=True)
         for name in REPO_FILES:
+            os.chmod(tmp / name, mode)  # (a writer may have used a private temporary file: safetensors does)
             os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _created_mode(directory: Path) -> int:
+    """The permissions `open` gives a new file here (0666 less the umask), read from one: the umask itself can only
+    be read by setting it, which would race with other threads."""
+    probe = directory / ".mode"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def write_router_files(model, out: Path) -> None:
