@@ -1,6 +1,7 @@
 """Bad or unusual input, as a new user or a server would send it: a clear error, a warning, or the right result."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -370,3 +371,57 @@ def test_a_generation_config_gets_no_deprecation_warning_for_options_tide_sets(t
     assert "deprecated" not in captured.out
     assert torch.equal(out, model.base.generate(ids, generation_config=config)) or "exit_threshold" in tide_config
     assert config.cache_implementation is None  # the caller's object is not changed
+
+
+# ---------------------------------------------------------------------- calibration data
+def test_a_dataset_file_that_is_not_utf8_names_the_file_the_offset_and_how_to_convert(tmp_path):
+    from tide.calibration.data import DatasetLoadError
+
+    path = tmp_path / "latin.txt"
+    path.write_bytes("\n".join(sample_texts(6)).encode() + "\ncaf\xe9 au lait\n".encode("latin-1"))
+    offset = len("\n".join(sample_texts(6)).encode()) + len(b"\ncaf")
+    with pytest.raises(DatasetLoadError) as err:
+        tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=str(path), config=TideConfig(checkpoint_layers=[1]),
+                       **FAST)
+    message = str(err.value)
+    assert str(path) in message and f"offset {offset}" in message and "0xe9" in message and "iconv" in message
+
+
+def test_a_file_that_ends_inside_a_character_names_the_offset(tmp_path):
+    from tide.calibration.data import DatasetLoadError, check_local_dataset
+
+    path = tmp_path / "cut.txt"
+    path.write_bytes("caf\u00e9".encode()[:-1])
+    with pytest.raises(DatasetLoadError, match="incomplete character at offset 3"):
+        check_local_dataset(str(path))
+
+
+def test_fewer_texts_than_asked_is_one_warning_with_both_numbers():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(5),
+                       config=TideConfig(checkpoint_layers=[1, 3], target_agreement=0.6), **{**FAST, "num_samples": 32})
+    mine = [str(w.message) for w in caught if "num_samples" in str(w.message)]
+    assert len(mine) == 1 and "32" in mine[0] and " 5" in mine[0] and "\n" not in mine[0]
+
+
+def test_calibration_that_keeps_nothing_on_too_little_data_says_how_many_texts_it_needs():
+    """At 99% agreement with 95% confidence even a flawless exit needs 299 held-out tokens before the bound allows
+    it; one held-out text of 32 tokens cannot: the warning says so, with the texts that would take."""
+    with pytest.warns(UserWarning, match=r"kept no exits: on 32 held-out tokens \(1 held-out texts\).*about 299 "
+                                         r"held-out tokens, i\.e\. about 47 texts \(num_samples >= 47\)"):
+        model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(6),
+                               config=TideConfig(checkpoint_layers=[1, 3], target_agreement=0.99), **FAST)
+    assert all(t == 1.0 for t in model.config.thresholds.values())
+
+
+def test_held_out_tokens_for_a_bound():
+    from tide.calibration.thresholds import binomial_upper_bound, tokens_for_bound
+
+    assert tokens_for_bound(0.0, 0.99, 0.95) == 299  # 1 - 0.05 ** (1 / n) <= 0.01
+    n = tokens_for_bound(0.004, 0.99, 0.95)  # the fewest tokens whose bound at that rate holds
+    assert binomial_upper_bound(math.ceil(0.004 * n), n, 0.95) <= 0.01
+    assert binomial_upper_bound(math.ceil(0.004 * (n - 1)), n - 1, 0.95) > 0.01
+    assert tokens_for_bound(0.02, 0.99, 0.95) is None  # the rate itself is above what the target allows

@@ -1,16 +1,19 @@
 """Calibration text, always through `datasets`: a Hub dataset name, local text/JSON/CSV files or a
 directory of them, a `datasets.Dataset`, or a list of strings.
 
-A dataset that cannot be loaded is an error that says what was tried and how to pass local text.
-There is no fallback text of any kind.
+A dataset that cannot be loaded is an error that says what was tried and how to pass local text (a local file
+that is not UTF-8: which file, the byte offset, how to convert it). There is no fallback text of any kind.
+`take_samples` keeps the texts calibration asked for and says, in one warning, when there are fewer.
 """
 
 from __future__ import annotations
 
+import codecs
 import os
+import warnings
 from pathlib import Path
 
-__all__ = ["load_texts", "check_local_dataset", "DatasetLoadError"]
+__all__ = ["load_texts", "check_local_dataset", "take_samples", "DatasetLoadError"]
 
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
@@ -82,7 +85,42 @@ def check_local_dataset(name) -> list[Path]:
     if not any(_holds_text(f) for f in files):
         what = f"{name} is empty" if files == [path] else f"Every data file under {name} is empty"
         raise DatasetLoadError(f"{what}: calibration needs text. Pass a file or directory that holds text.")
+    for f in files:
+        _check_utf8(f)
     return files
+
+
+def _check_utf8(path: Path) -> None:
+    """Raise, naming the file and the byte offset, where `path` does not decode as UTF-8 (what `datasets` reads)."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            pending = len(decoder.getstate()[0])  # bytes of a character the last chunk ended inside
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:  # err.object: the pending bytes, then the chunk
+                _not_utf8(path, offset - pending + err.start, err.object[err.start:err.start + 1])
+            offset += len(chunk)
+        pending = len(decoder.getstate()[0])
+        if pending:  # the file ends inside a multi-byte character
+            _not_utf8(path, offset - pending, b"")
+
+
+def _not_utf8(path: Path, offset: int, byte: bytes) -> None:
+    what = f"byte 0x{byte[0]:02x} at offset {offset}" if byte else f"an incomplete character at offset {offset}"
+    raise DatasetLoadError(
+        f"{path} is not UTF-8 text: {what} does not decode. Convert it to UTF-8 first, e.g. "
+        f"`iconv -f latin1 -t utf-8 {path} > {path.with_suffix('.utf8' + path.suffix)}` (name its real encoding after "
+        "-f: latin1, cp1252, utf-16, ...), or in Python: Path(out).write_text(Path(src).read_text(encoding='latin-1'), "
+        "encoding='utf-8').")
+
+
+def take_samples(texts: list[str], num_samples: int) -> list[str]:
+    """The first `num_samples` texts; one warning where the dataset has fewer."""
+    if len(texts) < num_samples:
+        warnings.warn(f"Calibration asked for {num_samples} texts (num_samples) and the dataset has {len(texts)}: "
+                      f"calibrating on {len(texts)}.", stacklevel=3)
+    return texts[:num_samples]
 
 
 def _holds_text(path: Path) -> bool:

@@ -13,6 +13,7 @@ import copy
 import math
 import random
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -26,7 +27,7 @@ from ..hub.card import calibration_table, draft_scheme_text
 from ..layers.calls import capture_outputs
 from ..modeling import TideForCausalLM
 from .costs import draft_candidates, layer_cost_of_cascade, prune_checkpoints
-from .data import load_texts
+from .data import load_texts, take_samples
 from .distributed import Processes
 from .evaluate import teacher_forced
 from .selftext import SelfText, generated_texts, prompt_texts
@@ -48,6 +49,7 @@ from .thresholds import (
     auc,
     binomial_upper_bound,
     calibrate_cascade,
+    kept_nothing_message,
     oracle_depth,
 )
 from .trials import (
@@ -188,7 +190,7 @@ class _Run:
         with self.phases("data"):
             texts = load_texts(dataset, **load) if dataset is not None else []
         random.Random(opts.seed).shuffle(texts)
-        texts = texts[: opts.num_samples]
+        texts = take_samples(texts, opts.num_samples) if dataset is not None else texts
         if len(texts) == 1 or (len(texts) < 2 and not prompts):
             raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
         n_held = min(len(texts) - 1, max(1, round(len(texts) * opts.heldout_fraction))) if texts else 0
@@ -278,6 +280,9 @@ class _Run:
                                                         self.validation_tokens, self.prompts, self.batch)
         self.point = operating_point(self.tide, cfg.target_agreement, self.procs, self.phases, self.budget)
         cfg.thresholds = self.point.thresholds
+        if self.point.selection.exit_error_budget == 0.0:  # no threshold held the bound on these held-out tokens
+            warnings.warn(kept_nothing_message(layers, held.scores(), held.agree(), held.labels(), cfg.target_agreement,
+                                               cfg.confidence, len(self.all_held), self.opts.heldout_fraction))
         cfg.set_generation_defaults(batch_exits=self.point.batch_exits)
 
     def choose_drafts(self) -> None:

@@ -20,7 +20,7 @@ import torch
 from ..heads.router import exit_decision
 
 __all__ = ["auc", "binomial_upper_bound", "select_threshold", "calibrate_cascade", "CascadeSelection", "CheckpointCalibration",
-           "oracle_depth"]
+           "oracle_depth", "tokens_for_bound", "kept_nothing_message"]
 
 NEVER = 1.0  # scores are sigmoids in [0, 1] and a token exits when score > threshold
 # Per-exit error budgets tried, in this fixed order, by `calibrate_cascade`.
@@ -169,6 +169,55 @@ def calibrate_cascade(
             break
         best = CascadeSelection(rows, budget, 1.0 - bound)
     return best
+
+
+def tokens_for_bound(rate: float, target_agreement: float, confidence: float, limit: int = 1 << 24) -> int | None:
+    """The fewest held-out tokens n at which `rate` * n disagreements (rounded up) keep the upper confidence bound on
+    the disagreement rate at most 1 - target; None where the rate itself is not below it (or n would pass `limit`)."""
+    allowed = 1.0 - target_agreement
+    if rate >= allowed:
+        return None
+
+    def holds(n: int) -> bool:
+        return binomial_upper_bound(math.ceil(rate * n - 1e-9), n, confidence) <= allowed
+
+    high = 1
+    while not holds(high):
+        if high >= limit:
+            return None
+        high *= 2
+    low = high // 2  # fails (or 0)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if holds(mid) else (mid, high)
+    return high
+
+
+def kept_nothing_message(layers: list[int], scores: dict, agree: dict, labels: dict, target_agreement: float,
+                         confidence: float, heldout_texts: int, heldout_fraction: float) -> str:
+    """Why a calibration kept no exit threshold on its held-out tokens, and how many texts would be needed: per
+    budget of `calibrate_cascade`, the disagreement rate its cascade measured here, and the held-out tokens at which
+    that rate would pass the confidence bound (`tokens_for_bound`); the fewest of them, scaled to texts."""
+    total = next(iter(scores.values())).numel()
+    errors = set()  # the measured disagreements of each budget's cascade that lets some token exit
+    for budget in EXIT_ERROR_BUDGETS:
+        rows = cascade(layers, scores, agree, labels, budget)
+        if sum(r.exits for r in rows):
+            errors.add(sum(r.errors for r in rows))
+    needed = [n for e in sorted(errors) if (n := tokens_for_bound(e / max(total, 1), target_agreement, confidence))]
+    head = (f"Calibration kept no exits: on {total} held-out tokens ({heldout_texts} held-out texts) no threshold "
+            f"keeps the lower {confidence:.0%} confidence bound on top-1 agreement at the target {target_agreement}")
+    if needed and min(needed) <= total:  # the held-out tokens allowed some: the check through the decode step did not
+        return head + " through the decode step (the thresholds the held-out scores allowed did not hold there)."
+    if target_agreement >= 1.0:
+        return head + "; a target of 1.0 allows no disagreement, which no sample size can bound: lower target_agreement."
+    if not needed:
+        return (head + "; the exits measured here disagree with the full model too often for that target at any "
+                "sample size: lower target_agreement.")
+    tokens = min(needed)
+    texts = math.ceil(tokens / max(total / max(heldout_texts, 1), 1e-9) / max(heldout_fraction, 1e-9))
+    return (head + f"; at the disagreement rate measured here that takes about {tokens} held-out tokens, i.e. about "
+            f"{texts} texts (num_samples >= {texts}), or a lower target_agreement.")
 
 
 def auc(scores: torch.Tensor, positive: torch.Tensor) -> float | None:
