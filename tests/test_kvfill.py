@@ -266,3 +266,49 @@ def test_forced_exit_generation_is_the_same_batched_and_layerwise(family, rows, 
     assert torch.equal(batched.sequences, layerwise.sequences)
     for a, b in zip(batched.scores, layerwise.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# Families outside the table whose skipped layers still fill layer by layer, through their own attention code: the
+# query projection is called there and returns zeros (no matmul), and its norm and rotary run on those zeros. Why
+# the batched fill does not reproduce their keys (checked against the layers' own code, `_Stack.matches`):
+LAYERWISE = {
+    "olmo2": "a k-norm over all heads at once", "olmo3": "a k-norm over all heads at once",
+    "olmoe": "a k-norm over all heads at once", "cohere": "rotary on interleaved pairs",
+    "cohere2": "rotary on interleaved pairs, full layers without rotary", "gptj": "rotary computed inside the attention",
+    "smollm3": "layers without rotary among rotary ones", "exaone4": "full layers without rotary, a k-norm",
+    "ernie4_5": "rotary on interleaved pairs", "nanochat": "rotary with the opposite sign, the k-norm after it",
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo", *sorted(LAYERWISE)])
+def test_skipped_layers_call_only_their_kv_linears(family):
+    """Forward hooks on every linear of the skipped layers during forced-exit decode steps (checkpoints every other
+    layer): batched families call none of them; the families in LAYERWISE call the query projection, and it
+    computes nothing (zeros)."""
+    from tide.layers.kvprobe import is_linear
+    from tide.models import tiny
+
+    base = tiny.tiny_model(family)
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    kv_plan(model.parts)
+    decoding, calls = [], {}
+
+    def count(name, out):
+        if decoding:
+            calls.setdefault(name.rpartition(".")[2], []).append(float(out.abs().max()))
+
+    hooks = [m.register_forward_hook(lambda _m, _a, out, name=name: count(name, out))
+             for j in range(2, model.parts.num_layers) for name, m in model.parts.layers[j].named_modules() if is_linear(m)]
+    try:
+        model.generate(torch.randint(4, 100, (1, 7), generator=torch.Generator().manual_seed(0)), do_sample=False,
+                       max_new_tokens=6, min_new_tokens=6, pad_token_id=0, tide_config={"exit_threshold": -1.0},
+                       logits_processor=LogitsProcessorList([MarkDecodeSteps(decoding)]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert model.last_stats.exits == {"1": 5}
+    if family not in LAYERWISE:
+        assert calls == {}, calls
+    else:
+        assert {"k_proj", "v_proj"} <= set(calls) and set(calls) <= {"q_proj", "k_proj", "v_proj"}, calls
+        assert max(calls.get("q_proj", [0.0])) == 0.0  # called by the layer's code, computed nothing

@@ -161,16 +161,19 @@ class _Norm:
         it is none of RMS (weight w or Gemma's 1 + w) and LayerNorm (with or without weight and bias)."""
         eps = next((getattr(module, n) for n in ("variance_epsilon", "eps", "epsilon") if hasattr(module, n)), None)
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        if not isinstance(eps, (int, float)) or any(isinstance(p, torch.Tensor) and p.device.type == "meta"
-                                                    for p in (weight, bias)):
+        if any(isinstance(p, torch.Tensor) and p.device.type == "meta" for p in (weight, bias)):
             return None
+        # a norm that keeps no eps (OLMo's parameter-free LayerNorm hard-codes 1e-5): the usual values are tried
+        epsilons = [float(eps)] if isinstance(eps, (int, float)) else [1e-5, 1e-6]
         weight = weight.detach().float() if isinstance(weight, torch.Tensor) else None
         bias = bias.detach().float() if isinstance(bias, torch.Tensor) else None
-        candidates = [cls("layer", float(eps), weight, bias)]
-        if bias is None:
-            candidates += [cls("rms", float(eps), weight, None)]
-            if weight is not None:
-                candidates += [cls("rms", float(eps), 1.0 + weight, None)]
+        candidates = []
+        for eps in epsilons:
+            candidates += [cls("layer", eps, weight, bias)]
+            if bias is None:
+                candidates += [cls("rms", eps, weight, None)]
+                if weight is not None:
+                    candidates += [cls("rms", eps, 1.0 + weight, None)]
         probe = next(module.parameters(), None)
         x = torch.randn(4, width, generator=torch.Generator().manual_seed(0))
         x = x.to(probe.device, probe.dtype) if probe is not None else x
