@@ -12,6 +12,7 @@ most `1 - target_agreement` at the stated confidence.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -44,14 +45,20 @@ def _binom_cdf(k: int, n: int, p: float) -> float:
     return float(torch.logsumexp(log_terms, 0).exp().clamp(max=1.0))
 
 
+@functools.lru_cache(maxsize=65536)
 def binomial_upper_bound(errors: int, n: int, confidence: float) -> float:
-    """One-sided Clopper-Pearson upper bound on a rate after `errors` in `n` trials."""
+    """One-sided Clopper-Pearson upper bound on a rate after `errors` in `n` trials (kept per arguments: threshold
+    selection asks for the same bounds many times)."""
     if n == 0:
         return 1.0
     if errors >= n:
         return 1.0
     alpha = 1.0 - confidence
     lo, hi = errors / n, 1.0
+    # a bracket a few standard deviations wide (checked), so that the bisection's steps are spent near the bound
+    wide = min(1.0, lo + 8.0 * math.sqrt(max(lo * (1.0 - lo), 1.0 / n) / n) + 8.0 / n)
+    if _binom_cdf(errors, n, wide) <= alpha:
+        hi = wide
     for _ in range(60):
         mid = (lo + hi) / 2
         if _binom_cdf(errors, n, mid) > alpha:
