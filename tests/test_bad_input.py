@@ -231,7 +231,7 @@ def test_a_save_that_fails_part_way_leaves_the_previous_repo(tmp_path, monkeypat
     repo = tmp_path / "repo"
     old = _model()
     old.save_pretrained(repo)
-    before = {p.name: p.read_bytes() for p in repo.iterdir()}
+    before = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
     new = tide.TideForCausalLM.from_base(tiny_model("llama"), TideConfig(checkpoint_layers=[2], router_hidden_size=16))
     if failure == "weights":  # after config.json is written, before routers.safetensors
         monkeypatch.setattr(tide.hub.repos, "save_file", _failing_save_file)
@@ -241,7 +241,7 @@ def test_a_save_that_fails_part_way_leaves_the_previous_repo(tmp_path, monkeypat
         new.config.calibration = {"checkpoints": {"2": {}}}
         with pytest.raises(KeyError):
             new.save_pretrained(repo)
-    assert {p.name: p.read_bytes() for p in repo.iterdir()} == before
+    assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["repo"]  # no temporary folder left behind
     assert tide.TideForCausalLM.from_pretrained(repo, base_model=old.base).checkpoints == [1, 3]
     monkeypatch.undo()

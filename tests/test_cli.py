@@ -42,7 +42,8 @@ def test_help_reads_well(capsys):
 
 
 def test_calibrate_writes_a_router_repo(router_dir):
-    assert sorted(p.name for p in router_dir.iterdir()) == ["README.md", "config.json", "routers.safetensors"]
+    assert sorted(p.name for p in router_dir.iterdir()) == [
+        "README.md", "config.json", "custom_generate", "routers.safetensors"]
     assert json.loads((router_dir / "config.json").read_text())["thresholds"]
 
 
@@ -118,7 +119,8 @@ def test_demo_runs_end_to_end(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     for section in ("1. The shipped model", "2. Calibrate", "3. Save", "mode='exit'", "mode='lossless'", "5. Speed"):
         assert section in out
-    assert sorted(p.name for p in (tmp_path / "routers").iterdir()) == ["README.md", "config.json", "routers.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "routers").iterdir()) == [
+        "README.md", "config.json", "custom_generate", "routers.safetensors"]
 
 
 def _one_error_line(err: str, command: str) -> str:

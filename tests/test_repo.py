@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import tide
 from tide.calibration.data import DatasetLoadError
-from tide.hub.repos import REPO_FILES
+from tide.hub.repos import REPO_FILES, repo_files
 from tiny_models import FAMILIES, sample_texts, tiny_model, tiny_tokenizer
 
 FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1, validation_tokens=128)
@@ -38,7 +39,7 @@ def test_calibrate_and_round_trip(family, tmp_path):
     for row in cal["checkpoints"].values():
         assert 0.0 <= row["label_rate"] <= 1.0 and 0.0 <= row["exit_rate"] <= 1.0
     model.save_pretrained(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == sorted(REPO_FILES)  # no base weights, no pickle
+    assert sorted(os.listdir(tmp_path)) == sorted(REPO_FILES + ("custom_generate",))  # no base weights, no pickle
     loaded = tide.TideForCausalLM.from_pretrained(tmp_path, base_model=model.base)
     for (name, a), (_, b) in zip(model.routers.state_dict().items(), loaded.routers.state_dict().items()):
         assert torch.equal(a, b), name
@@ -188,13 +189,13 @@ def test_push_to_hub_uploads_only_the_repo_files(calibrated, monkeypatch):
             calls["repo"] = repo_id
 
         def upload_folder(self, repo_id, folder_path, allow_patterns, commit_message):
-            calls["files"] = sorted(os.listdir(folder_path))
+            calls["files"] = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
             calls["allow"] = sorted(allow_patterns)
 
     monkeypatch.setattr(tide.hub.repos, "HfApi", FakeApi)
     calibrated.push_to_hub("user/llama-tide")
     assert calls["repo"] == "user/llama-tide"
-    assert calls["files"] == calls["allow"] == sorted(REPO_FILES)
+    assert calls["files"] == calls["allow"] == sorted(repo_files())
 
 
 @pytest.mark.parametrize("base_name", ["org/base-model", None])
@@ -231,6 +232,6 @@ def test_saved_files_get_the_permissions_the_umask_gives(tmp_path, umask):
         model.save_pretrained(tmp_path / "repo")
     finally:
         os.umask(old)
-    modes = {name: (tmp_path / "repo" / name).stat().st_mode & 0o777 for name in REPO_FILES}
-    assert modes == {name: 0o666 & ~umask for name in REPO_FILES}
+    modes = {name: (tmp_path / "repo" / name).stat().st_mode & 0o777 for name in repo_files()}
+    assert modes == {name: 0o666 & ~umask for name in repo_files()}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no temporary folder left behind

@@ -21,6 +21,7 @@ from .generation import generate_with_tide
 from .heads.draftvocab import restricted_logits
 from .heads.kernels import norm_params, router_exit
 from .heads.router import CheckpointTest, RouterBank, exit_decision
+from .hub.custom_generate import generate_with_router_repo
 from .hub.repos import BaseModelTokenizerLoader, load_router_repo, push_router_repo, save_router_repo
 from .layers import fewrows
 from .layers.kvprobe import kv_plan
@@ -89,15 +90,25 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
             _check_not_tide(base_model)
         return load_router_repo(cls, pretrained_model_name_or_path, base_model=base_model, **kwargs)
 
-    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
-        """Write the router repo: config JSON, router safetensors and a model card. Never base weights."""
-        save_router_repo(self, save_directory)
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, custom_generate: bool = True, **kwargs):
+        """Write the router repo: config JSON, router safetensors, a model card and (unless `custom_generate=False`)
+        `custom_generate/`, which lets a plain transformers model run it. Never base weights."""
+        save_router_repo(self, save_directory, custom_generate)
         if push_to_hub:
-            self.push_to_hub(kwargs.pop("repo_id", None) or str(save_directory), **kwargs)
+            self.push_to_hub(kwargs.pop("repo_id", None) or str(save_directory), custom_generate=custom_generate,
+                             **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload the router repo files (and only those) to `repo_id` on the Hub."""
+        """Upload the router repo files (and only those) to `repo_id` on the Hub; `custom_generate=False`: without
+        the `custom_generate/` files."""
         return push_router_repo(self, repo_id, **kwargs)
+
+    @classmethod
+    def generate_with_router_repo(cls, model, **kwargs):
+        """What a router repo's `custom_generate/generate.py` runs for `model.generate(..., custom_generate=<repo>,
+        trust_remote_code=True)`: the repo's routers, loaded onto `model` once (`hub/custom_generate.py`), generate
+        with the call's arguments and `tide_config`."""
+        return generate_with_router_repo(cls, model, **kwargs)
 
     def _init_weights(self, module):  # routers are initialised in RouterBank; never touch the base.
         pass

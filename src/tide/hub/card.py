@@ -196,8 +196,9 @@ def calibration_table(config: TideConfig) -> str:
 
 
 # ---------------------------------------------------------------------- the model card
-def model_card(config: TideConfig) -> str:
-    """The router repo's README.md: what the routers are, what calibration found, how to use and reproduce them."""
+def model_card(config: TideConfig, custom_generate: bool = True) -> str:
+    """The router repo's README.md: what the routers are, what calibration found, how to use and reproduce them;
+    `custom_generate`: the repo holds `custom_generate/generate.py`, and the card shows it in use too."""
     base = config.base_model_name_or_path or "(unnamed base model)"
     cal = _record(config)
     lines = [
@@ -228,6 +229,7 @@ def model_card(config: TideConfig) -> str:
         "out = model.generate(**tok(\"Hello\", return_tensors=\"pt\"), max_new_tokens=32)",
         "```",
         "",
+        *(_custom_generate_lines(base) if custom_generate else []),
         "## Reproduce",
         "```python",
         "import tide",
@@ -243,8 +245,26 @@ def model_card(config: TideConfig) -> str:
         "",
     ]
     data = ModelCardData(library_name="tide-transformers", base_model=config.base_model_name_or_path or None,
-                         tags=["tide", "early-exit"])
+                         tags=["tide", "early-exit"] + (["custom_generate"] if custom_generate else []))
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n" + "\n".join(lines)))
+
+
+def _custom_generate_lines(base: str) -> list[str]:
+    """The card's second way of use: the base model's own `generate` with this repo as its `custom_generate`."""
+    return [
+        "Or, with `tide-transformers` installed, from the base model itself (the repo's `custom_generate/generate.py` "
+        "loads the routers onto it once and runs Tide's decoding; `tide_config={...}` sets a call's options):",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+        f"base = AutoModelForCausalLM.from_pretrained(\"{base}\")",
+        f"tok = AutoTokenizer.from_pretrained(\"{base}\")",
+        "out = base.generate(**tok(\"Hello\", return_tensors=\"pt\"), max_new_tokens=32,",
+        "                    custom_generate=\"<this repo>\", trust_remote_code=True)",
+        "text = pipeline(\"text-generation\", model=base, tokenizer=tok)(\"Hello\", custom_generate=\"<this repo>\",",
+        "                                                               trust_remote_code=True)",
+        "```",
+        "",
+    ]
 
 
 def _calibration_lines(config: TideConfig, cal: CalibrationRecord) -> list[str]:

@@ -1,9 +1,11 @@
 """All file and Hub I/O for router repos: save, load, push, and the model card.
 
-A router repo holds exactly three small files: `config.json` (the `TideConfig`), `routers.safetensors`
-(router weights, fp32, with metadata) and `README.md` (the model card, `card.py`). Never base weights,
-never pickle. Loading resolves a local directory or a Hub repo id (the local Hugging Face cache is used
-when `HF_HUB_OFFLINE=1`), loads or reuses the base model, and checks that the routers fit it.
+A router repo holds three small files: `config.json` (the `TideConfig`), `routers.safetensors`
+(router weights, fp32, with metadata) and `README.md` (the model card, `card.py`), and unless turned off
+`custom_generate/generate.py` with `custom_generate/requirements.txt`, which let a plain transformers model run
+the repo (`custom_generate.py` is what that file calls). Never base weights, never pickle. Loading resolves a
+local directory or a Hub repo id (the local Hugging Face cache is used when `HF_HUB_OFFLINE=1`), loads or reuses
+the base model, and checks that the routers fit it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from huggingface_hub import HfApi, hf_hub_download
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .. import __version__
 from ..config import TideConfig
 from ..models.architectures import resolve
 from .card import model_card
@@ -28,6 +31,8 @@ __all__ = [
     "ROUTERS_NAME",
     "CARD_NAME",
     "REPO_FILES",
+    "CUSTOM_GENERATE_FILES",
+    "repo_files",
     "save_router_repo",
     "load_router_repo",
     "push_router_repo",
@@ -38,6 +43,12 @@ ROUTERS_NAME = "routers.safetensors"
 CARD_NAME = "README.md"
 DRAFT_VOCABULARY_KEY = "draft_vocabulary"  # optional in routers.safetensors: int64 token ids, most predicted first
 REPO_FILES = (CONFIG_NAME, ROUTERS_NAME, CARD_NAME)
+# What `generate(custom_generate=<repo>, trust_remote_code=True)` runs, and what it needs installed.
+CUSTOM_GENERATE_NAME = "custom_generate/generate.py"
+CUSTOM_REQUIREMENTS_NAME = "custom_generate/requirements.txt"
+CUSTOM_GENERATE_FILES = (CUSTOM_GENERATE_NAME, CUSTOM_REQUIREMENTS_NAME)
+DISTRIBUTION = "tide-transformers"
+_TEMPLATE = Path(__file__).parent / "templates" / "generate.py"
 
 # from_pretrained kwargs that address the router repo itself; everything else goes to the base model.
 _REPO_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder")
@@ -76,26 +87,53 @@ def check_save_directory(out: Path) -> None:
     if card.is_file() and "library_name: tide-transformers" not in card.read_text(errors="replace"):
         raise ValueError(f"{card} was not written by Tide and would be overwritten; save the routers to a directory "
                          "of their own, or move that README.")
+    script = out / CUSTOM_GENERATE_NAME
+    if script.is_file() and not _written_by_tide(script):
+        raise ValueError(f"{script} was not written by Tide and would be replaced; save the routers to a directory "
+                         "of their own, or move that file.")
 
 
-def save_router_repo(model, save_directory) -> Path:
+def _written_by_tide(script: Path) -> bool:
+    """Whether `script` is a `custom_generate/generate.py` that Tide wrote (its docstring says so)."""
+    return "written by Tide" in script.read_text(errors="replace")
+
+
+def save_router_repo(model, save_directory, custom_generate: bool = True) -> Path:
     """Write the repo files into a temporary folder beside `save_directory`, then move them into place: a save
-    that fails part-way leaves the repo that was there as it was."""
+    that fails part-way leaves the repo that was there as it was. `custom_generate=False`: without the
+    `custom_generate/` files (those an earlier save wrote are removed)."""
     out = Path(save_directory)
     check_save_directory(out)
     parent = out.resolve().parent  # (beside the real folder where `out` is a link: the moves stay on one disk)
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tide-save-", dir=parent))
     try:
-        write_router_files(model, tmp)
+        write_router_files(model, tmp, custom_generate)
         mode = _created_mode(tmp)
         out.mkdir(exist_ok=True)
-        for name in REPO_FILES:
+        for name in repo_files(custom_generate):
+            (out / name).parent.mkdir(exist_ok=True)
             os.chmod(tmp / name, mode)  # (a writer may have used a private temporary file: safetensors does)
             os.replace(tmp / name, out / name)
+        if not custom_generate:
+            _remove_custom_generate(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def repo_files(custom_generate: bool = True) -> tuple[str, ...]:
+    """The files a router repo holds (relative paths), with or without its `custom_generate/` files."""
+    return REPO_FILES + (CUSTOM_GENERATE_FILES if custom_generate else ())
+
+
+def _remove_custom_generate(out: Path) -> None:
+    """Remove the `custom_generate/` files an earlier save wrote (checked to be Tide's), and the folder if empty."""
+    for name in CUSTOM_GENERATE_FILES:
+        (out / name).unlink(missing_ok=True)
+    folder = out / Path(CUSTOM_GENERATE_NAME).parent
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 def _created_mode(directory: Path) -> int:
@@ -110,8 +148,9 @@ def _created_mode(directory: Path) -> int:
         probe.unlink()
 
 
-def write_router_files(model, out: Path) -> None:
-    """config.json, routers.safetensors and README.md of `model` into the existing directory `out`."""
+def write_router_files(model, out: Path, custom_generate: bool = True) -> None:
+    """config.json, routers.safetensors, README.md and (with `custom_generate`) the `custom_generate/` files of
+    `model` into the existing directory `out`."""
     config = model.config
     config.save_pretrained(out)  # writes config.json only
     metadata = {"format": "pt", "checkpoints": ",".join(map(str, model.checkpoints)), "tide_version": config.tide_version}
@@ -119,19 +158,31 @@ def write_router_files(model, out: Path) -> None:
     if model.draft_vocabulary is not None:
         tensors[DRAFT_VOCABULARY_KEY] = model.draft_vocabulary.detach().to("cpu", torch.int64).contiguous()
     save_file(tensors, out / ROUTERS_NAME, metadata=metadata)
-    (out / CARD_NAME).write_text(model_card(config))
+    (out / CARD_NAME).write_text(model_card(config, custom_generate=custom_generate))
+    if custom_generate:
+        write_custom_generate(out)
 
 
-def push_router_repo(model, repo_id: str, private: bool | None = None, token=None, commit_message=None, **_):
-    """Create `repo_id` if needed and upload the router repo files through huggingface_hub."""
+def write_custom_generate(out: Path) -> None:
+    """`custom_generate/generate.py` (Tide's template: load the repo's routers onto the model, run Tide's loop) and
+    `custom_generate/requirements.txt` (this Tide version or a later one) into `out`."""
+    (out / CUSTOM_GENERATE_NAME).parent.mkdir(exist_ok=True)
+    (out / CUSTOM_GENERATE_NAME).write_text(_TEMPLATE.read_text())
+    (out / CUSTOM_REQUIREMENTS_NAME).write_text(f"{DISTRIBUTION}>={__version__}\n")
+
+
+def push_router_repo(model, repo_id: str, private: bool | None = None, token=None, commit_message=None,
+                     custom_generate: bool = True, **_):
+    """Create `repo_id` if needed and upload the router repo files through huggingface_hub (`custom_generate=False`:
+    without the `custom_generate/` files; ones an earlier push uploaded stay)."""
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        save_router_repo(model, tmp)
+        save_router_repo(model, tmp, custom_generate)
         return api.upload_folder(
             repo_id=repo_id,
             folder_path=tmp,
-            allow_patterns=list(REPO_FILES),
+            allow_patterns=list(repo_files(custom_generate)),
             commit_message=commit_message or "Upload Tide routers",
         )
 

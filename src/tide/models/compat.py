@@ -9,6 +9,9 @@
 - `use_gqa_in_sdpa` in transformers' SDPA attention, which decides whether grouped-query K/V heads are copied
   per query group (`repeat_kv`) before attention; `grouped_query_attention_in_place` answers it for Tide's
   masked multi-position passes on CPU.
+- `custom_generate_repo`: `generate(custom_generate="<repo>")` calls the repo's `generate` function without the
+  repo's name; a router repo's `generate.py` reads it from the running `GenerationMixin.generate`'s local
+  `custom_generate`.
 
 `check()` verifies them against the installed transformers and raises an error naming the piece that
 changed; the test suite calls it.
@@ -17,6 +20,7 @@ changed; the test suite calls it.
 from __future__ import annotations
 
 import inspect
+import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -27,7 +31,7 @@ from transformers.integrations import sdpa_attention
 __all__ = ["stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "layer_length",
            "crop_cache", "plain_dynamic_layers", "is_static_layer", "keep_one_of_tail",
            "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of",
-           "grouped_query_attention_in_place", "check"]
+           "grouped_query_attention_in_place", "custom_generate_repo", "check"]
 
 
 def stop_strings_as_criteria(base, kwargs: dict) -> dict:
@@ -49,6 +53,28 @@ def stop_strings_as_criteria(base, kwargs: dict) -> dict:
     criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
     criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop))
     return {**kwargs, "stop_strings": None, "stopping_criteria": criteria}
+
+
+def custom_generate_repo(depth: int = 16):
+    """The repo (a Hub id or a local folder) that the running `generate(custom_generate=<repo>)` call loaded its
+    decoding function from, or None where no such call is running in this thread.
+
+    transformers 5.23's `generate` calls `custom_generate/generate.py`'s `generate(model=..., **arguments)` with the
+    call's arguments but not the repo, which is still its local variable `custom_generate`."""
+    import sys
+
+    from transformers import GenerationMixin
+
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            repo = frame.f_locals.get("custom_generate")
+            return repo if isinstance(repo, (str, os.PathLike)) else None
+        frame = frame.f_back
+    return None
 
 
 def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,6 +250,9 @@ def check() -> None:
     problems = []
     if "custom_generate" not in inspect.signature(GenerationMixin.generate).parameters:
         problems.append("GenerationMixin.generate no longer takes custom_generate (Tide's decode loops run through it)")
+    elif "load_custom_generate" not in inspect.unwrap(GenerationMixin.generate).__code__.co_names:
+        problems.append("GenerationMixin.generate no longer loads a custom_generate repo's function itself (a router "
+                        "repo's custom_generate/generate.py reads the repo from that call's custom_generate)")
     for name in ("get_mask_sizes", "get_query_offset", "crop", "get_seq_length", "is_sliding", "is_recording_past",
                  "activate_past_recording"):
         if not hasattr(DynamicCache, name):
