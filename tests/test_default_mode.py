@@ -97,14 +97,14 @@ def _calibrate(monkeypatch, exit_speed, lossless_speed):
     return _calibrate_timed_by(monkeypatch, fake_speedup, draft_trials=2)
 
 
-def _calibrate_timed_by(monkeypatch, fake_speedup, draft_trials: int = 1):
+def _calibrate_timed_by(monkeypatch, fake_speedup, draft_trials: int = 1, **options):
     """A tiny Llama calibrated with `fake_speedup` as every timing trial's measurement."""
     monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
     torch.manual_seed(0)
     config = tide.TideConfig(checkpoint_interval=2, target_agreement=0.05)
     return tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24), config=config,
                           num_samples=24, batch_size=8, max_length=32, head_steps=5, passes=1, validation_tokens=0,
-                          draft_trials=draft_trials, progress=False)
+                          draft_trials=draft_trials, progress=False, **options)
 
 
 @pytest.mark.parametrize("exit_speed,lossless_speed,exits_on,mode", [
@@ -245,7 +245,7 @@ def test_the_kept_mode_is_timed_compiled_against_the_compiled_base(monkeypatch, 
             return compiled_speed
         return 1.3 if tide_config["mode"] == "exit" else 0.9
 
-    model = _calibrate_timed_by(monkeypatch, fake_speedup)
+    model = _calibrate_timed_by(monkeypatch, fake_speedup, compiled_trials=True)
     timing = model.config.calibration["compiled_timing"]
     assert timing["measured"] == compiled_speed and timing["active"] == (compiled_speed > 1)
     assert model.config.generation_config.compiled_modes == (compiled_speed > 1)
@@ -258,6 +258,19 @@ def test_the_kept_mode_is_timed_compiled_against_the_compiled_base(monkeypatch, 
     assert torch.equal(out, eager)
 
 
+def test_calibration_compiles_only_when_asked(monkeypatch):
+    """Without compiled_trials=True no timing compiles anything: compiled_modes keeps its default."""
+    baselines = []
+
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+        baselines.append(baseline)
+        return 1.3 if tide_config["mode"] == "exit" else 0.9
+
+    model = _calibrate_timed_by(monkeypatch, fake_speedup)
+    assert baselines and "compiled" not in baselines
+    assert model.config.calibration["compiled_timing"] is None and model.config.generation_config.compiled_modes
+
+
 def test_no_compiled_timing_where_nothing_is_kept(monkeypatch):
     model = _calibrate(monkeypatch, 0.9, 0.95)
     assert model.config.calibration["compiled_timing"] is None
@@ -266,7 +279,7 @@ def test_no_compiled_timing_where_nothing_is_kept(monkeypatch):
 def test_calibration_records_its_phase_times(monkeypatch):
     model = _calibrate(monkeypatch, 1.3, 0.9)
     seconds = model.config.calibration["phase_seconds"]
-    assert list(seconds) == ["data", "training", "held-out scoring", "thresholds", "decode validation",
+    assert list(seconds) == ["data", "generation", "training", "held-out scoring", "thresholds", "decode validation",
                              "cost measurement", "timing trials"]
     assert seconds["training"] > 0 and seconds["decode validation"] == 0  # validation_tokens=0: none
     assert "calibration took" in calibration.calibration_table(model.config)

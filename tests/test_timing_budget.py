@@ -33,7 +33,7 @@ def _calibrate(monkeypatch, budget, **options):
     model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
                            config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.05), num_samples=24,
                            batch_size=8, max_length=32, head_steps=5, passes=1, validation_tokens=0, draft_trials=3,
-                           progress=False, timing_budget_s=budget, **options)
+                           progress=False, timing_budget_s=budget, **{"compiled_trials": True, **options})
     return model, timed
 
 
@@ -78,9 +78,24 @@ def test_trials_run_by_estimate_until_the_budget_is_spent(monkeypatch):
         model_card(model.config)
 
 
+def test_the_auto_budget_is_a_third_of_the_other_phases_at_least_its_floor(monkeypatch):
+    """The other phases take no time on the fake clock: the budget is the floor (30 s), spent after exit mode's 4
+    timings (40 s); every drafting scheme is cut."""
+    model, timed = _calibrate(monkeypatch, "auto")
+    budget = model.config.calibration["timing_budget"]
+    assert budget["seconds"] == calibration.AUTO_TRIAL_FLOOR_S == 30.0 and budget["spent"] == 40.0
+    assert [t[0] for t in timed] == ["exit"] * 4 and budget["cut"][-1] == "the default mode compiled"
+    assert calibration.CalibrationOptions().timing_budget_s == "auto"
+
+
 def test_the_cli_passes_the_budget():
     args = build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o", "--timing-budget-s", "30"])
     assert args.timing_budget_s == 30.0
+    args = build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o"])
+    assert args.timing_budget_s == "auto" and not args.compiled_trials
+    args = build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o", "--timing-budget-s", "none",
+                                      "--compiled-trials"])
+    assert args.timing_budget_s is None and args.compiled_trials
     with pytest.raises(SystemExit):
         build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o", "--timing-budget-s", "-1"])
 

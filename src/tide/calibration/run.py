@@ -84,8 +84,10 @@ class CalibrationOptions:
     measure_costs: bool = True  # time checkpoints and layers here; drop checkpoints that do not pay; pick drafts
     validation_tokens: int = 1024  # held-out tokens decoded through the decode step to check the target (0: skip)
     draft_trials: int = 3  # lossless drafting schemes timed against the base model (best estimates first; 0: skip)
-    compiled_trials: bool = True  # time the kept mode compiled against the base model's compiled decode
-    timing_budget_s: float | None = None  # cap on the timing trials' seconds: later trials are cut (None: no cap)
+    compiled_trials: bool = False  # also time the kept mode compiled against the base model's compiled decode
+    # cap on the timing trials' seconds, later trials cut: "auto" (a third of the other phases' seconds, at least
+    # AUTO_TRIAL_FLOOR_S: a quarter of the calibration), a number, or None (no cap)
+    timing_budget_s: float | str | None = "auto"
     prompt_new_tokens: int = 128  # with `prompts`: tokens the base model writes after each prompt
     prompt_samples: int = 2  # with `prompts`: sampled continuations of each prompt, besides the greedy one
     prompt_chat: bool | None = None  # with `prompts`: strings go through the chat template (None: where there is one)
@@ -103,9 +105,9 @@ class CalibrationOptions:
         if not isinstance(self.heldout_fraction, (int, float)) or not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"calibrate: heldout_fraction must be between 0 and 1 (exclusive), got {self.heldout_fraction!r}.")
         budget = self.timing_budget_s
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not math.isfinite(budget) or budget < 0):
-            raise ValueError(f"calibrate: timing_budget_s must be a finite number >= 0 or None, got {budget!r}.")
+        if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                                         or not math.isfinite(budget) or budget < 0):
+            raise ValueError(f"calibrate: timing_budget_s must be \"auto\", a finite number >= 0 or None, got {budget!r}.")
         for name in ("head_lr", "lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0.0:
@@ -357,7 +359,7 @@ class _Run:
             record.phase_seconds_per_rank = {name: [round(r[i], 2) for r in per_rank]
                                              for i, name in enumerate(phases.NAMES)}
         if self.budget.seconds is not None:
-            record.timing_budget = TimingBudget(self.budget.seconds, round(phases.seconds["timing trials"], 2),
+            record.timing_budget = TimingBudget(round(self.budget.seconds, 2), round(phases.seconds["timing trials"], 2),
                                                 procs.broadcast(_cut_trials(self.budget, self.draft_selection)))
         return record
 
@@ -389,15 +391,28 @@ def _work_per_rank(procs: Processes, train: tuple[int, int], held: tuple[int, in
     return out
 
 
+AUTO_TRIAL_SHARE = 1 / 3  # "auto" budget: of the other phases' seconds (so the trials take a quarter of the whole)
+AUTO_TRIAL_FLOOR_S = 30.0  # "auto" budget: at least this, so that a fast calibration still times its best scheme
+
+
 class _TrialBudget:
     """`timing_budget_s`: a timing trial starts only while the timing trials have taken less than `seconds` (the
-    one under way finishes); `cut` names the trials that did not start. Decided on the main process (it times)."""
+    one under way finishes); `cut` names the trials that did not start. Decided on the main process (it times).
+    "auto": `AUTO_TRIAL_SHARE` of the seconds the other phases have taken so far, at least `AUTO_TRIAL_FLOOR_S`."""
 
-    def __init__(self, seconds: float | None, phases: "PhaseTimes"):
-        self.seconds, self.phases, self.cut = seconds, phases, []
+    def __init__(self, budget: float | str | None, phases: "PhaseTimes"):
+        self.budget, self.phases, self.cut = budget, phases, []
+
+    @property
+    def seconds(self) -> float | None:
+        if self.budget != "auto":
+            return self.budget
+        others = sum(self.phases.elapsed(name) for name in self.phases.NAMES if name != "timing trials")
+        return max(AUTO_TRIAL_FLOOR_S, AUTO_TRIAL_SHARE * others)
 
     def spent(self) -> bool:
-        return self.seconds is not None and self.phases.elapsed("timing trials") >= self.seconds
+        seconds = self.seconds
+        return seconds is not None and self.phases.elapsed("timing trials") >= seconds
 
     def allows(self, trial: str) -> bool:
         """False (and `trial` recorded as cut) once the budget is spent."""

@@ -53,7 +53,8 @@ def cmd_calibrate(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = calibrate(base, tokenizer, dataset=args.dataset, config=config, dataset_config=args.dataset_config,
                            split=args.split, text_column=args.text_column, num_samples=args.num_samples,
-                           max_length=args.max_length, batch_size=args.batch_size, timing_budget_s=args.timing_budget_s)
+                           max_length=args.max_length, batch_size=args.batch_size, timing_budget_s=args.timing_budget_s,
+                           compiled_trials=args.compiled_trials)
     if not Processes.current(base.device).is_main:  # under `accelerate launch`: the main process writes
         return
     model.save_pretrained(args.out)
@@ -178,6 +179,13 @@ def _number(high: float, low: float | None = None, low_included: bool = False):
     return parse
 
 
+def _budget(text: str) -> float | str | None:
+    """argparse type for --timing-budget-s: 'auto', 'none' (no cap) or seconds in [0, 86400]."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    return _number(86400.0, low=0.0, low_included=True)(text)
+
+
 def _dtype(text: str) -> str:
     """argparse type: 'auto' or the name of a torch floating-point dtype."""
     if text != "auto" and not (isinstance(getattr(torch, text, None), torch.dtype) and getattr(torch, text).is_floating_point):
@@ -206,9 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-agreement", type=_number(1.0, low=0.0), default=0.99)
     p.add_argument("--label", choices=["top1", "cosine"], default="top1")
     p.add_argument("--dtype", type=_dtype, default="auto", help="auto, or a torch dtype: float32, bfloat16, float16")
-    p.add_argument("--timing-budget-s", type=_number(86400.0, low=0.0, low_included=True), metavar="SECONDS",
+    p.add_argument("--timing-budget-s", type=_budget, default="auto", metavar="SECONDS",
                    help="cap the timing trials (exit mode, drafting schemes by estimate, the compiled default): a "
-                        "trial starts only while they have taken less; the card lists those cut (default: no cap)")
+                        "trial starts only while they have taken less; the card lists those cut (default: auto, a "
+                        "third of the other phases' time, at least 30 s; 'none': no cap)")
+    p.add_argument("--compiled-trials", action="store_true",
+                   help="also time the kept mode compiled (torch.compile) against the base model's compiled decode")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("generate", help="generate text with early exit (or losslessly)")
