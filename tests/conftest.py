@@ -22,6 +22,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """After each test, dynamo forgets what it compiled (`torch._dynamo.reset()`): a test's graphs, guards and
+    recompile counts do not weigh on the next test's compiles (guards of earlier tests' models on shared code such
+    as a transformers model's forward made later compile tests slower), and every test compiles as
+    it would in a fresh process."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    yield
+    if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:  # the test compiled something
+        torch._dynamo.reset()
+
+
+@pytest.fixture
+def eager_compiled_baseline(monkeypatch):
+    """`tide bench`'s compiled baseline (the base model's compiled static-cache decode) captured by dynamo as one
+    graph, without inductor's code generation (the eager backend): for tests that run the bench or the demo and read
+    nothing of inductor's code; inductor itself is tested in tests/test_compile.py."""
+    import tide.tools.bench
+
+    compiled = tide.tools.bench.compiled_static_decoder
+
+    def eager_backend(*args, **kwargs):
+        kwargs.setdefault("compile_options", dict(fullgraph=True, dynamic=False, backend="eager"))
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(tide.tools.bench, "compiled_static_decoder", eager_backend)
+
+
 # ---------------------------------------------------------------------- fixed timings (tests/fixed_timing.py)
 @pytest.fixture(scope="session", autouse=True)
 def _fixed_timing():

@@ -51,14 +51,20 @@ def test_later_calls_replay_without_recompiling():
 
 
 def test_inductor_lossless_and_exit_equal_the_base_model():
-    """The default backend (inductor, CPU code generation) on a tiny model: lossless = base, no exits = base."""
-    model, base = noisy_tide("llama")
+    """The default backend (inductor, CPU code generation) on a tiny model: lossless = base, no exits = base.
+
+    The one test here that generates code (the others capture graphs with the eager backend): a 2-layer model with a
+    checkpoint after its first layer has every kind of graph (a draft step, a greedy chain, a verification, exit
+    mode's runs of layers), and inductor's time goes by the kernels it compiles, not by the layers."""
+    model, base = noisy_tide("llama", model_overrides=dict(num_hidden_layers=2), checkpoint_interval=1)
     ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=16)
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=16,
                                       tide_config={"mode": "lossless", "max_draft": 2, "compile": True}), ref)
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=16,
                                       tide_config={"exit_threshold": 1.0, "compile": True}), ref)
+    (runner,) = model.span_runners.values()  # compiled: draft steps, a chain, verification and exit mode's spans
+    assert {"then", "chain"} <= {key[2] for key in runner._compiled if len(key) > 2}, list(runner._compiled)
 
 
 def test_compile_needs_a_static_cache():

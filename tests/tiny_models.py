@@ -48,12 +48,14 @@ def tiny_model(model_type: str, seed: int = 0, attention: str = "eager", **overr
     return model.eval()
 
 
-def noisy_tide(model_type: str = "llama", heads: tuple = ("translator",), attention: str = "eager", **config):
-    """(Tide model, its base): a checkpoint after every second layer, and the routers' `heads` (exit heads
-    "translator", draft heads "draft") perturbed so that they are right only sometimes: lossless drafts get
-    accepted and rejected. `attention`: the base model's attention implementation."""
-    base = tiny_model(model_type, attention=attention)
-    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2, **config))
+def noisy_tide(model_type: str = "llama", heads: tuple = ("translator",), attention: str = "eager",
+               model_overrides: dict | None = None, **config):
+    """(Tide model, its base): a checkpoint after every second layer (`checkpoint_interval` in `config` sets
+    another), and the routers' `heads` (exit heads "translator", draft heads "draft") perturbed so that they are
+    right only sometimes: lossless drafts get accepted and rejected. `attention`: the base model's attention
+    implementation; `model_overrides`: the base model's config fields that differ from TINY_CONFIGS'."""
+    base = tiny_model(model_type, attention=attention, **(model_overrides or {}))
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(**{"checkpoint_interval": 2, **config}))
     torch.manual_seed(1)
     with torch.no_grad():
         for k in model.checkpoints:
