@@ -60,7 +60,7 @@ def test_generate_streams(router_dir, capsys):
     assert "Hello" in capsys.readouterr().out
 
 
-def test_bench_writes_json_and_plot(router_dir, text_file, tmp_path):
+def test_bench_writes_json_and_plot(router_dir, text_file, tmp_path, eager_compiled_baseline):
     args = ["bench", str(router_dir), "--heldout", str(text_file), "--heldout-texts", "3", "--new-tokens", "4",
             "--repeats", "1", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
     assert main(args) == 0
@@ -94,27 +94,21 @@ def test_errors_are_one_line_with_what_to_do(tmp_path, capsys):
     assert err.startswith("tide generate: error:")
 
 
-def test_demo_runs_end_to_end(tmp_path, capsys, monkeypatch):
+def test_demo_runs_end_to_end(tmp_path, capsys, monkeypatch, eager_compiled_baseline):
     """The README's demo command: the shipped model, calibrated, saved, reloaded, generating, measured.
 
     Made cheaper than `tide demo --quick` where the test reads nothing of it: calibration trains its exit and draft
     heads for 15 steps, not 60 (training them was most of the test's time), and the compiled baseline of the speed
     section is captured by dynamo as one graph without inductor's code generation (the eager backend, as
-    tests/test_compile.py does; inductor is tested there)."""
-    import tide.tools.bench
+    tests/test_compile.py does; inductor is tested there: the `eager_compiled_baseline` fixture)."""
     import tide.tools.demo
 
-    calibrate, compiled = tide.tools.demo.calibrate, tide.tools.bench.compiled_static_decoder
+    calibrate = tide.tools.demo.calibrate
 
     def fewer_head_steps(*args, **kwargs):
         return calibrate(*args, **{**kwargs, "head_steps": min(kwargs.get("head_steps", 15), 15)})
 
-    def eager_backend(*args, **kwargs):
-        kwargs.setdefault("compile_options", dict(fullgraph=True, dynamic=False, backend="eager"))
-        return compiled(*args, **kwargs)
-
     monkeypatch.setattr(tide.tools.demo, "calibrate", fewer_head_steps)
-    monkeypatch.setattr(tide.tools.bench, "compiled_static_decoder", eager_backend)
     assert main(["demo", "--quick", "--out", str(tmp_path / "routers")]) == 0
     out = capsys.readouterr().out
     for section in ("1. The shipped model", "2. Calibrate", "3. Save", "mode='exit'", "mode='lossless'", "5. Speed"):
