@@ -4,6 +4,7 @@ calibration's timing trials replaced by the suite's fixed values (tests/fixed_ti
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ SCRIPTS = {
     "pipeline/pipeline_example.py": "TideForCausalLM",
     "push_router_repo/push_router_repo.py": "reloaded routers identical: True",
     "import_tide/import_tide.py": "recalibrated thresholds",
+    "custom_generate_repo/time_custom_generate.py": "tokens identical to the wrapped model: True",
 }
 
 
@@ -31,13 +33,30 @@ def test_each_example_is_one_script_and_a_readme():
         assert [p.name for p in folder.glob("*.py")] == [Path(script).name], folder
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_example_runs_in_tiny_mode(script, tmp_path):
+def _run(script: str, cwd: Path) -> subprocess.CompletedProcess:
     # One thread: the tiny models are too small to gain from more, and spare cores keep other work fast.
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, str(FIXED_TIMING), str(EXAMPLES / script), "--tiny"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(FIXED_TIMING), str(EXAMPLES / script), "--tiny"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def example_runs(request, tmp_path_factory):
+    """{script: its finished process}: the scripts this session's tests ask for, each in a fresh process and a temp
+    dir of its own, as many at a time as this process has cores (each runs on one thread; most of a run is starting
+    Python and importing torch and transformers)."""
+    asked = (getattr(item, "callspec", None) for item in request.session.items if item.module is request.module)
+    scripts = sorted({spec.params["script"] for spec in asked if spec is not None and "script" in spec.params})
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=max(1, min(cores, len(scripts)))) as pool:
+        runs = {s: pool.submit(_run, s, tmp_path_factory.mktemp("example")) for s in scripts}
+        return {s: run.result() for s, run in runs.items()}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_example_runs_in_tiny_mode(script, example_runs):
+    out = example_runs[script]
     assert out.returncode == 0, f"{script} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
     assert SCRIPTS[script] in out.stdout, out.stdout[-3000:]
     if script == "any_model_family/any_model_family.py":
