@@ -2,6 +2,9 @@
 and the pipeline, on local folders (offline), against the wrapped model."""
 
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -112,6 +115,38 @@ def test_a_base_the_routers_do_not_fit_gets_from_pretrained_s_error(tmp_path, ot
     with pytest.raises(ValueError) as got:
         _run(base, repo)
     assert str(got.value) == str(expected.value) and not _held(base)
+
+
+def test_a_hub_repo_id_from_the_offline_cache(tmp_path):
+    """`custom_generate="user/name"` resolved from a local Hugging Face cache with HF_HUB_OFFLINE=1 (set before
+    import, hence a fresh process, which never imports tide itself): the output is the base model's own (lossless),
+    the routers loaded once."""
+    cache = tmp_path / "hub"
+    model, base = noisy_tide("llama", mode="lossless")
+    model.config.base_model_name_or_path = "tide-test/tiny-llama"
+    repos = (("tide-test/tiny-llama", base.save_pretrained), ("tide-test/tiny-llama-tide", model.save_pretrained))
+    for repo, save in repos:
+        snap = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / ("a" * 40)
+        snap.mkdir(parents=True)
+        (snap.parent.parent / "refs").mkdir()
+        (snap.parent.parent / "refs" / "main").write_text("a" * 40)
+        save(snap)
+    script = textwrap.dedent("""
+        import torch
+        from transformers import AutoModelForCausalLM
+        base = AutoModelForCausalLM.from_pretrained("tide-test/tiny-llama")
+        ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+        plain = base.generate(ids, max_new_tokens=20, do_sample=False)
+        for _ in range(2):
+            out = base.generate(ids, max_new_tokens=20, do_sample=False, custom_generate="tide-test/tiny-llama-tide",
+                                trust_remote_code=True, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, plain) and out["tide_stats"].drafted > 0
+        assert list(base._tide_router_repos) == [("tide-test/tiny-llama-tide", None)]
+        print("OK")
+    """)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_MODULES_CACHE=str(tmp_path / "modules"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
 def test_the_repo_files_and_model_card(tmp_path):
