@@ -79,3 +79,38 @@ def test_the_decode_check_jumps_to_the_budget_its_errors_point_at():
     assert next_budget(smaller, budget, 16, 4) > budget / 2 / 1.25  # and no further
     assert next_budget(smaller, budget, 10**6, allowed) == smaller[0]  # never below the smallest budget
     assert next_budget(smaller, budget, 5, -1) == smaller[0]
+
+
+def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypatch):
+    """A model whose exits never reach the target through the decode step: the check decodes at most
+    MAX_VALIDATION_ROUNDS times (each round decodes every validation token again), then selects no exits."""
+    from types import SimpleNamespace
+
+    from tide.calibration import run
+    from tide.calibration.distributed import Processes
+    from tide.calibration.thresholds import EXIT_ERROR_BUDGETS
+
+    decoded, asked = [], []
+
+    class Held:
+        confidence = 0.95
+
+        def thresholds(self, selection, checkpoints):
+            return {"1": 0.5 if selection.exit_error_budget else 1.0}
+
+        def select(self, target, max_budget=1.0):
+            asked.append(max_budget)
+            fitting = [b for b in EXIT_ERROR_BUDGETS if b <= max_budget]
+            return SimpleNamespace(exit_error_budget=fitting[-1] if fitting else 0.0), {}
+
+    def teacher_forced(model, token_lists, config):
+        decoded.append(config.thresholds)
+        return SimpleNamespace(agreement=0.5, tokens=1000, mean_layers=1.0)
+
+    monkeypatch.setattr(run, "teacher_forced", teacher_forced)
+    model = SimpleNamespace(heldout_selection=Held(), checkpoints=[1], config=SimpleNamespace(
+        resolve_generation=lambda options: SimpleNamespace(thresholds=options["thresholds"])))
+    start = SimpleNamespace(exit_error_budget=EXIT_ERROR_BUDGETS[-1])
+    selection, _, result = run._validate(model, [[1, 2, 3]], start, {}, 0.99, Processes())
+    assert len(decoded) == run.MAX_VALIDATION_ROUNDS and asked[-1] == 0.0
+    assert selection.exit_error_budget == 0.0 and result["agreement"] == 0.5
