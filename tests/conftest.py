@@ -22,18 +22,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """After each test, dynamo forgets what it compiled (`torch._dynamo.reset()`): a test's graphs, guards and
-    recompile counts do not weigh on the next test's compiles (guards of earlier tests' models on shared code such
-    as a transformers model's forward made later compile tests slower), and every test compiles as
-    it would in a fresh process."""
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    yield
-    if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:  # the test compiled something
-        torch._dynamo.reset()
-
-
 @pytest.fixture
 def eager_compiled_baseline(monkeypatch):
     """`tide bench`'s compiled baseline (the base model's compiled static-cache decode) captured by dynamo as one
