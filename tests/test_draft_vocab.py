@@ -179,12 +179,12 @@ def test_estimates_price_a_restricted_draft_by_its_share_of_the_head():
 
 def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tmp_path):
     """Calibration ranks the full model's predictions, scores restricted drafts on held-out text, and keeps
-    the vocabulary (cut to the chosen size) only when the chosen scheme uses one."""
+    the ranked vocabulary whole (the largest size scored), with the chosen scheme's size as the default."""
     calibration = __import__("tide.calibration.run", fromlist=["choose_draft"])
     monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
     seen = {}
 
-    def choose(tide_model, tokenizer, texts, candidates):
+    def choose(tide_model, tokenizer, texts, candidates, **options):
         seen["candidates"] = candidates
         pick = candidates[0]._replace(draft_vocab_size=16)  # as if calibration had timed this one fastest
         return {"trials": [{**pick._asdict(), "measured": 1.5}], "chosen": {**pick._asdict(), "measured": 1.5}}
@@ -200,13 +200,15 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
     assert sorted(scored[0]) == [16, 32]  # both sizes were scored on held-out text
     shapes = [(c.draft_layer, c.max_draft, c.draft_topk) for c in seen["candidates"]]
     assert len(shapes) == len(set(shapes)) > 1  # trials differ in more than the vocabulary
-    assert model.draft_vocabulary.numel() == 16 and model.config.generation["draft_vocab_size"] == 16
+    assert model.draft_vocabulary.numel() == 32 and model.config.generation["draft_vocab_size"] == 16
     ids = prompt_ids()
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=10),
                        model.base.generate(ids, do_sample=False, max_new_tokens=10))
     assert model.last_stats.draft_vocab_size == 16
     model.save_pretrained(tmp_path)
-    assert load_file(tmp_path / "routers.safetensors")["draft_vocabulary"].numel() == 16
+    assert load_file(tmp_path / "routers.safetensors")["draft_vocabulary"].numel() == 32
+    wider = model.generate(ids, do_sample=False, max_new_tokens=10, tide_config={"draft_vocab_size": 32})
+    assert torch.equal(wider, model.base.generate(ids, do_sample=False, max_new_tokens=10))
     assert "over the 16 most predicted tokens" in (tmp_path / "README.md").read_text()
 
 
@@ -232,7 +234,7 @@ def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
     selection = model.config.calibration["draft_selection"]
     assert "unavailable" not in selection and {n for n, _ in ran} >= {0, 16, 32}
     chosen = selection["chosen"]["draft_vocab_size"]
-    assert chosen in (16, 32) and model.draft_vocabulary.numel() == chosen
+    assert chosen in (16, 32) and model.draft_vocabulary.numel() == 32
     ids = prompt_ids()
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=10),
                        model.base.generate(ids, do_sample=False, max_new_tokens=10))

@@ -185,7 +185,8 @@ def bench_rows(base, model, prompts, tokens: int, configs: dict, repeats: int = 
                 same[name] += int(torch.equal(out, ref))
     per_prompt = {name: [statistics.median(t[i * repeats:(i + 1) * repeats]) for i in range(len(prompts))]
                   for name, t in times.items()}
-    cycles = {name: accepted_per_cycle(rows[name], prompts, model) for name in rows if name.startswith("tide")}
+    cycles = {name: accepted_per_cycle(rows[name], prompts, model) for name in rows
+              if name not in ("generate", "static+compile") and name not in (extra_rows or {})}
     result = {"tokens": n, "prompts": len(prompts), "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
               "threads": torch.get_num_threads(), "rows": {}}
     print(f"{len(prompts)} prompts x {n} tokens, median of {repeats}; first compiled calls (s): "

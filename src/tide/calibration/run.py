@@ -315,7 +315,9 @@ class _Run:
         exit_speed = exit_timing.measured if exit_timing and exit_timing.active else 1.0
         lossless_wins = chosen is not None and chosen.measured > exit_speed
         vocab = (chosen.draft_vocab_size or 0) if chosen else 0
-        tide.draft_vocabulary = self.ranked[:vocab].clone() if vocab else None  # kept: what the chosen drafts read
+        # kept whole (the largest candidate size, a few KB): the chosen drafts read its first `vocab` ids, and a
+        # call may ask for another `draft_vocab_size`
+        tide.draft_vocabulary = self.ranked
         self.cfg.set_generation_defaults(draft_layer=chosen.draft_layer if chosen else None,
                                          max_draft=chosen.max_draft if chosen else 0,
                                          draft_topk=chosen.draft_topk if chosen else 1,
