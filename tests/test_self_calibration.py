@@ -85,8 +85,8 @@ def test_the_candidate_kl_is_the_kl_over_the_candidates_with_duplicates_masked()
 
 
 def test_large_vocabularies_train_their_heads_on_candidates():
-    """A vocabulary of 8 x (32 + 2048) tokens and more takes the candidate loss at every head step, and calibration
-    runs through with it."""
+    """A vocabulary of 8 x (32 + 2048) tokens and more takes the candidate loss at every head step, 1,000 steps by
+    default (each costs far less than a step over the whole vocabulary), and calibration runs through with it."""
     assert not headloss.uses_candidates(16000, True) and headloss.uses_candidates(16640, True)
     assert not headloss.uses_candidates(16640, False)  # an offloaded head: the whole vocabulary
     torch.manual_seed(0)
@@ -108,3 +108,6 @@ def test_large_vocabularies_train_their_heads_on_candidates():
     finally:
         run._Trainer._head_step = original
     assert seen == [True] * 3
+    default = run._Trainer(tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2)),
+                           run.CalibrationOptions(), num_batches=4)
+    assert default.candidates and default.head_steps_left == run.HEAD_STEPS[True] == 1000
