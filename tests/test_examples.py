@@ -61,3 +61,16 @@ def test_example_runs_in_tiny_mode(script, example_runs):
     assert SCRIPTS[script] in out.stdout, out.stdout[-3000:]
     if script == "any_model_family/any_model_family.py":
         assert "DIFFERS" not in out.stdout
+
+
+def test_the_real_model_bench_keeps_its_held_out_questions_apart(monkeypatch):
+    """The real-model bench's chat questions: at least 60, split into calibration and held-out sets that share
+    no question; its model cache folder follows $TIDE_CACHE."""
+    monkeypatch.syspath_prepend(str(EXAMPLES / "bench_real"))
+    import realmodel
+
+    calibration, held = realmodel.questions()
+    assert len(calibration) + len(held) >= 60 and len(held) >= 20
+    assert not set(calibration) & set(held) and len(set(calibration)) == len(calibration)
+    monkeypatch.setenv("TIDE_CACHE", "/somewhere")
+    assert str(realmodel.cache_dir()) == "/somewhere/smollm2-135m-instruct"
