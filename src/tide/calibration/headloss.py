@@ -18,14 +18,14 @@ import torch.nn.functional as F
 __all__ = ["TEACHER_TOP", "NEGATIVES", "uses_candidates", "draw_negatives", "Candidates", "head_kl"]
 
 TEACHER_TOP = 32  # the full model's best tokens per row, kept from the capture
-NEGATIVES = 2048  # tokens shared by a minibatch's rows, drawn afresh each step
+NEGATIVES = 256  # tokens shared by a minibatch's rows, drawn afresh each step
 _MASKED = -1e4  # a duplicate candidate's logit: no probability, and no NaN in the KL
 
 
 def uses_candidates(vocab_size: int, readable: bool) -> bool:
-    """The candidate loss where the head's rows can be read alone and the vocabulary is at least 8 times the
+    """The candidate loss where the head's rows can be read alone and the vocabulary is at least 16 times the
     candidates; the whole vocabulary otherwise (small vocabularies cost little)."""
-    return readable and vocab_size >= 8 * (TEACHER_TOP + NEGATIVES)
+    return readable and vocab_size >= 16 * (TEACHER_TOP + NEGATIVES)
 
 
 def draw_negatives(predicted: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
