@@ -29,8 +29,10 @@ import realmodel  # noqa: E402
 TARGET = 0.9  # exit mode's calibrated agreement target
 
 
-def calibrate(data: str, out: str, num_samples: int = 512, threads: int | None = None, **options) -> dict:
-    """Calibrate on `data` ("self", "corpus" or "mixed"), save the router repo to `out`; the calibration record."""
+def calibrate(data: str, out: str, num_samples: int = 512, threads: int | None = None, config: dict | None = None,
+              **options) -> dict:
+    """Calibrate on `data` ("self", "corpus" or "mixed"), save the router repo to `out`; the calibration record.
+    `config`: TideConfig fields beside the target; `options`: calibrate's options."""
     import tide
 
     if threads:
@@ -42,7 +44,7 @@ def calibrate(data: str, out: str, num_samples: int = 512, threads: int | None =
     prompts = questions if data in ("self", "mixed") else None
     start = time.perf_counter()
     model = tide.calibrate(base, tok, dataset=dataset, prompts=prompts, num_samples=num_samples,
-                           config=tide.TideConfig(target_agreement=TARGET), **options)
+                           config=tide.TideConfig(target_agreement=TARGET, **(config or {})), **options)
     seconds = time.perf_counter() - start
     model.save_pretrained(out)
     record = model.config.calibration
@@ -50,6 +52,37 @@ def calibrate(data: str, out: str, num_samples: int = 512, threads: int | None =
     print("defaults:", model.config.generation)
     return {"data": data, "seconds": round(seconds, 1), "phase_seconds": record["phase_seconds"],
             "generation": model.config.generation, "draft_selection": record.get("draft_selection")}
+
+
+@torch.no_grad()
+def acceptance(routers: str, workload: str, threads: int = 1) -> dict:
+    """How often each checkpoint's exit head and draft head (top-1, and top-3 for drafts) agree with the full model
+    on held-out text: the model's greedy answers to 8 held-out questions (chat), or 16 held-out paragraphs,
+    teacher-forced (prose). {layer: {"exit": ..., "draft": ..., "draft_top3": ...}}."""
+    import tide
+    from tide.calibration.run import _capture
+    from tide.calibration.selftext import SelfText, generated_texts, prompt_texts
+
+    torch.set_num_threads(threads)
+    base, tok = realmodel.load()
+    model = tide.TideForCausalLM.from_pretrained(routers, base_model=base)
+    if workload == "chat":
+        texts = generated_texts(base, tok, prompt_texts(tok, realmodel.questions()[1][:8]), SelfText(64, samples=0))
+    else:
+        texts = realmodel.prose()[1][:16]
+    tok.pad_token = tok.pad_token or tok.eos_token
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False, truncation=True, max_length=192)
+    cap = _capture(model, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask})
+    out = {}
+    for layer, states in cap.states.items():
+        exit_top1 = model.exit_logits(layer, states).argmax(-1)
+        draft = model.draft_logits(layer, states, cap.context)[0].topk(3, -1).indices
+        out[layer] = {"exit": float((exit_top1 == cap.full_top1).float().mean()),
+                      "draft": float((draft[:, 0] == cap.full_top1).float().mean()),
+                      "draft_top3": float((draft == cap.full_top1[:, None]).any(-1).float().mean())}
+        print(f"{workload} layer {layer:2d}: exit top-1 {out[layer]['exit']:.3f}  draft top-1 {out[layer]['draft']:.3f}"
+              f"  draft top-3 {out[layer]['draft_top3']:.3f}")
+    return out
 
 
 def prompts_for(workload: str, tok, count: int) -> list[torch.Tensor]:
@@ -104,6 +137,16 @@ def main(argv=None):
     cal.add_argument("--out", required=True)
     cal.add_argument("--num-samples", type=int, default=512)
     cal.add_argument("--threads", type=int)
+    cal.add_argument("--checkpoint-layers", type=int, nargs="+")
+    cal.add_argument("--head-steps", type=int)
+    cal.add_argument("--minibatch", type=int, default=256)
+    cal.add_argument("--negatives", type=int, help="the candidate loss's shared negatives (tide.calibration.headloss)")
+    cal.add_argument("--whole-vocabulary", action="store_true", help="train the heads over the whole vocabulary")
+    cal.add_argument("--heads-only", action="store_true", help="train and score the heads only: no costs, no check "
+                     "through the decode step, no timing trials")
+    acc = sub.add_parser("accept", help="exit and draft heads' agreement with the full model on held-out text")
+    acc.add_argument("--routers", required=True)
+    acc.add_argument("--workload", choices=["chat", "prose"], default="chat")
     ben = sub.add_parser("bench", help="time the rows of one workload")
     ben.add_argument("--routers", required=True)
     ben.add_argument("--workload", choices=["chat", "prose"], default="chat")
@@ -120,7 +163,19 @@ def main(argv=None):
     every.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     if args.command == "calibrate":
-        calibrate(args.data, args.out, args.num_samples, args.threads)
+        from tide.calibration import headloss, run
+
+        if args.negatives:
+            headloss.NEGATIVES = args.negatives
+        if args.whole_vocabulary:
+            run.uses_candidates = lambda vocab_size, readable: False
+        options = dict(head_steps=args.head_steps, minibatch=args.minibatch)
+        if args.heads_only:
+            options.update(measure_costs=False, validation_tokens=0, draft_trials=0)
+        config = {"checkpoint_layers": args.checkpoint_layers} if args.checkpoint_layers else {}
+        calibrate(args.data, args.out, args.num_samples, args.threads, config, **options)
+    elif args.command == "accept":
+        acceptance(args.routers, args.workload)
     elif args.command == "bench":
         schemes = {name: json.loads(config) for name, config in (c.split("=", 1) for c in args.config)}
         result = bench(args.routers, args.workload, args.prompts, args.tokens, args.repeats, args.threads, schemes,
