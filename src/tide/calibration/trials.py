@@ -188,8 +188,8 @@ def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None, ngr
     n-gram branches go `ngram_depth` deep, default `NGRAM_DEPTH`); a kept tree with n-gram branches was timed with
     them already. Where no scheme is kept, n-gram drafts alone are timed (`NGRAM_ONLY`); where they do not pay
     either, nothing is chosen and lossless mode runs the base model. `spent` (calibration's `timing_budget_s`):
-    once it returns True no timing starts; the schemes not timed are listed in "cut" (a scheme timed once but not
-    again is not kept).
+    once it returns True no new scheme is timed (those are listed in "cut"), but the fastest scheme timed once still
+    gets its second timing, which keeping it needs (a scheme faster in one timing is worth the confirmation).
 
     `procs` (processes that each have a device of their own): the schemes are dealt out, each process timing its
     share against the base model on its own device, in rounds of one scheme per process; every process returns the
@@ -212,7 +212,7 @@ def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None, ngr
             trials.append({**_scheme_dict(scheme), "measured": ratio})
     ranked = [t for t in sorted(trials, key=lambda t: -t["measured"]) if t["measured"] >= KEEP_SPEEDUP]
     for start in range(0, len(ranked), procs.world):  # the fastest first; the next ones if it is not kept
-        if spent is not None and spent():
+        if start and spent is not None and spent():  # the fastest always gets its second timing
             break
         round_ = ranked[start: start + procs.world]
         timings = procs.deal(round_, lambda trial: kept(tide, prompts, lossless_config(trial), first=trial["measured"]))
