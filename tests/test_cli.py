@@ -204,3 +204,24 @@ def test_generate_stream_hides_special_tokens_like_the_plain_output(tmp_path, ca
         outputs.append(capsys.readouterr().out)
     for out in outputs:
         assert "Hello" in out and tokenizer.eos_token not in out, out
+
+
+def test_calibrate_from_a_prompts_file(base_dir, tmp_path, capsys, monkeypatch):
+    """--prompts FILE: one prompt a line (blank and '#' lines skipped) reach calibrate as prompts=; neither
+    --dataset nor --prompts, or a file with one prompt, is a one-line error before anything loads."""
+    seen = {}
+
+    def fake_calibrate(base, tokenizer, dataset=None, prompts=None, **kwargs):
+        seen.update(dataset=dataset, prompts=prompts)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(tide.tools.cli, "calibrate", fake_calibrate)
+    (tmp_path / "p.txt").write_text("# questions\nWhat is a cat?\n\nWhy is the sky blue?\n")
+    assert main(["calibrate", str(base_dir), "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert seen == {"dataset": None, "prompts": ["What is a cat?", "Why is the sky blue?"]}
+    capsys.readouterr()
+    assert main(["calibrate", str(base_dir), "--out", str(tmp_path / "o")]) == 2
+    assert "--prompts" in _one_error_line(capsys.readouterr().err, "calibrate")
+    (tmp_path / "one.txt").write_text("Only one\n")
+    assert main(["calibrate", str(base_dir), "--prompts", str(tmp_path / "one.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "at least 2" in _one_error_line(capsys.readouterr().err, "calibrate")

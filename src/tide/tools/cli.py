@@ -40,9 +40,26 @@ def _load(name_or_path: str, dtype: str = "auto"):
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype), AutoTokenizer.from_pretrained(name_or_path)
 
 
+def _prompt_lines(path: str) -> list[str]:
+    """The prompts of a text file: one a line, blank lines and lines starting with '#' skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read the prompts file {path}: {error}") from error
+    prompts = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    if len(prompts) < 2:
+        raise ValueError(f"{path} holds {len(prompts)} prompt(s); at least 2 are needed (one held out), one a line.")
+    return prompts
+
+
 def cmd_calibrate(args) -> None:
     check_save_directory(Path(args.out))  # before calibrating: --out must not hold another model
-    check_local_dataset(args.dataset)
+    if args.dataset is None and args.prompts is None:
+        raise ValueError("pass --dataset (text to read) and/or --prompts (a file of prompts, one a line, for the "
+                         "model to answer).")
+    if args.dataset is not None:
+        check_local_dataset(args.dataset)
+    prompts = _prompt_lines(args.prompts) if args.prompts else None
     config = TideConfig(
         checkpoint_layers=args.checkpoint_layers,
         checkpoint_interval=args.checkpoint_interval,
@@ -51,7 +68,7 @@ def cmd_calibrate(args) -> None:
     )
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = calibrate(base, tokenizer, dataset=args.dataset, config=config, dataset_config=args.dataset_config,
+    model = calibrate(base, tokenizer, dataset=args.dataset, prompts=prompts, config=config, dataset_config=args.dataset_config,
                            split=args.split, text_column=args.text_column, num_samples=args.num_samples,
                            max_length=args.max_length, batch_size=args.batch_size, timing_budget_s=args.timing_budget_s,
                            compiled_trials=args.compiled_trials)
@@ -200,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="train routers and calibrate thresholds; write a router repo")
     p.add_argument("model", help="base model: Hub id or local directory")
-    p.add_argument("--dataset", required=True, help="Hub dataset name, local .txt/.jsonl/.csv file or directory")
+    p.add_argument("--dataset", help="Hub dataset name, local .txt/.jsonl/.csv file or directory")
+    p.add_argument("--prompts", metavar="FILE", help="a text file of prompts, one a line: the model's own answers "
+                   "(through its chat template where it has one) become calibration text, alone or beside --dataset")
     p.add_argument("--dataset-config", help="dataset configuration name (e.g. wikitext-2-raw-v1)")
     p.add_argument("--split", default="train")
     p.add_argument("--text-column")
