@@ -155,6 +155,11 @@ def calibrate(
     return tide
 
 
+def _held_count(n: int, fraction: float) -> int:
+    """How many of n (>= 2) texts or prompts are held out: `fraction` of them, at least one, and one left to train."""
+    return min(n - 1, max(1, round(n * fraction)))
+
+
 def _data_name(dataset, prompts) -> str:
     """The calibration data in words, for the record and the model card."""
     name = None if dataset is None else dataset if isinstance(dataset, str) else f"<{type(dataset).__name__}>"
@@ -193,13 +198,15 @@ class _Run:
         """Read, shuffle and split the texts (the dataset's, then the model's answers to the prompts, split by
         prompt); each process keeps its shard of the training and held-out ones."""
         opts, procs = self.opts, self.procs
-        with self.phases("data"):
-            texts = load_texts(dataset, **load) if dataset is not None else []
-        random.Random(opts.seed).shuffle(texts)
-        texts = take_samples(texts, opts.num_samples) if dataset is not None else texts
-        if len(texts) == 1 or (len(texts) < 2 and not prompts):
-            raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
-        n_held = min(len(texts) - 1, max(1, round(len(texts) * opts.heldout_fraction))) if texts else 0
+        texts = []
+        if dataset is not None:
+            with self.phases("data"):
+                texts = load_texts(dataset, **load)
+            random.Random(opts.seed).shuffle(texts)
+            texts = take_samples(texts, opts.num_samples)
+            if len(texts) < 2:
+                raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
+        n_held = _held_count(len(texts), opts.heldout_fraction) if texts else 0
         train_texts, held_texts = texts[n_held:], texts[:n_held]
         self.timing_texts = None  # what the timing trials decode from: the held-out texts' openings, or prompts
         if prompts:
@@ -221,8 +228,8 @@ class _Run:
         random.Random(opts.seed).shuffle(prompts)
         if len(prompts) < 2:
             raise ValueError(f"Calibration from prompts needs at least 2 prompts (one held out); got {len(prompts)}.")
-        n_held = min(len(prompts) - 1, max(1, round(len(prompts) * opts.heldout_fraction)))
-        how = SelfText(opts.prompt_new_tokens, opts.prompt_samples, chat=opts.prompt_chat)
+        n_held = _held_count(len(prompts), opts.heldout_fraction)
+        how = SelfText(opts.prompt_new_tokens, opts.prompt_samples)
         with self.phases("generation"):
             train = generated_texts(self.tide.base, self.tokenizer, prompts[n_held:], how, seed=opts.seed)
             held = generated_texts(self.tide.base, self.tokenizer, prompts[:n_held], how, seed=opts.seed + 1)

@@ -16,17 +16,17 @@ __all__ = ["SelfText", "prompt_texts", "generated_texts"]
 
 class SelfText:
     """How calibration continues its prompts: `new_tokens` tokens each, greedily and `samples` times sampled
-    (at `temperature`, top-p `top_p`), `batch_size` sequences a `generate` call; `chat`: through the tokenizer's
-    chat template (None: where it has one)."""
+    (at `temperature`, top-p `top_p`), `batch_size` sequences a `generate` call. (Whether strings go through the
+    chat template is `prompt_texts`' choice, made before.)"""
 
     def __init__(self, new_tokens: int = 128, samples: int = 2, temperature: float = 0.8, top_p: float = 0.95,
-                 batch_size: int = 16, chat: bool | None = None):
+                 batch_size: int = 16):
         if not isinstance(new_tokens, int) or new_tokens < 1:
             raise ValueError(f"calibrate: prompt_new_tokens must be a positive integer, got {new_tokens!r}.")
         if not isinstance(samples, int) or samples < 0:
             raise ValueError(f"calibrate: prompt_samples must be an integer >= 0, got {samples!r}.")
         self.new_tokens, self.samples, self.temperature, self.top_p = new_tokens, samples, temperature, top_p
-        self.batch_size, self.chat = batch_size, chat
+        self.batch_size = batch_size
 
 
 def prompt_texts(tokenizer, prompts, chat: bool | None = None) -> list[str]:
