@@ -12,8 +12,8 @@ and made its outcome depend on the machine's load. The suite replaces both with 
 
 Everything else in calibration runs for real (training, held-out scoring, threshold selection, pruning by
 the costs, the check through the decode step, the order of the trials). Tests that set their own timings
-(monkeypatching `tide.calibration.trials.measured_speedup` or `timed`) still do, on top of these. A test that needs the real
-measurements is marked `@pytest.mark.real_timing`.
+(monkeypatching `tide.calibration.trials.measured_speedup` or `timed`) still do, on top of these. A test that needs
+the real measurements is marked `@pytest.mark.real_timing`.
 
 Run as a script, it installs the same cost table and runs another script (the examples tests):
 `python tests/fixed_timing.py examples/quickstart/quickstart.py --tiny`. There every timed mode runs

@@ -287,7 +287,8 @@ def test_a_repo_from_a_newer_tide_loads_with_warnings(tmp_path):
     with pytest.warns(UserWarning) as caught:
         loaded = tide.TideForCausalLM.from_pretrained(tmp_path, base_model=model.base)
     messages = " ".join(str(w.message) for w in caught)
-    assert "unknown keys ['from_a_newer_tide']" in messages and "unknown generation keys ['from_a_newer_tide']" in messages
+    assert ("unknown keys ['from_a_newer_tide']" in messages
+            and "unknown generation keys ['from_a_newer_tide']" in messages)
     assert loaded.config.generation == {"max_draft": 2} and loaded.config.thresholds == {"1": 0.5, "3": 1.0}
     with pytest.warns(UserWarning) as caught:
         assert isinstance(transformers.AutoConfig.from_pretrained(tmp_path), TideConfig)
@@ -381,8 +382,8 @@ def test_a_dataset_file_that_is_not_utf8_names_the_file_the_offset_and_how_to_co
     path.write_bytes("\n".join(sample_texts(6)).encode() + "\ncaf\xe9 au lait\n".encode("latin-1"))
     offset = len("\n".join(sample_texts(6)).encode()) + len(b"\ncaf")
     with pytest.raises(DatasetLoadError) as err:
-        tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=str(path), config=TideConfig(checkpoint_layers=[1]),
-                       **FAST)
+        tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=str(path),
+                       config=TideConfig(checkpoint_layers=[1]), **FAST)
     message = str(err.value)
     assert str(path) in message and f"offset {offset}" in message and "0xe9" in message and "iconv" in message
 

@@ -27,7 +27,8 @@ def _rows_per_layer(model):
 
 
 @pytest.mark.parametrize("family, attention", [("llama", "eager"), ("gpt2", "eager"), ("qwen3", "eager"),
-                                               ("falcon", "eager"), ("phi", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa")])
+                                               ("falcon", "eager"), ("phi", "eager"), ("llama", "sdpa"),
+                                               ("gpt2", "sdpa")])
 def test_rows_exiting_at_different_checkpoints_equal_each_row_alone(family, attention):
     model = _model(family, attention)
     tok = tiny_tokenizer(pad=True)
@@ -41,7 +42,8 @@ def test_rows_exiting_at_different_checkpoints_equal_each_row_alone(family, atte
         for h in hooks:
             h.remove()
     stats = model.last_stats
-    assert {"1", "3", "full"} <= set(stats.exits), f"rows should leave at both checkpoints and not at all: {stats.exits}"
+    assert {"1", "3", "full"} <= set(stats.exits), (
+        f"rows should leave at both checkpoints and not at all: {stats.exits}")
     for i, prompt in enumerate(PROMPTS):
         alone = model.generate(**tok([prompt], return_tensors="pt"), tide_config=cfg, pad_token_id=0, **GREEDY)
         assert torch.equal(together[i, -GREEDY["max_new_tokens"]:], alone[0, -GREEDY["max_new_tokens"]:]), i

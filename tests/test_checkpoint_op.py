@@ -26,10 +26,11 @@ def test_opcheck(translate, layer_norm, dtype):
 
 @pytest.mark.parametrize("exit_head", ["tuned", "lens"])
 def test_compiled_checkpoint_test_equals_the_eager_one(exit_head):
-    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2, exit_head=exit_head))
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"),
+                                           tide.TideConfig(checkpoint_interval=2, exit_head=exit_head))
     tests = model.exit_tests({k: 0.5 for k in model.checkpoints})
     hidden = torch.randn(5, model.base.config.hidden_size)
-    for layer, test in tests.items():
+    for _, test in tests.items():
         compiled = torch.compile(lambda h, test=test: test(h), fullgraph=True, backend="eager")
         with torch.no_grad():
             for got, want in zip(compiled(hidden), test(hidden)):

@@ -52,7 +52,8 @@ def test_calibrate_writes_a_router_repo(router_dir):
 def test_generate_prints_text_and_stats(router_dir, capsys, mode, flags):
     assert main(["generate", str(router_dir), "Hello", "--max-new-tokens", "8", "--mode", mode, *flags]) == 0
     out = capsys.readouterr().out
-    assert "Hello" in out and "decode tokens" in out and ("mean layers per token" in out or "layer passes per token" in out)
+    assert ("Hello" in out and "decode tokens" in out
+            and ("mean layers per token" in out or "layer passes per token" in out))
 
 
 def test_generate_streams(router_dir, capsys):
@@ -84,7 +85,8 @@ def test_import_tide(base_dir, tmp_path, capsys):
     state = {"hidden_dim": 32, "bottleneck_dim": 8, "router_layers": {
         k: {"down.weight": torch.randn(8, 32), "up.weight": torch.randn(1, 8)} for k in (1, 3)}}
     torch.save(state, tmp_path / "router.pt")
-    assert main(["import-tide", str(tmp_path / "router.pt"), "--base", str(base_dir), "--out", str(tmp_path / "out")]) == 0
+    assert main(["import-tide", str(tmp_path / "router.pt"), "--base", str(base_dir),
+                 "--out", str(tmp_path / "out")]) == 0
     assert isinstance(tide.TideForCausalLM.from_pretrained(tmp_path / "out"), tide.TideForCausalLM)
 
 
@@ -176,7 +178,8 @@ def test_calibrate_refuses_an_empty_dataset_up_front(base_dir, tmp_path, capsys,
 
     (tmp_path / "empty.txt").write_text("")
     monkeypatch.setattr(tide.tools.cli, "calibrate", _no_calibration)
-    assert main(["calibrate", str(base_dir), "--dataset", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert main(["calibrate", str(base_dir), "--dataset", str(tmp_path / "empty.txt"),
+                 "--out", str(tmp_path / "o")]) == 2
     assert f"{tmp_path / 'empty.txt'} is empty" in _one_error_line(capsys.readouterr().err, "calibrate")
     with pytest.raises(DatasetLoadError, match="empty.txt is empty"):
         load_texts(str(tmp_path / "empty.txt"))

@@ -119,4 +119,5 @@ def test_a_deep_copy_dispatches_for_itself():
             p.mul_(0.5)
     ids = _ids(4)
     assert not torch.equal(twin.base(ids).logits, base(ids).logits)
-    assert torch.equal(twin.generate(ids, tide_config={"exit_threshold": 1.0}, **GREEDY), twin.base.generate(ids, **GREEDY))
+    assert torch.equal(twin.generate(ids, tide_config={"exit_threshold": 1.0}, **GREEDY),
+                       twin.base.generate(ids, **GREEDY))

@@ -81,7 +81,8 @@ def test_generation_options_have_their_own_class_and_repo_defaults():
     cfg.set_generation_defaults(draft_layer=3, max_draft=2)
     run = cfg.resolve_generation(TideGenerationConfig(kv_strategy="recompute"))
     assert (run.min_layers, run.draft_layer, run.max_draft, run.kv_strategy) == (2, 3, 2, "recompute")
-    assert run.consulted_checkpoints([1, 3]) == [1, 3] and TideGenerationConfig(min_layers=3).consulted_checkpoints([1, 3]) == [3]
+    assert (run.consulted_checkpoints([1, 3]) == [1, 3]
+            and TideGenerationConfig(min_layers=3).consulted_checkpoints([1, 3]) == [3])
     assert cfg.resolve_generation({"min_layers": 0}).min_layers == 0
     with pytest.raises(ValueError, match="draft_layer"):
         TideConfig(checkpoint_layers=[1, 3], base_num_layers=6, draft_layer=2)

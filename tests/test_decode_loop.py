@@ -41,7 +41,8 @@ def test_stop_strings_stop_where_the_base_model_stops(family, mode):
     text = tok.decode(free[0, ids.shape[1] + 4:ids.shape[1] + 6])
     stop = text.strip()[-2:] or text
     kwargs = dict(do_sample=False, max_new_tokens=16, stop_strings=[stop], tokenizer=tok)
-    ref = (model if mode == "exit" else base).generate(ids, **kwargs, **({"tide_config": config} if mode == "exit" else {}))
+    ref = (model if mode == "exit" else base).generate(ids, **kwargs,
+                                                       **({"tide_config": config} if mode == "exit" else {}))
     out = model.generate(ids, **kwargs, tide_config=config)
     assert ref.shape[1] < free.shape[1]  # the stop string really stopped the reference early
     assert torch.equal(out, ref)

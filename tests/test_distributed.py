@@ -99,7 +99,8 @@ def test_each_process_does_a_share_of_every_data_phase(launches):
         # per round (the check may lower the budget and decode again) the shares add up to the tokens checked,
         # which one process checks alone (a token list is the unit: the split is as even as their lengths allow)
         rounds = one["work_per_rank"]["decode validation"]["tokens"][0] // one["decode_validation"]["tokens"]
-        assert sum(decoded) == rounds * two["decode_validation"]["tokens"] == rounds * one["decode_validation"]["tokens"]
+        assert (sum(decoded) == rounds * two["decode_validation"]["tokens"]
+                == rounds * one["decode_validation"]["tokens"])
     seconds = two["phase_seconds_per_rank"]
     assert all(len(s) == 2 for s in seconds.values()) and all(s > 0 for s in seconds["training"])
     assert "on 2 processes, each one's share: training" in two["table"]
@@ -114,7 +115,8 @@ def test_processes_on_cores_of_their_own_share_the_timing_trials(launches):
     assert one["draft_selection"]["trials"], "no drafting scheme was timed"
     assert two["same_selection_on_every_process"]
     assert two["draft_selection"]["chosen"] == one["draft_selection"]["chosen"]
-    assert [t["measured"] for t in two["draft_selection"]["trials"]] == [t["measured"] for t in one["draft_selection"]["trials"]]
+    assert ([t["measured"] for t in two["draft_selection"]["trials"]]
+            == [t["measured"] for t in one["draft_selection"]["trials"]])
     shares = two["draft_selection"]["schemes_timed_per_rank"]
     assert all(s > 0 for s in shares) and max(shares) < sum(shares), shares
     assert all(n > 0 for n in two["timed_per_rank"]) and sum(two["timed_per_rank"]) >= one["timed_per_rank"][0]

@@ -10,7 +10,8 @@ import torch
 import tide
 from tiny_models import FAMILIES, prompt_ids, sample_texts, tiny_model, tiny_tokenizer
 
-FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1, validation_tokens=128)
+FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1,
+            validation_tokens=128)
 
 
 def _model(family="llama", perturb=0.3, **cfg):
@@ -100,7 +101,8 @@ def test_each_draft_gets_the_full_models_state_before_it(family, topk):
     assert torch.equal(out, ref)
     states = {}
     hooks = [model.parts.layers[k].register_forward_hook(
-        lambda _m, _a, o, k=k: states.update({k: model.parts.layer_output(o)})) for k in (0, model.parts.num_layers - 1)]
+        lambda _m, _a, o, k=k: states.update({k: model.parts.layer_output(o)}))
+        for k in (0, model.parts.num_layers - 1)]
     with torch.no_grad():
         base(ref)
     for h in hooks:
@@ -119,7 +121,8 @@ def test_lossless_with_draft_heads_is_token_identical(family, scheme):
     model = _model(family)
     ids = prompt_ids()
     ref = model.base.generate(ids, do_sample=False, max_new_tokens=14)
-    out = model.generate(ids, do_sample=False, max_new_tokens=14, tide_config={"mode": "lossless", "draft_layer": 0, **scheme})
+    out = model.generate(ids, do_sample=False, max_new_tokens=14,
+                         tide_config={"mode": "lossless", "draft_layer": 0, **scheme})
     assert torch.equal(out, ref)
 
 

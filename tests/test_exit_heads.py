@@ -6,7 +6,8 @@ import torch
 import tide
 from tiny_models import FAMILIES, sample_texts, tiny_model, tiny_tokenizer
 
-FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1, validation_tokens=128)
+FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1,
+            validation_tokens=128)
 
 
 def _model(family="llama", **cfg):
@@ -74,8 +75,8 @@ def test_calibration_trains_the_exit_heads_toward_the_full_model():
     texts = sample_texts(30)[-4:]
     ids = torch.tensor([tok(texts[0])["input_ids"][:32]])
     states = {}
-    hooks = [model.parts.layers[k].register_forward_hook(lambda _m, _a, o, k=k: states.update({k: model.parts.layer_output(o)}))
-             for k in model.checkpoints]
+    hooks = [model.parts.layers[k].register_forward_hook(
+        lambda _m, _a, o, k=k: states.update({k: model.parts.layer_output(o)})) for k in model.checkpoints]
     with torch.no_grad():
         full = torch.log_softmax(base(ids).logits.float(), -1)
         for h in hooks:

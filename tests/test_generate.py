@@ -215,7 +215,8 @@ def test_custom_logits_processor_is_applied():
     plain = model.generate(ids, tide_config={"exit_threshold": -1}, **GREEDY)
     banned = int(plain[0, ids.shape[1]])
     proc = BanToken(banned)
-    out = model.generate(ids, tide_config={"exit_threshold": -1}, logits_processor=LogitsProcessorList([proc]), **GREEDY)
+    out = model.generate(ids, tide_config={"exit_threshold": -1}, logits_processor=LogitsProcessorList([proc]),
+                         **GREEDY)
     assert proc.calls == 10 and banned not in out[0, ids.shape[1]:].tolist()
 
 
@@ -366,7 +367,8 @@ def test_tide_config_as_a_generation_config_equals_the_dict():
     exits = model.last_stats.exits
     as_class = model.generate(ids, tide_config=tide.TideGenerationConfig(exit_threshold=0.5, kv_strategy="recompute"),
                               **GREEDY)
-    assert torch.equal(as_dict, as_class) and model.last_stats.exits == exits and model.last_stats.kv_strategy == "recompute"
+    assert (torch.equal(as_dict, as_class) and model.last_stats.exits == exits
+            and model.last_stats.kv_strategy == "recompute")
 
 
 def test_repo_generation_defaults_apply_and_a_call_overrides_them():

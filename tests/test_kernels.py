@@ -248,7 +248,8 @@ def test_binding_defines_both_ops_with_the_tide_op_schema():
 
     ours = str(checkpoint_test._opoverload._schema).split("(", 1)[1]
     theirs = schemas["checkpoint_test"].split("(", 1)[1]
-    assert re.sub(r"\s", "", ours) == re.sub(r"\s", "", theirs).replace("Tensorscores,Tensorexits,Tensorstate", "Tensor,Tensor,Tensor")
+    assert re.sub(r"\s", "", ours) == re.sub(r"\s", "", theirs).replace("Tensorscores,Tensorexits,Tensorstate",
+                                                                       "Tensor,Tensor,Tensor")
 
 
 @pytest.fixture(scope="module")
@@ -467,18 +468,19 @@ def test_checkpoint_kernel_runs_without_host_sync_and_in_a_cuda_graph(gpu_checkp
     args[0].mul_(-1.0)  # replay reads the new state
     graph.replay()
     flipped = gpu_checkpoint_kernel(*args)
-    for got, want_now, before in zip(captured, flipped, want):
+    for got, want_now, _ in zip(captured, flipped, want):
         assert torch.equal(got, want_now)
     assert not torch.equal(captured[2], want[2])
 
 
 def test_the_gpu_timing_script_runs_on_cpu(tmp_path):
     """examples/gpu/time_checkpoint_test.py (part of the GPU run) on CPU: the reference only, tiny shapes."""
-    spec = importlib.util.spec_from_file_location("time_checkpoint_test",
-                                                  KERNEL_DIR.parents[1] / "examples" / "gpu" / "time_checkpoint_test.py")
+    spec = importlib.util.spec_from_file_location(
+        "time_checkpoint_test", KERNEL_DIR.parents[1] / "examples" / "gpu" / "time_checkpoint_test.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    out = script.main(["--device", "cpu", "--repeats", "2", "--shapes", "2", "64", "16", "--json", str(tmp_path / "t.json")])
+    out = script.main(["--device", "cpu", "--repeats", "2", "--shapes", "2", "64", "16",
+                       "--json", str(tmp_path / "t.json")])
     row = out["rows"][0]
     assert row["fused_us"] is None and row["reference_us"] > 0 and row["layer_us"] > 0
     assert (tmp_path / "t.json").is_file()

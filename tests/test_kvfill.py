@@ -194,7 +194,8 @@ def test_fused_fill_never_calls_the_layers_unless_forced(monkeypatch):
     assert _layer_calls_during(parts, fill) == parts.num_layers
     cache.crop(-1)
     monkeypatch.setenv("TIDE_KV_FILL", "layerwise")
-    assert _layer_calls_during(parts, lambda: fill_kv(parts, calls, everything, calls[0].hidden, cache)) == parts.num_layers
+    assert (_layer_calls_during(parts, lambda: fill_kv(parts, calls, everything, calls[0].hidden, cache))
+            == parts.num_layers)
 
 
 def test_stack_follows_weight_changes_and_dies_with_the_model():
@@ -274,7 +275,8 @@ def test_forced_exit_generation_is_the_same_batched_and_layerwise(family, rows, 
 LAYERWISE = {
     "olmo2": "a k-norm over all heads at once", "olmo3": "a k-norm over all heads at once",
     "olmoe": "a k-norm over all heads at once", "cohere": "rotary on interleaved pairs",
-    "cohere2": "rotary on interleaved pairs, full layers without rotary", "gptj": "rotary computed inside the attention",
+    "cohere2": "rotary on interleaved pairs, full layers without rotary",
+    "gptj": "rotary computed inside the attention",
     "smollm3": "layers without rotary among rotary ones", "exaone4": "full layers without rotary, a k-norm",
     "ernie4_5": "rotary on interleaved pairs", "nanochat": "rotary with the opposite sign, the k-norm after it",
 }
@@ -298,7 +300,8 @@ def test_skipped_layers_call_only_their_kv_linears(family):
             calls.setdefault(name.rpartition(".")[2], []).append(float(out.abs().max()))
 
     hooks = [m.register_forward_hook(lambda _m, _a, out, name=name: count(name, out))
-             for j in range(2, model.parts.num_layers) for name, m in model.parts.layers[j].named_modules() if is_linear(m)]
+             for j in range(2, model.parts.num_layers)
+             for name, m in model.parts.layers[j].named_modules() if is_linear(m)]
     try:
         model.generate(torch.randint(4, 100, (1, 7), generator=torch.Generator().manual_seed(0)), do_sample=False,
                        max_new_tokens=6, min_new_tokens=6, pad_token_id=0, tide_config={"exit_threshold": -1.0},

@@ -175,5 +175,6 @@ def test_bench_reports_a_skipped_layers_kv_as_a_fraction_of_a_layer(monkeypatch)
             costs = kv_fill_costs(model, prompt_length=4, repeats=2)
         assert (costs["batched"] is not None) == batched
         assert costs["per_layer"] > 0 and costs["per_layer_everything"] > 0 and costs["probe_complete"]
-        assert "in part: attn.c_attn" in costs["probe"] if family == "gpt2" else "skipped: self_attn.q_proj" in costs["probe"]
+        assert ("in part: attn.c_attn" in costs["probe"] if family == "gpt2"
+                else "skipped: self_attn.q_proj" in costs["probe"])
         assert "a skipped layer's K/V, as a fraction of a layer" in kv_fill_costs_text(costs)

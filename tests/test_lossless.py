@@ -188,9 +188,10 @@ def test_logits_processor_applies_to_verified_tokens(scheme):
     model, base = noisy_tide()
     ids = prompt_ids()
     banned = int(base.generate(ids, do_sample=False, max_new_tokens=3)[0, -1])
-    ref = base.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]))
-    out = model.generate(ids, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([BanToken(banned)]),
-                         tide_config=SCHEMES[scheme])
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12,
+                        logits_processor=LogitsProcessorList([BanToken(banned)]))
+    out = model.generate(ids, do_sample=False, max_new_tokens=12,
+                         logits_processor=LogitsProcessorList([BanToken(banned)]), tide_config=SCHEMES[scheme])
     assert torch.equal(out, ref) and banned not in out[0, ids.shape[1]:].tolist()
 
 
@@ -202,7 +203,8 @@ def test_streamer_receives_only_accepted_tokens():
     inputs = tok(["Hello there"], return_tensors="pt")
     streamer = TextIteratorStreamer(tok, skip_prompt=True)
     cfg = LOSSLESS
-    thread = Thread(target=model.generate, kwargs=dict(**inputs, streamer=streamer, tide_config=cfg, do_sample=False, max_new_tokens=12))
+    thread = Thread(target=model.generate, kwargs=dict(**inputs, streamer=streamer, tide_config=cfg, do_sample=False,
+                                                       max_new_tokens=12))
     thread.start()
     text = "".join(streamer)
     thread.join()

@@ -17,7 +17,8 @@ from tide.calibration.data import DatasetLoadError
 from tide.hub.repos import REPO_FILES, repo_files
 from tiny_models import FAMILIES, sample_texts, tiny_model, tiny_tokenizer
 
-FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1, validation_tokens=128)
+FAST = dict(num_samples=16, batch_size=8, max_length=32, progress=False, head_steps=20, draft_trials=1,
+            validation_tokens=128)
 
 
 def _calibrated(family="llama", **cfg):
@@ -189,7 +190,8 @@ def test_push_to_hub_uploads_only_the_repo_files(calibrated, monkeypatch):
             calls["repo"] = repo_id
 
         def upload_folder(self, repo_id, folder_path, allow_patterns, commit_message):
-            calls["files"] = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
+            calls["files"] = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*")
+                                    if p.is_file())
             calls["allow"] = sorted(allow_patterns)
 
     monkeypatch.setattr(tide.hub.repos, "HfApi", FakeApi)

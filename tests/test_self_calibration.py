@@ -10,7 +10,8 @@ from tide.calibration.selftext import SelfText, generated_texts, prompt_texts
 from tide.models.architectures import resolve as model_parts
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<a>{% endif %}")
 
 
 def test_prompts_go_through_the_chat_template_where_there_is_one():

@@ -1,4 +1,5 @@
-"""`cache_implementation="static"`: exit and lossless modes on a preallocated cache, token for token as on a dynamic one."""
+"""`cache_implementation="static"`: exit and lossless modes on a preallocated cache, token for token as on a dynamic
+one."""
 
 import pytest
 import torch

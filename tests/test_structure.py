@@ -16,7 +16,8 @@ from tide.models import compat
 PACKAGE_DIR = Path(tide.__file__).parent
 MODULES = sorted(m.name for m in pkgutil.walk_packages([str(PACKAGE_DIR)], prefix="tide."))
 # The layers of the package, bottom first: each imports only those before it (and itself).
-LAYERS = ["config", "records", "models", "heads", "layers", "decode", "generation", "hub", "modeling", "calibration", "tools"]
+LAYERS = ["config", "records", "models", "heads", "layers", "decode", "generation", "hub", "modeling", "calibration",
+          "tools"]
 
 
 def test_each_module_imports_alone():

@@ -68,8 +68,8 @@ def test_every_falcon_configuration_transformers_builds_has_a_full_row():
         try:
             model = tiny_model("falcon", attn_implementation=attention, **values)
             model(torch.tensor([[5, 6, 7]]))
-        except (AttributeError, NameError, RuntimeError):  # the new layout needs parallel blocks (`ln_attn`, the MLP norm)
-            continue
+        except (AttributeError, NameError, RuntimeError):
+            continue  # the new layout needs parallel blocks (`ln_attn`, the MLP norm)
         assert path(model.config, attention) in rows, values
     falcon = [t for t in model_types() if t.split("[")[0] == "falcon"]
     assert len(falcon) == len(rows) and all(_result(t).status == "full" for t in falcon), \

@@ -54,7 +54,8 @@ def test_a_zero_budget_cuts_every_trial(monkeypatch):
     assert len(budget["cut"]) == 5 and all(c.startswith("lossless ") for c in budget["cut"][1:4])
     # untimed exits are kept as selected (as with measure_costs=False), and lossless mode decodes plainly
     assert any(t < 1.0 for t in model.config.thresholds.values()) and model.config.generation_config.max_draft == 0
-    assert "timing trials: budget 0 s, took 0.0 s; cut: exit mode; lossless" in calibration.calibration_table(model.config)
+    assert ("timing trials: budget 0 s, took 0.0 s; cut: exit mode; lossless"
+            in calibration.calibration_table(model.config))
 
 
 def test_trials_run_by_estimate_until_the_budget_is_spent(monkeypatch):

@@ -341,8 +341,8 @@ def test_without_first_position_slices_every_per_position_argument():
     hidden, mask = torch.randn(1, q, 16), torch.randn(1, 1, q, 7)
     rotary = (torch.randn(1, q, 6), torch.randn(1, q, 6))
     call = LayerCall((hidden, "cache"), {"attention_mask": mask, "position_embeddings": rotary,
-                                          "position_ids": torch.arange(q)[None], "cache_position": torch.arange(4, 4 + q),
-                                          "use_cache": True})
+                                          "position_ids": torch.arange(q)[None],
+                                          "cache_position": torch.arange(4, 4 + q), "use_cache": True})
     (cut,) = without_first_position([call], q)
     assert torch.equal(cut.args[0], hidden[:, 1:]) and cut.args[1] == "cache"
     assert torch.equal(cut.kwargs["attention_mask"], mask[..., 1:, :])
@@ -381,7 +381,8 @@ def test_a_jump_between_measured_points_is_not_smoothed_away():
     assert estimates[2] > estimates[3]  # a chain of 3 verifies 4 positions: past the jump
     smoothed = StepCosts(**{**costs.__dict__, "verify_extra_s": {4: 8.0}})  # 3 positions read off the line to 4
     assert estimates[2] > draft_candidates(ranks, 12, smoothed, max_draft=2, max_topk=1)[0].estimate
-    assert verify_extras_text(costs.as_dict()) == "verifying 2 / 3 / 4 / 6 positions instead of 1: +0.10 / +0.20 / +8.00 / +8.00 layer"
+    assert verify_extras_text(costs.as_dict()) == ("verifying 2 / 3 / 4 / 6 positions instead of 1: "
+                                                   "+0.10 / +0.20 / +8.00 / +8.00 layer")
     saved = {"verify_extras": {"2": 0.1, "4": 8.0}}  # as a router repo's config.json holds it
     assert verify_extras_text(saved) == "verifying 2 / 4 positions instead of 1: +0.10 / +8.00 layer"
     older = {"verify_extra": 2.0, "wide_verify_extra": 5.0}  # a repo calibrated before the narrow points
@@ -458,7 +459,8 @@ def test_estimates_charge_generates_own_work():
     step = 12 + 1.0 + 0.5
     draft, verify = 2 + 1.0 + 0.5, step + 0.5 * 2 / 3 + 6.0  # a cycle pays its own work once
     assert tree.estimate == pytest.approx(2 / (draft + verify) * (step + 2.0))  # and a base token its own
-    assert loop_extras_text(costs.as_dict()) == "generate's own work +2.00 layer a base token, +6.00 layer a lossless cycle"
+    assert loop_extras_text(costs.as_dict()) == ("generate's own work +2.00 layer a base token, "
+                                                 "+6.00 layer a lossless cycle")
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -711,7 +713,8 @@ def test_tree_sampling_matches_the_closed_form_distribution(head, monkeypatch):
         oracle = _SampledOracle(base)
         model.draft_logits = oracle.draft_logits
         real = TreeDrafter.draft
-        monkeypatch.setattr(TreeDrafter, "draft", lambda drafter, seq: setattr(oracle, "ids", seq) or real(drafter, seq))
+        monkeypatch.setattr(TreeDrafter, "draft",
+                            lambda drafter, seq: setattr(oracle, "ids", seq) or real(drafter, seq))
         monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracle.continuation(lookup, length))
     steps, top_k, temperature, runs = 3, 3, 2.0, 600
     exact = _exact_joint(base, ids, steps, top_k, temperature)

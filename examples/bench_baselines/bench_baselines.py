@@ -191,7 +191,8 @@ def bench_rows(base, model, prompts, tokens: int, configs: dict, repeats: int = 
               "threads": torch.get_num_threads(), "rows": {}}
     print(f"{len(prompts)} prompts x {n} tokens, median of {repeats}; first compiled calls (s): "
           + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
-    print(f"{'row':<31}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}{'accepted/cycle':>16}")
+    print(f"{'row':<31}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}"
+          f"{'accepted/cycle':>16}")
     for name, secs in per_prompt.items():
         row = {"ms_per_token": statistics.median(secs) / n * 1e3, "identical_runs": same[name] / len(times[name]),
                "accepted_per_cycle": cycles.get(name)}
@@ -215,12 +216,14 @@ def main(argv=None):
                         "or 0:1:k3 (a tree of 3)")
     parser.add_argument("--compile", action="store_true", help="also time every Tide row with tide_config compile=True "
                         "(compiled runs of layers on a static cache)")
-    parser.add_argument("--exit", type=float, nargs="*", default=[], help="exit-mode rows at these exit_threshold values")
+    parser.add_argument("--exit", type=float, nargs="*", default=[],
+                        help="exit-mode rows at these exit_threshold values")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--model", help="a local causal LM folder (with its tokenizer) instead of the shipped model")
     parser.add_argument("--random-shape", choices=sorted(SHAPES), help="a random-weight Llama of this shape instead of "
                         "the shipped model (costs and overheads; fresh heads)")
-    parser.add_argument("--costs", action="store_true", help="also print Tide's cost table (tide.calibration.measure.measure_costs)")
+    parser.add_argument("--costs", action="store_true",
+                        help="also print Tide's cost table (tide.calibration.measure.measure_costs)")
     parser.add_argument("--text", choices=["heldout", "code", "quote"], default="heldout",
                         help="prompts: held-out prose; the start of Python standard-library source files (a code "
                         "continuation); or a held-out paragraph followed by its own opening (text that repeats)")
@@ -236,11 +239,13 @@ def main(argv=None):
         if args.model:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            base, tok = AutoModelForCausalLM.from_pretrained(args.model).eval(), AutoTokenizer.from_pretrained(args.model)
+            base = AutoModelForCausalLM.from_pretrained(args.model).eval()
+            tok = AutoTokenizer.from_pretrained(args.model)
         else:
             base, tok = _load_base()
         base.to(args.device)
-        prompts = [tok(text, return_tensors="pt").input_ids.to(args.device) for text in prompt_texts(args.text, args.prompts)]
+        prompts = [tok(text, return_tensors="pt").input_ids.to(args.device)
+                   for text in prompt_texts(args.text, args.prompts)]
     model = (tide.TideForCausalLM.from_pretrained(args.routers, base_model=base) if args.routers
              else tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=1)))
     if args.costs:
@@ -261,7 +266,8 @@ def main(argv=None):
     extra_rows = {}
     if args.ngram:
         greedy = dict(do_sample=False, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
-        extra_rows["prompt lookup (transformers)"] = lambda ids: base.generate(ids, **greedy, prompt_lookup_num_tokens=3)
+        extra_rows["prompt lookup (transformers)"] = lambda ids: base.generate(ids, **greedy,
+                                                                               prompt_lookup_num_tokens=3)
         configs["tide default, no n-gram"] = {"mode": "lossless", "draft_ngram": 0}
         configs["tide default + n-gram"] = {"mode": "lossless", "draft_ngram": 3}
         configs["tide n-gram only"] = {"mode": "lossless", "draft_ngram": 3, "max_draft": 4, "head_drafts": False}

@@ -40,6 +40,8 @@ for k, v in med.items():
     r = baseline_ratios(med, k)
     res[k] = {"ms_per_token": statistics.median(v) / n * 1e3, "identical": same[k],
               **{f"vs {b}": [statistics.median(r[b]), r[b][0], r[b][-1]] for b in r}}
-    print(f"{k:38s} {res[k]['ms_per_token']:6.2f} ms/token  vs generate x{statistics.median(r['generate']):.2f} [{r['generate'][0]:.2f}-{r['generate'][-1]:.2f}]"
-          f"  vs compiled x{statistics.median(r['static+compile']):.2f} [{r['static+compile'][0]:.2f}-{r['static+compile'][-1]:.2f}]  identical {res[k]['identical']:.2f}")
+    print(f"{k:38s} {res[k]['ms_per_token']:6.2f} ms/token  vs generate x{statistics.median(r['generate']):.2f} "
+          f"[{r['generate'][0]:.2f}-{r['generate'][-1]:.2f}]"
+          f"  vs compiled x{statistics.median(r['static+compile']):.2f} "
+          f"[{r['static+compile'][0]:.2f}-{r['static+compile'][-1]:.2f}]  identical {res[k]['identical']:.2f}")
 json.dump({"model": model_dir, "text": text, "rows": res}, open(sys.argv[4], "w"), indent=1)

@@ -41,7 +41,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     train, _ = split_corpus()
     start = time.perf_counter()
-    model = tide.calibrate(base, tokenizer, dataset=train, config=tide.TideConfig(checkpoint_interval=args.checkpoint_interval),
+    model = tide.calibrate(base, tokenizer, dataset=train,
+                           config=tide.TideConfig(checkpoint_interval=args.checkpoint_interval),
                            num_samples=args.samples, max_length=128, batch_size=16, progress=False,
                            timing_budget_s=args.timing_budget_s)
     wall = time.perf_counter() - start
@@ -49,9 +50,11 @@ def main() -> None:
     if procs.is_main:
         cal = model.config.calibration
         print(json.dumps({"processes": procs.world, "samples": args.samples, "wall_s": round(wall, 1),
-                          "phase_seconds": cal["phase_seconds"], "phase_seconds_per_rank": cal.get("phase_seconds_per_rank"),
+                          "phase_seconds": cal["phase_seconds"],
+                          "phase_seconds_per_rank": cal.get("phase_seconds_per_rank"),
                           "work_per_rank": cal["work_per_rank"], "thresholds": model.config.thresholds,
-                          "expected_agreement": cal["expected_agreement"], "decode_validation": cal["decode_validation"],
+                          "expected_agreement": cal["expected_agreement"],
+                          "decode_validation": cal["decode_validation"],
                           "mode": model.config.generation_config.mode, "timing_budget": cal.get("timing_budget")}))
     if dist.is_initialized():
         dist.barrier()

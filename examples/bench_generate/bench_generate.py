@@ -76,7 +76,8 @@ def ideal_batch_speedup(model: tide.TideForCausalLM, stats, batch: int) -> float
     c_kv = params(layer.input_layernorm) + params(layer.self_attn.k_proj) + params(layer.self_attn.v_proj)
     c_router = params(model.routers[model.checkpoints[0]])
     num_layers, tokens = model.parts.num_layers, stats.decode_tokens
-    ran = (stats.token_layers * c_layer + (tokens * num_layers - stats.token_layers) * c_kv) / tokens + c_head + c_router
+    ran = ((stats.token_layers * c_layer + (tokens * num_layers - stats.token_layers) * c_kv) / tokens
+           + c_head + c_router)
     return (num_layers * c_layer + c_head) / ran
 
 
@@ -131,7 +132,8 @@ def run_batches(args, base, model) -> dict:
         model.exit_tests = half_forced_out(args.exit_layer, batch)
         runs = {
             "base": lambda i, **kw: base.generate(i, do_sample=False, **kw),
-            "tide_half_forced_out": lambda i, **kw: model.generate(i, do_sample=False, tide_config={"exit_threshold": 0.5}, **kw),
+            "tide_half_forced_out": lambda i, **kw: model.generate(
+                i, do_sample=False, tide_config={"exit_threshold": 0.5}, **kw),
             "tide_half_forced_out_rows_kept": lambda i, **kw: without_row_skipping(
                 lambda: model.generate(i, do_sample=False, tide_config={"exit_threshold": 0.5}, **kw)),
         }
@@ -151,7 +153,8 @@ def run_batches(args, base, model) -> dict:
         ideal = ideal_batch_speedup(model, stats, batch)
         rows[str(batch)] = {"base_tokens_per_s": round(base_tps, 3), "tide_tokens_per_s": round(tps, 3),
                             "ratio_to_base": round(tps / base_tps, 4), "paired_ratios": [round(r, 4) for r in ratios],
-                            "rows_kept_ratio_to_base": round(kept_tps / base_tps, 4), "mean_layers": stats.mean_layers, "exits": stats.exits, "ideal_speedup": round(ideal, 3),
+                            "rows_kept_ratio_to_base": round(kept_tps / base_tps, 4), "mean_layers": stats.mean_layers,
+                            "exits": stats.exits, "ideal_speedup": round(ideal, 3),
                             "fraction_of_ideal": round(tps / base_tps / ideal, 4)}
         print(f"batch {batch:3d}: base {base_tps:8.2f} tok/s  tide {tps:8.2f} tok/s  x{tps / base_tps:.3f} "
               f"(exited rows kept in the batch: x{kept_tps / base_tps:.3f})  "
@@ -181,7 +184,8 @@ def main() -> None:
         results = {"machine": machine, "model": f"random-init Llama, {args.layers} layers, hidden {args.hidden}, fp32",
                    "exit_layer": args.exit_layer, "new_tokens": args.new_tokens, "repeats": args.repeats,
                    "batches": run_batches(args, base, model)}
-        sizes = sorted({max(1, int(b) // 2) for b in args.batch_sizes.split(",")} | {int(b) for b in args.batch_sizes.split(",")})
+        sizes = sorted({max(1, int(b) // 2) for b in args.batch_sizes.split(",")}
+                       | {int(b) for b in args.batch_sizes.split(",")})
         results["layer_ms_by_rows"] = layer_seconds_by_rows(model, base, sizes, args.prompt_tokens)
         print("one decoder layer call (ms) by rows:", results["layer_ms_by_rows"])
         if args.json:
@@ -191,7 +195,8 @@ def main() -> None:
     ids = torch.randint(10, 32000, (1, args.prompt_tokens))
     runs = {
         "base": lambda i, **kw: base.generate(i, do_sample=False, **kw),
-        "tide_threshold_1.0": lambda i, **kw: model.generate(i, do_sample=False, tide_config={"exit_threshold": 1.0}, **kw),
+        "tide_threshold_1.0": lambda i, **kw: model.generate(
+            i, do_sample=False, tide_config={"exit_threshold": 1.0}, **kw),
         "tide_forced_exit_propagate": lambda i, **kw: model.generate(
             i, do_sample=False, tide_config={"exit_threshold": -1, "kv_strategy": "propagate"}, **kw),
         "tide_forced_exit_recompute": lambda i, **kw: model.generate(
@@ -223,7 +228,8 @@ def main() -> None:
                        fraction_of_ideal=round(tps / base_tps / ideal, 4))
         results["runs"][name] = row
         print(f"{name:28s} {tps:8.3f} tok/s  x{tps / base_tps:.3f}" +
-              (f"  ideal x{row['ideal_speedup']:.3f}  ({row['fraction_of_ideal']:.1%} of ideal)" if "ideal_speedup" in row else ""))
+              (f"  ideal x{row['ideal_speedup']:.3f}  ({row['fraction_of_ideal']:.1%} of ideal)"
+               if "ideal_speedup" in row else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

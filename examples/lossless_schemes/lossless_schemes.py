@@ -4,9 +4,10 @@
 
 A scheme is `draft_layer:max_draft:draft_topk[:exit][:vN]` (topk 1: a chain of up to max_draft drafts; k > 1: a
 tree of k candidates; `:exit` drafts from the exit head even where the layer has a draft head; `:vN` drafts over
-the N most predicted tokens of the router repo's draft vocabulary). Each repeat runs the base model and every scheme once, on one of the demo prompts in turn
-(interleaved, so that the machine's drift hits them alike); the ratio is the median of the per-repeat ratios,
-with the interquartile range. `--pieces` also times the parts of one tree cycle after a 40-token context.
+the N most predicted tokens of the router repo's draft vocabulary). Each repeat runs the base model and every
+scheme once, on one of the demo prompts in turn (interleaved, so that the machine's drift hits them alike); the
+ratio is the median of the per-repeat ratios, with the interquartile range. `--pieces` also times the parts of one
+tree cycle after a 40-token context.
 Without `--model`, the shipped demo model; `--routers` is a router repo calibrated for that model
 (e.g. the one `tide demo` saves).
 """
@@ -168,7 +169,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     base = AutoModelForCausalLM.from_pretrained(args.model).eval()
     model = TideForCausalLM.from_pretrained(args.routers, base_model=base)
-    compare(model, AutoTokenizer.from_pretrained(args.model), parse_schemes(args.schemes), args.repeats, args.new_tokens)
+    compare(model, AutoTokenizer.from_pretrained(args.model), parse_schemes(args.schemes), args.repeats,
+            args.new_tokens)
     if args.pieces:
         pieces(model, layer=0, topk=3)
 

@@ -51,7 +51,8 @@ print("README.md:", next(line for line in open(os.path.join(args.out, "README.md
 # 2. Load it back. Without base_model=, from_pretrained loads the base by the name in config.json.
 loaded = tide.TideForCausalLM.from_pretrained(args.out, base_model=base)
 same = all(torch.equal(a, b) for a, b in zip(model.routers.state_dict().values(), loaded.routers.state_dict().values()))
-print("\nreloaded routers identical:", same, "| thresholds identical:", loaded.config.thresholds == model.config.thresholds)
+print("\nreloaded routers identical:", same,
+      "| thresholds identical:", loaded.config.thresholds == model.config.thresholds)
 
 # 3. Push the same three files to the Hub, then anyone can load them by repo id.
 if args.push:

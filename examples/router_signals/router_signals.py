@@ -135,7 +135,8 @@ def main():
                 agree = torch.ones(n, dtype=torch.bool)
                 for k in active:
                     agree[exit_layer == k] = ho_agree[k][exit_layer == k]
-                return speedup(exit_layer, active, kind), float((exit_layer + 1).double().mean()), float(agree.float().mean())
+                return (speedup(exit_layer, active, kind), float((exit_layer + 1).double().mean()),
+                        float(agree.float().mean()))
 
             active, best = list(layers), evaluate(layers)
             improved = True

@@ -29,8 +29,8 @@ MODES = ("exit", "lossless", "auto")
 
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "batch_exits",
-                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "head_drafts", "compile",
-                     "compiled_modes")
+                     "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "head_drafts",
+                     "compile", "compiled_modes")
 MAX_DRAFT_TOPK = 8  # tree drafts: candidates verified together with the token before them
 MAX_DRAFT_NGRAM = 8  # n-gram drafts: the longest n-gram matched
 
@@ -67,8 +67,8 @@ class TideGenerationConfig:
         max_draft (`int`, *optional*, defaults to 8):
             Lossless mode: most draft tokens per verification; 0 runs the base model's own `generate`.
         draft_layer (`int`, *optional*):
-            Lossless mode: the checkpoint whose draft head (or exit head) drafts tokens. If unset, the first checkpoint at or
-            after a quarter of the stack.
+            Lossless mode: the checkpoint whose draft head (or exit head) drafts tokens. If unset, the first
+            checkpoint at or after a quarter of the stack.
         draft_topk (`int`, *optional*, defaults to 1):
             Lossless mode: 1 drafts a chain of up to `max_draft` tokens. k > 1 drafts one tree per cycle instead:
             the draft head's k best tokens for the next position and, with `draft_ngram`, the n-gram continuation
@@ -104,10 +104,12 @@ class TideGenerationConfig:
     """
 
     def __init__(self, exit_threshold: float | None = None, thresholds: dict | None = None, min_layers: int = 0,
-                 kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False, batch_exits: bool = True,
-                 max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1, draft_vocab_size: int = 0,
-                 draft_ngram: int = 0, head_drafts: bool = True, compile: bool = False, compiled_modes: bool = True):
-        self.exit_threshold, self.min_layers, self.kv_strategy, self.mode = exit_threshold, min_layers, kv_strategy, mode
+                 kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False,
+                 batch_exits: bool = True, max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1,
+                 draft_vocab_size: int = 0, draft_ngram: int = 0, head_drafts: bool = True, compile: bool = False,
+                 compiled_modes: bool = True):
+        self.exit_threshold, self.min_layers = exit_threshold, min_layers
+        self.kv_strategy, self.mode = kv_strategy, mode
         self.prefill_exit, self.batch_exits = prefill_exit, batch_exits
         self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
         self.draft_vocab_size, self.compile, self.compiled_modes = draft_vocab_size, compile, compiled_modes
@@ -126,7 +128,8 @@ class TideGenerationConfig:
         elif isinstance(value, dict):
             unknown = sorted(set(value) - set(GENERATION_FIELDS))
             if unknown:
-                raise ValueError(f"tide_config: unknown key(s) {unknown}; generation accepts {list(GENERATION_FIELDS)}.")
+                raise ValueError(f"tide_config: unknown key(s) {unknown}; "
+                                 f"generation accepts {list(GENERATION_FIELDS)}.")
             merged.update(value)
         elif isinstance(value, TideConfig):  # another router set's saved defaults and thresholds
             merged.update(value.generation or {})
@@ -155,8 +158,8 @@ class TideGenerationConfig:
             _check_int("draft_layer", self.draft_layer, minimum=0, owner="tide_config")
         _check_int("draft_topk", self.draft_topk, minimum=1, owner="tide_config")
         if self.draft_topk > MAX_DRAFT_TOPK:
-            raise ValueError(f"tide_config.draft_topk must be at most {MAX_DRAFT_TOPK} (candidates verified in one pass), "
-                             f"got {self.draft_topk}.")
+            raise ValueError(f"tide_config.draft_topk must be at most {MAX_DRAFT_TOPK} "
+                             f"(candidates verified in one pass), got {self.draft_topk}.")
         _check_int("draft_vocab_size", self.draft_vocab_size, minimum=0, owner="tide_config")
         _check_int("draft_ngram", self.draft_ngram, minimum=0, owner="tide_config")
         if not (self.head_drafts or self.draft_ngram):
@@ -166,15 +169,16 @@ class TideGenerationConfig:
             raise ValueError(f"tide_config.draft_ngram must be at most {MAX_DRAFT_NGRAM} (tokens matched), got "
                              f"{self.draft_ngram}.")
         if 0 < self.draft_vocab_size < MAX_DRAFT_TOPK:
-            raise ValueError(f"tide_config.draft_vocab_size must be 0 (the whole vocabulary) or at least {MAX_DRAFT_TOPK} "
-                             f"(the most candidates a draft offers), got {self.draft_vocab_size}.")
+            raise ValueError(f"tide_config.draft_vocab_size must be 0 (the whole vocabulary) or at least "
+                             f"{MAX_DRAFT_TOPK} (the most candidates a draft offers), got {self.draft_vocab_size}.")
         for name in ("prefill_exit", "batch_exits", "head_drafts", "compile", "compiled_modes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"tide_config.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.exit_threshold is not None:
             _check_number("exit_threshold", self.exit_threshold, owner="tide_config")
             if self.exit_threshold > 1.0:
-                raise ValueError(f"tide_config.exit_threshold must be <= 1.0 (1.0 never exits), got {self.exit_threshold}.")
+                raise ValueError(f"tide_config.exit_threshold must be <= 1.0 (1.0 never exits), "
+                                 f"got {self.exit_threshold}.")
         for key, value in (self.thresholds or {}).items():
             _check_number(f"thresholds[{key!r}]", value, owner="tide_config")
         if checkpoints is None:
@@ -217,7 +221,8 @@ class TideGenerationConfig:
 
 
 # Keys that transformers itself writes into every config.json, never "unknown".
-_TRANSFORMERS_KEYS = {"model_type", "transformers_version", "architectures", "_name_or_path", "name_or_path", "torch_dtype", "dtype"}
+_TRANSFORMERS_KEYS = {"model_type", "transformers_version", "architectures", "_name_or_path", "name_or_path",
+                      "torch_dtype", "dtype"}
 
 
 class TideConfig(PreTrainedConfig):
@@ -449,7 +454,8 @@ def _check_number(name: str, value: Any, owner: str = "TideConfig") -> None:
 
 
 def _check_threshold_keys(name: str, thresholds: dict | None, checkpoints: list[int]) -> None:
-    unknown = sorted((k for k in (thresholds or {}) if not str(k).lstrip("-").isdigit() or int(k) not in checkpoints), key=str)
+    unknown = sorted((k for k in (thresholds or {}) if not str(k).lstrip("-").isdigit() or int(k) not in checkpoints),
+                     key=str)
     if unknown:
         raise ValueError(f"{name} names layers that are not checkpoints: {unknown}; the checkpoints are {checkpoints}.")
 

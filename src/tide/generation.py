@@ -225,7 +225,8 @@ def lossless_problem(model, args, kwargs) -> str | None:
     if inputs is not None and inputs.shape[0] != 1:
         return (f"mode='lossless' decodes one sequence at a time (batch size 1), got a batch of {inputs.shape[0]}; "
                 "loop over the rows or use mode='exit' for batches.")
-    if _option(model, kwargs, "num_return_sequences") not in (None, 1) or _option(model, kwargs, "num_beams") not in (None, 1):
+    if (_option(model, kwargs, "num_return_sequences") not in (None, 1)
+            or _option(model, kwargs, "num_beams") not in (None, 1)):
         return "mode='lossless' supports greedy and sampling with one sequence (no beams, num_return_sequences=1)."
     if kwargs.get("inputs_embeds") is not None:
         return "mode='lossless' drafts from token ids; pass input_ids instead of inputs_embeds."

@@ -162,7 +162,8 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         return tests
 
     def exit_logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of a token leaving after checkpoint `layer`: head(final_norm(exit head(hidden))). [..., H] -> [..., V]."""
+        """Logits of a token leaving after checkpoint `layer`: head(final_norm(exit head(hidden))).
+        [..., H] -> [..., V]."""
         state = self.routers[layer].exit_state(hidden)
         return self.parts.logits_from_normed(self.parts.final_norm(state))
 
@@ -205,7 +206,8 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         """(ids [size] on the head's device, the head's rows for them or None): the first `size` ids of
         `draft_vocabulary`, kept until the vocabulary (replaced or changed in place) or the head's weight changes."""
         vocabulary, weight = self.draft_vocabulary, getattr(self.parts.lm_head, "weight", None)
-        key = (size, vocabulary is not None and fewrows.copy_key(vocabulary), weight is not None and fewrows.copy_key(weight))
+        key = (size, vocabulary is not None and fewrows.copy_key(vocabulary),
+               weight is not None and fewrows.copy_key(weight))
         held = self.__dict__.get("_draft_head_rows")
         if held is None or held[0] is not vocabulary or held[1] != key:  # (held[0] keeps the vocabulary alive)
             self.check_draft_vocab_size(size)

@@ -18,10 +18,13 @@ import torch
 from ..config import MAX_DRAFT_TOPK
 from ..decode.speculative import next_cap
 
-__all__ = ["DraftScheme", "MERGED_TOPK", "draft_candidates", "layer_cost_of_cascade", "prune_checkpoints", "chain_cycles", "chain_cost"]
+__all__ = ["DraftScheme", "MERGED_TOPK", "draft_candidates", "layer_cost_of_cascade", "prune_checkpoints",
+           "chain_cycles", "chain_cost"]
+
+# The `costs` arguments below are `measure.StepCosts` (not imported, nor annotated: measure.py imports this module).
 
 
-def layer_cost_of_cascade(rows, total: int, num_layers: int, costs: "StepCosts") -> float:
+def layer_cost_of_cascade(rows, total: int, num_layers: int, costs) -> float:
     """Mean cost per token, in decoder layers, of the cascade `rows` (CheckpointCalibration list, exit order).
 
     A token that reaches a checkpoint with a threshold < 1 pays for consulting it; one that exits after layer
@@ -36,7 +39,7 @@ def layer_cost_of_cascade(rows, total: int, num_layers: int, costs: "StepCosts")
     return (cost + running * num_layers) / max(total, 1)
 
 
-def prune_checkpoints(select, layers: list[int], total: int, num_layers: int, costs: "StepCosts"):
+def prune_checkpoints(select, layers: list[int], total: int, num_layers: int, costs):
     """Drop consulted checkpoints that cost more than they save; returns (selection, dropped {layer: reason}).
 
     `select(layers)` runs threshold selection on a subset of checkpoints (a `CascadeSelection`). A checkpoint
@@ -79,7 +82,7 @@ class DraftScheme(NamedTuple):
 MERGED_TOPK = 4
 
 
-def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: "StepCosts", max_draft: int = 8,
+def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs, max_draft: int = 8,
                      max_topk: int = MAX_DRAFT_TOPK, chain_ranks: dict[int, torch.Tensor] | None = None,
                      restricted: dict[int, tuple[dict, dict]] | None = None, head_rows: int = 0,
                      ngram: int = 0, ngram_depth: int = 0) -> list[DraftScheme]:
@@ -88,10 +91,11 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs: "St
     ranks: {layer: [N]} in text order, where the full model's next token ranks among the draft's logits
     (0: its top-1), for a draft that reads a verified context (a chain's first draft, a tree's).
     chain_ranks: the same for a chain's later drafts, whose draft head reads the previous draft's own state
-    (default: `ranks`; equal where there is no draft head). A draft step from layer E costs E + 1 layers and the head; a verification costs the
-    whole stack and the head (each plus a capture where layer arguments are not windowed, `costs.pass_capture`), plus what a pass over p positions costs more than a pass
-    over one (`costs.verify_extra_at(p)`, measured at `VERIFY_POINTS`; speculative decoding assumes it
-    small, and on a CPU it can be a third of a step). A chain cycle emits the run of drafts that agree with
+    (default: `ranks`; equal where there is no draft head). A draft step from layer E costs E + 1 layers and the
+    head; a verification costs the whole stack and the head (each plus a capture where layer arguments are not
+    windowed, `costs.pass_capture`), plus what a pass over p positions costs more than a pass over one
+    (`costs.verify_extra_at(p)`, measured at `VERIFY_POINTS`; speculative decoding assumes it small, and on a
+    CPU it can be a third of a step). A chain cycle emits the run of drafts that agree with
     the full model, plus one, and drafts as many as generation's adaptive cap allows (`chain_cycles` walks the
     held-out text with it); a tree cycle (k candidates for one position, run through the shallow layers
     together and verified with the token before them in one pass: about a chain cycle of one draft) emits

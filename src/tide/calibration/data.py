@@ -29,7 +29,8 @@ def _how_to() -> str:
     )
 
 
-def load_texts(dataset, *, dataset_config: str | None = None, split: str = "train", text_column: str | None = None) -> list[str]:
+def load_texts(dataset, *, dataset_config: str | None = None, split: str = "train",
+               text_column: str | None = None) -> list[str]:
     """Non-empty strings from `dataset`, in order."""
     import datasets
 
@@ -63,7 +64,8 @@ def _load_named(name: str, dataset_config: str | None, split: str):
         try:
             return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
         except Exception as err:  # noqa: BLE001
-            raise DatasetLoadError(f"Could not read local files {name} with the '{builder}' builder: {err}. {_how_to()}") from err
+            raise DatasetLoadError(f"Could not read local files {name} with the '{builder}' builder: {err}. "
+                                   f"{_how_to()}") from err
     try:
         return datasets.load_dataset(name, dataset_config, split=split)
     except Exception as err:  # noqa: BLE001

@@ -163,4 +163,5 @@ class Processes:
 
     @staticmethod
     def _device() -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        return (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+                else torch.device("cpu"))

@@ -70,7 +70,8 @@ def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix
 
 
 @torch.no_grad()
-def oracle_depths(model, token_lists: list[list[int]], layers: list[int] | None = None, lens: bool = False) -> torch.Tensor:
+def oracle_depths(model, token_lists: list[list[int]], layers: list[int] | None = None,
+                  lens: bool = False) -> torch.Tensor:
     """Per token, the number of layers a perfect router would run with exits at `layers`.
 
     Exits are read through the checkpoints' exit heads, or through the final norm and head alone with

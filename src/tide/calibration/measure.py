@@ -200,7 +200,8 @@ def measure_costs(model, prompt_length: int = 32, repeats: int = 30) -> StepCost
         capture_s=_median_time(lambda: capture_layer_calls(parts, **step), repeats),
         device=str(device),
         windowed=windows.off_reason is None,
-        verify_extra_s={p: _median_extra(layers(head=True), layers(head=True, step_calls=chunks[p]), max(repeats // 3, 5))
+        verify_extra_s={p: _median_extra(layers(head=True), layers(head=True, step_calls=chunks[p]),
+                                         max(repeats // 3, 5))
                         for p in points},
     )
     costs.step_extra_s, costs.cycle_extra_s = _loop_extras(model, ids, costs)

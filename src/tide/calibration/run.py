@@ -65,7 +65,8 @@ from .trials import (
     timing_prompts,
 )
 
-__all__ = ["calibrate", "calibration_table", "thresholds_for_target", "operating_point", "OperatingPoint", "CalibrationOptions"]
+__all__ = ["calibrate", "calibration_table", "thresholds_for_target", "operating_point", "OperatingPoint",
+           "CalibrationOptions"]
 
 
 @dataclass
@@ -74,7 +75,8 @@ class CalibrationOptions:
     max_length: int = 256
     batch_size: int = 8
     heldout_fraction: float = 0.2
-    buffer_size: int | None = None  # training tokens kept for minibatches, over all processes (None: up to 32768 within ~1 GiB)
+    # training tokens kept for minibatches, over all processes (None: up to 32768 within ~1 GiB)
+    buffer_size: int | None = None
     minibatch: int = 256
     # Adam steps of the exit and draft heads, spread over the training stream (None: HEAD_STEPS[candidate loss],
     # 200 over the whole vocabulary, 1000 over candidates, whose steps cost far less)
@@ -96,8 +98,8 @@ class CalibrationOptions:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("num_samples", "max_length", "batch_size", "minibatch", "head_steps", "passes", "validation_tokens",
-                     "draft_trials", "seed"):
+        for name in ("num_samples", "max_length", "batch_size", "minibatch", "head_steps", "passes",
+                     "validation_tokens", "draft_trials", "seed"):
             value = getattr(self, name)
             if name == "head_steps" and value is None:
                 continue
@@ -107,11 +109,13 @@ class CalibrationOptions:
         if self.buffer_size is not None and (not isinstance(self.buffer_size, int) or self.buffer_size < 1):
             raise ValueError(f"calibrate: buffer_size must be a positive integer or None, got {self.buffer_size!r}.")
         if not isinstance(self.heldout_fraction, (int, float)) or not 0.0 < self.heldout_fraction < 1.0:
-            raise ValueError(f"calibrate: heldout_fraction must be between 0 and 1 (exclusive), got {self.heldout_fraction!r}.")
+            raise ValueError(f"calibrate: heldout_fraction must be between 0 and 1 (exclusive), "
+                             f"got {self.heldout_fraction!r}.")
         budget = self.timing_budget_s
         if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                                          or not math.isfinite(budget) or budget < 0):
-            raise ValueError(f"calibrate: timing_budget_s must be \"auto\", a finite number >= 0 or None, got {budget!r}.")
+            raise ValueError(f"calibrate: timing_budget_s must be \"auto\", a finite number >= 0 or None, "
+                             f"got {budget!r}.")
         for name in ("head_lr", "lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0.0:
@@ -189,7 +193,8 @@ class _Run:
 
     def __init__(self, tide: TideForCausalLM, tokenizer, opts: CalibrationOptions, phases: "PhaseTimes"):
         self.tide, self.cfg, self.tokenizer, self.opts, self.phases = tide, tide.config, tokenizer, opts, phases
-        self.procs = Processes.current(tide.base.device)  # one, or those `accelerate launch` started: each takes a shard
+        # one, or those `accelerate launch` started: each takes a shard
+        self.procs = Processes.current(tide.base.device)
         self.budget = _TrialBudget(opts.timing_budget_s, phases)
         self.num_layers = tide.parts.num_layers
         self.draft_selection = self.compiled_timing = None
@@ -217,7 +222,8 @@ class _Run:
             raise ValueError(f"Calibration on {procs.world} processes needs at least {procs.world} training and "
                              f"{procs.world} held-out texts; got {len(train_texts)} and {len(held_texts)}.")
         self.num_texts = len(texts)
-        self.all_held = held_texts  # the check through the decode step and the timing trials read the same as in one process
+        # the check through the decode step and the timing trials read the same as in one process
+        self.all_held = held_texts
         self.train_texts, self.held_texts = procs.shard(train_texts), procs.shard(held_texts)
 
     def _answers(self, prompts) -> tuple[list[str], list[str], list[str]]:
@@ -311,7 +317,8 @@ class _Run:
                                                     head_rows=tide.num_head_rows, ngram=NGRAM, ngram_depth=depth),
                                    opts.draft_trials)
         tide.draft_vocabulary = self.ranked  # for the trials; cut to the chosen scheme's below
-        options = {"spent": self.budget.spent} if self.budget.seconds is not None else {}  # the trials cut when it is spent
+        # the trials cut when it is spent
+        options = {"spent": self.budget.spent} if self.budget.seconds is not None else {}
         if depth != NGRAM_DEPTH:  # a configured max_draft below it
             options["ngram_depth"] = depth
         with self.phases("timing trials"):
@@ -319,7 +326,8 @@ class _Run:
             if procs.world > 1 and procs.own_devices(tide.base.device):  # each times a share on its own device
                 selection = choose_draft(tide, self.tokenizer, self.all_held, candidates, procs=procs, **options)
             else:  # processes that share a device would time each other's load: the main process times alone
-                selection = procs.on_main(lambda: choose_draft(tide, self.tokenizer, self.all_held, candidates, **options))
+                selection = procs.on_main(lambda: choose_draft(tide, self.tokenizer, self.all_held, candidates,
+                                                               **options))
         self.draft_selection = DraftSelection.from_dict(selection)
         chosen = self.draft_selection.chosen
         exit_timing = as_record(self.point.exit_timing, ExitTiming)
@@ -372,7 +380,8 @@ class _Run:
             record.phase_seconds_per_rank = {name: [round(r[i], 2) for r in per_rank]
                                              for i, name in enumerate(phases.NAMES)}
         if self.budget.seconds is not None:
-            record.timing_budget = TimingBudget(round(self.budget.seconds, 2), round(phases.seconds["timing trials"], 2),
+            record.timing_budget = TimingBudget(round(self.budget.seconds, 2),
+                                                round(phases.seconds["timing trials"], 2),
                                                 procs.broadcast(_cut_trials(self.budget, self.draft_selection)))
         return record
 
@@ -439,8 +448,8 @@ class PhaseTimes:
     """Seconds spent in each phase of a calibration, in this process: `with phases("training"): ...`, and
     `phases.counted("data", batches)` for the time an iterator spends making its items (reading, tokenising)."""
 
-    NAMES = ("data", "generation", "training", "held-out scoring", "thresholds", "decode validation", "cost measurement",
-             "timing trials")
+    NAMES = ("data", "generation", "training", "held-out scoring", "thresholds", "decode validation",
+             "cost measurement", "timing trials")
 
     def __init__(self):
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
@@ -628,7 +637,8 @@ class _Trainer:
     `passes` times. Memory: the buffer, (checkpoints + 2) x buffer_size x H floats.
     """
 
-    def __init__(self, tide: TideForCausalLM, opts: CalibrationOptions, num_batches: int, procs: Processes | None = None):
+    def __init__(self, tide: TideForCausalLM, opts: CalibrationOptions, num_batches: int,
+                 procs: Processes | None = None):
         self.tide, self.opts, self.parts = tide, opts, tide.parts
         self.procs = procs or Processes()
         self.layers = list(tide.checkpoints)
@@ -646,7 +656,8 @@ class _Trainer:
                        if tide.routers[k].draft is not None}
         self.context = torch.empty(size, hidden, device=device) if self.drafts else None
         self.predicted = torch.zeros(tide.num_head_rows, dtype=torch.long, device=device)  # full-model top-1 counts
-        self.candidates = uses_candidates(tide.num_head_rows, self.parts.head_rows_readable)  # else the whole vocabulary
+        # the candidate loss, else the whole vocabulary
+        self.candidates = uses_candidates(tide.num_head_rows, self.parts.head_rows_readable)
         self.top = torch.empty(size, TEACHER_TOP, dtype=torch.long, device=device) if self.candidates else None
         params = self._head_params()
         self.head_optim = torch.optim.Adam(params, lr=opts.head_lr) if params else None
@@ -740,7 +751,8 @@ class _Trainer:
             self.procs.broadcast_tensors([*router.down.parameters(), *router.up.parameters()], src=i % self.procs.world)
 
     def _router_data(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The final-norm view of this process's buffered exit states at `k` and their labels through the exit (fp32)."""
+        """The final-norm view of this process's buffered exit states at `k` and their labels through the exit
+        (fp32)."""
         tide, n, router = self.tide, self.filled, self.tide.routers[k]
         with torch.no_grad():
             states, final, top1 = self.states[k][:n].to(router.down.weight.dtype), self.final[:n], self.top1[:n]
@@ -833,8 +845,8 @@ def _validate(tide, token_lists, selection, dropped, target: float, procs: Proce
     held = tide.heldout_selection
     decoded = 0  # tokens this process decoded, all rounds
     for round_ in range(MAX_VALIDATION_ROUNDS):
-        run = tide.config.resolve_generation({"thresholds": held.thresholds(selection, tide.checkpoints), "exit_threshold": None,
-                                      "mode": "exit"})
+        run = tide.config.resolve_generation({"thresholds": held.thresholds(selection, tide.checkpoints),
+                                              "exit_threshold": None, "mode": "exit"})
         active = any(t < 1.0 for t in run.thresholds.values())
         report = teacher_forced(tide, token_lists, run) if active else None
         if report is None:  # nothing exits (any earlier rounds' decoded tokens are kept for the phase record)
@@ -842,7 +854,8 @@ def _validate(tide, token_lists, selection, dropped, target: float, procs: Proce
         decoded += report.tokens
         held.decoded_per_rank = [int(r[0]) for r in procs.per_rank([decoded])]
         agreeing, tokens, layers = procs.sum(  # a process with no share adds zeros
-            [report.agreement * report.tokens, report.tokens, report.mean_layers * report.tokens if report.tokens else 0.0])
+            [report.agreement * report.tokens, report.tokens,
+             report.mean_layers * report.tokens if report.tokens else 0.0])
         tokens = int(tokens)
         errors = tokens - round(agreeing)
         bound = 1.0 - binomial_upper_bound(errors, tokens, held.confidence)
@@ -921,7 +934,8 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
     """Thresholds for `target_agreement` from the held-out scores of a calibration run in this process:
     selection with checkpoints pruned by measured cost, the check through the decode step, then exit mode
     timed against the base model here (`trials.time_exit`); exits not kept by two timings are turned off, so that exit
-    mode runs the base model (never slower), and `batch_exits` says whether exits kept for one sequence paid on a batch. Calibration's own target goes through this, and so do `tide bench`'s rows."""
+    mode runs the base model (never slower), and `batch_exits` says whether exits kept for one sequence paid on a
+    batch. Calibration's own target goes through this, and so do `tide bench`'s rows."""
     held = getattr(model, "heldout_selection", None)
     if held is None:
         raise ValueError("operating_point needs a model calibrated in this process (tide.calibrate keeps its "

@@ -20,8 +20,8 @@ import torch
 
 from ..heads.router import exit_decision
 
-__all__ = ["auc", "binomial_upper_bound", "select_threshold", "calibrate_cascade", "CascadeSelection", "CheckpointCalibration",
-           "oracle_depth", "tokens_for_bound", "kept_nothing_message"]
+__all__ = ["auc", "binomial_upper_bound", "select_threshold", "calibrate_cascade", "CascadeSelection",
+           "CheckpointCalibration", "oracle_depth", "tokens_for_bound", "kept_nothing_message"]
 
 NEVER = 1.0  # scores are sigmoids in [0, 1] and a token exits when score > threshold
 # Per-exit error budgets tried, in this fixed order, by `calibrate_cascade`.
@@ -217,7 +217,8 @@ def kept_nothing_message(layers: list[int], scores: dict, agree: dict, labels: d
     if needed and min(needed) <= total:  # the held-out tokens allowed some: the check through the decode step did not
         return head + " through the decode step (the thresholds the held-out scores allowed did not hold there)."
     if target_agreement >= 1.0:
-        return head + "; a target of 1.0 allows no disagreement, which no sample size can bound: lower target_agreement."
+        return (head + "; a target of 1.0 allows no disagreement, which no sample size can bound: "
+                "lower target_agreement.")
     if not needed:
         return (head + "; the exits measured here disagree with the full model too often for that target at any "
                 "sample size: lower target_agreement.")

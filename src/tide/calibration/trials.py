@@ -22,8 +22,8 @@ from .distributed import Processes
 from .measure import seconds_of, timing_kwargs
 
 __all__ = ["measured_speedup", "COMPILED_BASE", "KEEP_SPEEDUP", "BATCH_TIMING_ROWS", "timing_prompts", "timing_batch",
-           "timed", "kept", "time_exit", "time_compiled", "time_ngram", "timed_schemes", "choose_draft", "lossless_config",
-           "NGRAM", "NGRAM_DEPTH", "NGRAM_ONLY"]
+           "timed", "kept", "time_exit", "time_compiled", "time_ngram", "timed_schemes", "choose_draft",
+           "lossless_config", "NGRAM", "NGRAM_DEPTH", "NGRAM_ONLY"]
 
 
 # `tide_config` that runs the base model's compiled static-cache decode (`decode.baseline.BaseSession`).
@@ -250,7 +250,8 @@ def _ngram_twin(trials: list[dict], chosen: dict, depth: int | None) -> float | 
     if chosen.get("draft_topk", 1) <= 1:
         return None
     key = ("draft_layer", "draft_topk", "draft_vocab_size")
-    return next((t["measured"] for t in trials if t.get("draft_ngram") == NGRAM and t["max_draft"] == (depth or NGRAM_DEPTH)
+    return next((t["measured"] for t in trials
+                 if t.get("draft_ngram") == NGRAM and t["max_draft"] == (depth or NGRAM_DEPTH)
                  and all(t.get(k) == chosen.get(k) for k in key)), None)
 
 

@@ -48,7 +48,8 @@ class ExitSession:
         self.norm_device = norm_param.device if norm_param is not None else None
         self.stats = GenerationStats(self.parts.num_layers, sorted(self.consulted), kv_strategy=config.kv_strategy)
         self.recompute = RecomputeState(self.parts) if config.kv_strategy == "recompute" else None
-        self.layer_args = LayerArgs(self.parts, stats=self.stats)  # the decode steps' layer arguments, one capture per window
+        # the decode steps' layer arguments, one capture per window
+        self.layer_args = LayerArgs(self.parts, stats=self.stats)
         self.original_forward = base_forward(model.base)
 
     # ------------------------------------------------------------------ the forward generate sees

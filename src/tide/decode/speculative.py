@@ -213,7 +213,8 @@ class LosslessSession:
             ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
             states = torch.cat([states, states.new_zeros(1, pad, states.shape[-1])], 1)
         inputs = new_positions(mask, deep_length, ids.shape[1], ids.device)
-        _, calls = self.layer_args.calls(ids, cache, inputs.get("attention_mask"), inputs["position_ids"], past=deep_length)
+        _, calls = self.layer_args.calls(ids, cache, inputs.get("attention_mask"), inputs["position_ids"],
+                                         past=deep_length)
         deep = range(self.draft_layer + 1, self.parts.num_layers)
         with few_row_linears(self.parts), grouped_query_attention_in_place():  # P + 1 positions: the CPU layouts
             states = self.spans.run(deep.start, deep.stop, states, calls, eager=eager)

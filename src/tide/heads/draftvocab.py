@@ -44,7 +44,8 @@ def restricted_ranks(logits: torch.Tensor, full_top1: torch.Tensor, ids: torch.T
     return ranks.masked_fill(~inside[full_top1], cap).to(torch.uint8)
 
 
-def restricted_logits(parts, normed: torch.Tensor, ids: torch.Tensor, head: tuple | None, vocab_size: int) -> torch.Tensor:
+def restricted_logits(parts, normed: torch.Tensor, ids: torch.Tensor, head: tuple | None,
+                      vocab_size: int) -> torch.Tensor:
     """Logits [..., vocab_size] of a draft restricted to `ids`: from `head` (the head's rows for them, see
     `ModelParts.head_rows`; None: the whole head, then those ids), -inf elsewhere."""
     if head is None:

@@ -19,7 +19,8 @@ __all__ = ["CheckpointTest", "DraftHead", "Router", "RouterBank", "Translator", 
 
 
 def exit_decision(scores: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The exit rule, everywhere: a token exits when its score is strictly above the threshold. -> bool, scores' shape."""
+    """The exit rule, everywhere: a token exits when its score is strictly above the threshold.
+    -> bool, scores' shape."""
     return scores > threshold
 
 

@@ -148,7 +148,8 @@ def calibration_table(config: TideConfig) -> str:
     lines = ["checkpoint  threshold  label rate  exit rate  agreement of exits"]
     for layer, row in (cal.checkpoints if cal else {}).items():
         agreement = "n/a" if row.heldout_agreement is None else f"{row.heldout_agreement:.3f}"
-        lines.append(f"{layer:>10}  {row.threshold:9.4f}  {row.label_rate:10.3f}  {row.exit_rate:9.3f}  {agreement:>18}")
+        lines.append(f"{layer:>10}  {row.threshold:9.4f}  {row.label_rate:10.3f}  {row.exit_rate:9.3f}  "
+                     f"{agreement:>18}")
     if cal is None:
         return "\n".join(lines)
     active = [k for k, t in (config.thresholds or {}).items() if t < 1.0]
@@ -160,8 +161,8 @@ def calibration_table(config: TideConfig) -> str:
                  f"(oracle {cal.oracle_mean_layers:.2f})")
     costs = cal.costs
     if costs:
-        lines.append(f"measured on {costs.device}: a consulted checkpoint costs {costs.checkpoint:.2f} layer, a skipped "
-                     f"layer's K/V {costs.skipped_layer:.2f} layer, the head {costs.head:.2f} layer"
+        lines.append(f"measured on {costs.device}: a consulted checkpoint costs {costs.checkpoint:.2f} layer, "
+                     f"a skipped layer's K/V {costs.skipped_layer:.2f} layer, the head {costs.head:.2f} layer"
                      + "".join(f", {text}" for text in (verify_extras_text(costs), loop_extras_text(costs)) if text))
         lines.append(f"expected cost per token {cal.expected_layer_cost:.2f} layers -> "
                      f"x{config.base_num_layers / cal.expected_layer_cost:.3f} in layer work")
@@ -175,7 +176,8 @@ def calibration_table(config: TideConfig) -> str:
             lines.append(f"no head scheme pays; n-gram drafts alone (plain steps elsewhere): "
                          f"{timings_text(draft.ngram_only)}, " + ("kept" if draft.ngram_only.active else "not kept"))
         if draft.ngram:
-            drafts = (f"n-gram branches up to {draft.ngram.max_draft} deep" if draft.ngram.max_draft else "n-gram drafts")
+            drafts = (f"n-gram branches up to {draft.ngram.max_draft} deep" if draft.ngram.max_draft
+                      else "n-gram drafts")
             lines.append(f"the chosen scheme with {drafts} (draft_ngram={draft.ngram.draft_ngram}): "
                          f"{timings_text(draft.ngram)}, "
                          + ("kept" if draft.ngram.active else "slower than the scheme alone, not kept"))
@@ -207,11 +209,13 @@ def model_card(config: TideConfig, custom_generate: bool = True) -> str:
         "Learned per-token early-exit routers for use with [Tide](https://pypi.org/project/tide-transformers/). "
         "This repo holds only the routers and their configuration; the base model is loaded from its own repo.",
         "",
-        f"- Base model: `{base}` ({config.base_model_type}, {config.base_num_layers} layers, hidden {config.base_hidden_size})",
+        f"- Base model: `{base}` ({config.base_model_type}, {config.base_num_layers} layers, "
+        f"hidden {config.base_hidden_size})",
         f"- Checkpoints (0-based layer indices): {config.resolve_checkpoints()}",
         f"- Router: hidden -> {config.router_hidden_size} -> 1, label rule `{config.label}`",
         f"- Exit head: `{config.exit_head}`" + (f" (rank {config.exit_head_rank})" if config.exit_head_rank else "")
-        + (" (a learned affine map per checkpoint before the model's own final norm and head)" if config.exit_head == "tuned" else
+        + (" (a learned affine map per checkpoint before the model's own final norm and head)"
+           if config.exit_head == "tuned" else
            " (the model's own final norm and head on the raw state)"),
         f"- Draft head: `{config.draft_head}`{_draft_head_text(config)}",
         f"- Quality target: top-1 agreement >= {config.target_agreement} with confidence {config.confidence}",
@@ -285,7 +289,8 @@ def _calibration_lines(config: TideConfig, cal: CalibrationRecord) -> list[str]:
         lines.append(f"Checkpoint {layer} is not consulted: {why}.")
     if cal.costs:
         lines.append(f"Costs measured on {cal.costs.device} at calibration: a consulted checkpoint "
-                     f"{cal.costs.checkpoint:.2f} decoder layer, a skipped layer's K/V {cal.costs.skipped_layer:.2f} layer.")
+                     f"{cal.costs.checkpoint:.2f} decoder layer, "
+                     f"a skipped layer's K/V {cal.costs.skipped_layer:.2f} layer.")
     if cal.exit_timing:
         lines.append(f"Exit mode at these thresholds, at calibration: {exit_timing_text(cal.exit_timing)}.")
     generation = config.generation_config
@@ -295,7 +300,8 @@ def _calibration_lines(config: TideConfig, cal: CalibrationRecord) -> list[str]:
         lines.append("Lossless mode: no drafting scheme timed faster than the base model at calibration; it runs the "
                      "base model.")
     if generation.mode == "auto":
-        lines.append(f"Default mode: `auto` (lossless, timed faster than exit mode at calibration; {batches_text(config)}).")
+        lines.append(f"Default mode: `auto` (lossless, timed faster than exit mode at calibration; "
+                     f"{batches_text(config)}).")
     if cal.phase_seconds:
         lines.append(f"Calibration took {phases_text(cal.phase_seconds)} (seconds per phase, main process).")
     if cal.processes > 1:

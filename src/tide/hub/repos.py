@@ -74,8 +74,9 @@ def check_save_directory(out: Path) -> None:
     weights = sorted(p.name for p in out.iterdir()
                      if p.name != ROUTERS_NAME and (p.suffix in _WEIGHT_SUFFIXES or p.name.endswith(".index.json")))
     if weights:
-        raise ValueError(f"{out} holds model weights ({', '.join(weights[:3])}); a router repo needs a directory of its "
-                         "own (saving here would replace that model's config.json): choose another directory.")
+        raise ValueError(f"{out} holds model weights ({', '.join(weights[:3])}); "
+                         "a router repo needs a directory of its own (saving here would replace that model's "
+                         "config.json): choose another directory.")
     config = out / CONFIG_NAME
     if config.is_file():
         data = _read_json(config, quiet=True)
@@ -153,7 +154,8 @@ def write_router_files(model, out: Path, custom_generate: bool = True) -> None:
     `model` into the existing directory `out`."""
     config = model.config
     config.save_pretrained(out)  # writes config.json only
-    metadata = {"format": "pt", "checkpoints": ",".join(map(str, model.checkpoints)), "tide_version": config.tide_version}
+    metadata = {"format": "pt", "checkpoints": ",".join(map(str, model.checkpoints)),
+                "tide_version": config.tide_version}
     tensors = router_state_dict(model)
     if model.draft_vocabulary is not None:
         tensors[DRAFT_VOCABULARY_KEY] = model.draft_vocabulary.detach().to("cpu", torch.int64).contiguous()
@@ -256,7 +258,8 @@ def check_base_matches(config: TideConfig, base_model) -> None:
         "hidden size": config.base_hidden_size,
         "number of layers": config.base_num_layers,
     }
-    mismatches = [f"{k}: routers expect {expected[k]!r}, base has {actual[k]!r}" for k in actual if expected[k] not in (None, actual[k])]
+    mismatches = [f"{k}: routers expect {expected[k]!r}, base has {actual[k]!r}" for k in actual
+                  if expected[k] not in (None, actual[k])]
     if mismatches:
         raise ValueError(
             f"These routers do not fit the base model ({config.base_model_name_or_path or 'unnamed'}): "
@@ -305,9 +308,10 @@ def load_router_weights(model, weights: dict[str, torch.Tensor]) -> None:
     expected = router_state_dict(model)
     if set(weights) != set(expected) and model.config.base_num_layers is None:
         raise ValueError(
-            f"{ROUTERS_NAME} does not fit this base model's {model.parts.num_layers} layers: it holds routers at layers "
-            f"{_layers(weights)} (draft heads at {_layers(weights, '.draft.')}), but on {model.parts.num_layers} layers "
-            f"the config's checkpoints are {model.checkpoints} (draft heads at {_layers(expected, '.draft.')}). The repo's "
+            f"{ROUTERS_NAME} does not fit this base model's {model.parts.num_layers} layers: "
+            f"it holds routers at layers {_layers(weights)} (draft heads at {_layers(weights, '.draft.')}), "
+            f"but on {model.parts.num_layers} layers the config's checkpoints are {model.checkpoints} "
+            f"(draft heads at {_layers(expected, '.draft.')}). The repo's "
             "config.json does not record its base model's layer count (base_num_layers): load the base model the "
             "routers were calibrated on, or recalibrate them with tide.calibrate."
         )

@@ -11,9 +11,10 @@ keeps it. The layer-0 input is the model's input embedding of the tokens, plus t
 part the backbone adds to it (learned positions), read from a capture on zero embeddings.
 
 Every shortcut is checked against the backbone, never assumed: the embedding form once per model, and the first
-slice of each request length (per cache type) against a fresh capture; what the checks found is kept per model. Where something does not hold (sliding-window layers at positions that
-reach their window, a backbone that transforms its embeddings, an argument whose axes cannot be told apart, a slice that differs),
-requests get a fresh capture each, as before. Nothing here decides anything.
+slice of each request length (per cache type) against a fresh capture; what the checks found is kept per model.
+Where something does not hold (sliding-window layers at positions that reach their window, a backbone that
+transforms its embeddings, an argument whose axes cannot be told apart, a slice that differs), requests get a
+fresh capture each, as before. Nothing here decides anything.
 """
 
 from __future__ import annotations
@@ -107,12 +108,14 @@ class LayerArgs:
             return self._fresh(input_ids, cache, attention_mask, position_ids, past)
         key = (type(cache).__name__, attention_mask is not None, length)
         if key not in self.checked:
-            fresh_hidden, fresh = self._fresh(input_ids, cache, attention_mask, position_ids, past, every_layer_at_past=True)
+            fresh_hidden, fresh = self._fresh(input_ids, cache, attention_mask, position_ids, past,
+                                              every_layer_at_past=True)
             if not self._known["keeps_full_masks"] and _passes_full_masks(calls, fresh):
                 self._known["keeps_full_masks"] = True  # the backbone passes a mask where the slice had None
                 hidden, calls = self._slice(input_ids, cache, past, length)
             if not (torch.equal(hidden, fresh_hidden) and all(map(_same_call, calls, fresh))):
-                self.off_reason = f"a slice of the window's layer arguments differed from the backbone's ({length} tokens)"
+                self.off_reason = (f"a slice of the window's layer arguments differed from the backbone's "
+                                   f"({length} tokens)")
                 return fresh_hidden, fresh
             self.checked.add(key)
         return hidden, calls
@@ -171,7 +174,8 @@ class LayerArgs:
         view = LengthView(cache, past)
         # Two captures, W and W + 1 positions wide: the axes that grow by one are the positions' (a query axis of
         # the window's width, or a mask's key axis), whatever sizes other axes happen to have
-        calls, wider = (self._capture(input_ids, view, attention_mask, position_ids, past, w) for w in (width, width + 1))
+        calls, wider = (self._capture(input_ids, view, attention_mask, position_ids, past, w)
+                        for w in (width, width + 1))
         key_length = view.get_mask_sizes(width, 0)[0]
         plans = {}
         for call, other in {id(c): (c, o) for c, o in zip(calls, wider)}.values():
@@ -182,8 +186,8 @@ class LayerArgs:
             plans[id(call)] = plan
         hidden = calls[0].hidden
         positional = None if self.embedding_form == "exact" else hidden
-        self.window = _Window(_reference(cache), past, width, batch, attention_mask is not None, calls, plans, key_length,
-                              positional)
+        self.window = _Window(_reference(cache), past, width, batch, attention_mask is not None, calls, plans,
+                              key_length, positional)
         for call in calls:
             for mask, plan in _masks(call, plans[id(call)]):
                 if id(mask) not in self.window.visible:
@@ -191,11 +195,13 @@ class LayerArgs:
 
     def _capture(self, input_ids, view, attention_mask, position_ids, past, width) -> list[LayerCall]:
         """The layer calls for `width` positions from `past`, on zero embeddings."""
-        positions = None if position_ids is None else position_ids[:, :1] + torch.arange(width, device=position_ids.device)
+        positions = (None if position_ids is None
+                     else position_ids[:, :1] + torch.arange(width, device=position_ids.device))
         weight = self.parts.backbone.get_input_embeddings().weight
         embeds = torch.zeros(input_ids.shape[0], width, weight.shape[1], dtype=weight.dtype, device=input_ids.device)
         return self._captured(view, inputs_embeds=embeds, position_ids=positions,
-                              attention_mask=None if attention_mask is None else grown_mask(attention_mask, past + width))
+                              attention_mask=None if attention_mask is None
+                              else grown_mask(attention_mask, past + width))
 
     def _read_embedding_form(self, input_ids, cache, attention_mask, position_ids, past) -> str:
         """"exact": the layer-0 input is the input embedding; "positional": the embedding plus a part the backbone
@@ -232,8 +238,11 @@ class LayerArgs:
 
         def one(call: LayerCall) -> LayerCall:
             args, kwargs = _apply(_arguments(call),
-                                  w.plans[id(call)], _Cut(first, length, None if key_length == w.key_length else key_length, cache, w.visible,
-                                       not getattr(cache, "is_compileable", False) and not self._known["keeps_full_masks"]))
+                                  w.plans[id(call)],
+                                  _Cut(first, length, None if key_length == w.key_length else key_length, cache,
+                                       w.visible,
+                                       not getattr(cache, "is_compileable", False)
+                                       and not self._known["keeps_full_masks"]))
             if call.args:
                 return LayerCall((hidden, *args), kwargs)
             return LayerCall((), {**kwargs, "hidden_states": hidden})

@@ -23,8 +23,8 @@ import torch
 
 from ..models.architectures import ModelParts
 
-__all__ = ["LayerCall", "PartialRows", "INNER_FORWARD", "call_own", "install_forward", "capture_layer_calls", "capture_outputs", "write_kv_only", "run_to_cache_write",
-           "additive_mask", "additive_masks", "map_calls"]
+__all__ = ["LayerCall", "PartialRows", "INNER_FORWARD", "call_own", "install_forward", "capture_layer_calls",
+           "capture_outputs", "write_kv_only", "run_to_cache_write", "additive_mask", "additive_masks", "map_calls"]
 
 
 @dataclass
@@ -166,7 +166,8 @@ class PartialRows:
     def _weights(self, module):
         weight, bias = module.weight, module.bias
         if isinstance(self.rows, slice):
-            return (weight[:, self.rows] if self.conv else weight[self.rows]), (None if bias is None else bias[self.rows])
+            return ((weight[:, self.rows] if self.conv else weight[self.rows]),
+                    (None if bias is None else bias[self.rows]))
         key = (weight.data_ptr(), weight._version, weight.device, weight.dtype,
                None if bias is None else (bias.data_ptr(), bias._version))
         if key != self._key:

@@ -8,8 +8,8 @@ PyTorch's plain `F.linear` that depends on the CPU and on the row count, because
   for 4). The transposed product `W @ x.T` reads the weight once for all the rows (5.8 ms for 2, 7.1 ms for 4).
 - 2 cores of an Intel Xeon (Sapphire Rapids): the plain layout costs about one row up to 3 rows, then reads
   the weights again: a 12-layer hidden-1024 Llama's forward over 4 positions costs x1.75 of one position. The
-  transposed layout is worse there (x1.8-2.2). MKL's packed weights (`torch.ops.mkl._mkl_linear` on a copy packed once by
-  `_mkl_reorder_linear_weight`) read the weights once: x1.32 for 4 positions, x1.54 for 8 against x2.29.
+  transposed layout is worse there (x1.8-2.2). MKL's packed weights (`torch.ops.mkl._mkl_linear` on a copy packed
+  once by `_mkl_reorder_linear_weight`) read the weights once: x1.32 for 4 positions, x1.54 for 8 against x2.29.
 
 So the layout is measured, not assumed (docs/benchmarks.md, `examples/verify_cost`). Inside
 `few_row_linears(parts)`, the plain `nn.Linear` modules given to `install` (the model's, on the first pass whose

@@ -277,7 +277,8 @@ def _probe_layer(parts: ModelParts, index: int, call: LayerCall) -> LayerPlan:
             plan.skips[module] = PartialRows(module, reach.nonzero().squeeze(1))
             plan.partial[name] = f"K/V rows {int(reach.sum())} of {reach.numel()}"
         else:
-            plan.kept[name] = f"its outputs reach the K/V in part, and {type(module).__name__} cannot compute rows alone"
+            plan.kept[name] = (f"its outputs reach the K/V in part, and {type(module).__name__} "
+                               "cannot compute rows alone")
         if bool(key_reach.any()):
             plan.key_rows[name] = key_reach.nonzero().squeeze(1)
         if bool(value_reach.any()):

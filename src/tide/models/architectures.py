@@ -27,7 +27,8 @@ __all__ = ["ArchSpec", "KVProjections", "ModelParts", "ARCHITECTURES", "register
 
 @dataclass(frozen=True)
 class KVProjections:
-    """The batched K/V fill of skipped layers (`kvfill.py`), on by default (`ArchSpec.kv_projections=None` turns it off).
+    """The batched K/V fill of skipped layers (`kvfill.py`), on by default (`ArchSpec.kv_projections=None` turns it
+    off).
 
     What is stacked is found on the model itself: the K/V linears (separate or the K/V rows of a fused qkv) and
     the input norm they read, by the probe (`kvprobe.kv_plan`); norms recognised by what they compute; rotary from

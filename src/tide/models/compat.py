@@ -151,7 +151,8 @@ def unrecoverable_sliding_layers(cache) -> list[int]:
 def cache_layer_kinds(config) -> list[str] | None:
     """What kind of cache layer transformers builds for each decoder layer of `config`: "attention", "sliding",
     "recurrent" (linear attention / state-space state, also when mixed with attention), "shared" (a layer that
-    reuses another layer's K/V) or "indexed" (a sparse-attention indexer's keys besides the K/V). None if transformers cannot build a cache from this config."""
+    reuses another layer's K/V) or "indexed" (a sparse-attention indexer's keys besides the K/V). None if
+    transformers cannot build a cache from this config."""
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
     try:
@@ -216,9 +217,11 @@ _TORCH_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split("
 
 
 def _use_gqa_in_sdpa_for(original):
-    def use_gqa_in_sdpa(attention_mask, key, value):  # compiled: transformers' own decision (dynamo reads no ContextVar)
-        if (not torch.compiler.is_compiling() and _GQA_IN_PLACE.get() and attention_mask is not None and attention_mask.dim() == 4
-                and attention_mask.shape[-2] > 1 and key.device.type == "cpu" and key.shape[-1] == value.shape[-1] <= 256):
+    def use_gqa_in_sdpa(attention_mask, key, value):
+        # compiled: transformers' own decision (dynamo reads no ContextVar)
+        if (not torch.compiler.is_compiling() and _GQA_IN_PLACE.get() and attention_mask is not None
+                and attention_mask.dim() == 4 and attention_mask.shape[-2] > 1 and key.device.type == "cpu"
+                and key.shape[-1] == value.shape[-1] <= 256):
             return True
         return original(attention_mask, key, value)
 

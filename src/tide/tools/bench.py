@@ -21,7 +21,8 @@ from transformers import DynamicCache
 from ..calibration.measure import measure_costs
 from ..calibration.evaluate import oracle_depths, teacher_forced
 from ..calibration.run import operating_point
-from ..hub.card import batches_text, draft_scheme_text, exit_timing_text, loop_extras_text, timings_text, verify_extras_text
+from ..hub.card import (batches_text, draft_scheme_text, exit_timing_text, loop_extras_text, timings_text,
+                        verify_extras_text)
 from ..decode.baseline import compiled_static_decoder
 from ..layers import fewrows
 from ..layers.calls import capture_layer_calls, write_kv_only
@@ -58,7 +59,8 @@ def _choice_text(choice: dict) -> str:
     if check:
         words.append(f"decode check: agreement {check['agreement']:.3f} (lower bound {check['lower_bound']:.3f})")
     if timing:
-        realised = "" if expected is None else f" (the lower timing is {timing['measured'] / expected:.0%} of the expected speed-up)"
+        realised = ("" if expected is None
+                    else f" (the lower timing is {timing['measured'] / expected:.0%} of the expected speed-up)")
         words.append(exit_timing_text(timing) + realised)
     elif not choice["exits"]:
         words.append("no checkpoint pays at this target: no exits")
@@ -144,7 +146,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     progress(f"costs on {results['machine']}: consulted checkpoint {costs.checkpoint:.2f} layer, skipped layer's K/V "
              f"{costs.skipped_layer:.2f} layer, head {costs.head:.2f} layer, step set-up {costs.capture:.2f} layer "
              f"({'one per window of positions in' if costs.windowed else 'per pass in'} Tide's passes), "
-             f"{verify_extras_text(results['costs'])}, {loop_extras_text(results['costs']) or 'generate not timed'} (linears over "
+             f"{verify_extras_text(results['costs'])}, "
+             f"{loop_extras_text(results['costs']) or 'generate not timed'} (linears over "
              f"{fewrows.layouts_text(results['few_row_layouts'])})")
     progress(kv_fill_costs_text(results["kv_fill"]))
     draft = (model.config.calibration or {}).get("draft_selection")
@@ -184,8 +187,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                     extra[name] = {"mean_layers": layers, "layer_passes_per_token": s.layer_passes_per_token}
                     if s.mode == "lossless":
                         extra[name].update(acceptance_rate=s.acceptance_rate, drafted=s.drafted, accepted=s.accepted,
-                                           verify_passes=s.verify_passes, mean_draft=s.drafted / max(s.verify_passes, 1),
-                                           draft_topk=s.draft_topk)
+                                           verify_passes=s.verify_passes,
+                                           mean_draft=s.drafted / max(s.verify_passes, 1), draft_topk=s.draft_topk)
     total_tokens = new_tokens * len(prompt_ids)
     for name, cfg in variants.items():
         tps = total_tokens / statistics.median(times[name])
@@ -225,7 +228,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                  + (f" (measured x{timing['measured']:.3f} against the base model)" if timing else "")
                  + ", so it runs the base model")
     progress(f"default generate(): mode={model.config.generation_config.mode!r}"
-             + (f" (lossless at batch size 1, {batches_text(model.config)})" if model.config.generation_config.mode == "auto" else ""))
+             + (f" (lossless at batch size 1, {batches_text(model.config)})"
+                if model.config.generation_config.mode == "auto" else ""))
     results["default_mode"] = model.config.generation_config.mode
     if exits_on and batch_size > 1:
         results["batch"] = batch_throughput(model, tokenizer, heldout, batch_size, new_tokens, repeats)
@@ -271,7 +275,8 @@ def batch_throughput(model, tokenizer, texts: list[str], batch_size: int, new_to
     return {"batch_size": ids.shape[0], "base_tokens_per_s": tokens / statistics.median(times["base"]),
             "tide_tokens_per_s": tokens / statistics.median(times["tide"]), "ratio_to_base": statistics.median(ratios),
             "ratio_range": [min(ratios), max(ratios)], "exits_ran": stats is not None,
-            "mean_layers": stats.mean_layers if stats else model.parts.num_layers, "exits": stats.exits if stats else {}}
+            "mean_layers": stats.mean_layers if stats else model.parts.num_layers,
+            "exits": stats.exits if stats else {}}
 
 
 def _prefill_effect(model, token_lists) -> dict:
@@ -280,7 +285,8 @@ def _prefill_effect(model, token_lists) -> dict:
     with torch.inference_mode():
         full = teacher_forced(model, token_lists, {"prefill_exit": False}, prefix=prefix)
         skipped = teacher_forced(model, token_lists, {"prefill_exit": True}, prefix=prefix)
-    return {"prompt_tokens": prefix, "agreement_full_prefill": full.agreement, "agreement_prefill_exit": skipped.agreement,
+    return {"prompt_tokens": prefix, "agreement_full_prefill": full.agreement,
+            "agreement_prefill_exit": skipped.agreement,
             "ppl_full_prefill": full.ppl_tide, "ppl_prefill_exit": skipped.ppl_tide}
 
 
@@ -291,7 +297,8 @@ def _line(name: str, row: dict) -> str:
         low, high = row["ratio_to_compiled_range"]
         parts[0] += f" (compiled base: x{row['ratio_to_compiled']:.3f} [{low:.2f}-{high:.2f}])"
     parts += [
-              "greedy output = base" if row["greedy_identical"] else f"greedy tokens = base {row['greedy_token_match']:.0%}"]
+              "greedy output = base" if row["greedy_identical"]
+              else f"greedy tokens = base {row['greedy_token_match']:.0%}"]
     if "mean_layers" in row:
         parts.append(f"layers {row['mean_layers']:.2f}")
     if "agreement" in row:
@@ -325,7 +332,8 @@ def plot_bench(results: dict, path) -> None:
         marker = "D" if name == "base" else "*" if "lossless" in name else ("s" if "calibrated" in name else "o")
         ax.scatter(row["ratio_to_base"], row["agreement"], marker=marker, s=60, label=name)
     oracle = results["oracle"]["exits"]
-    ax.axvline(oracle, linestyle="--", color="gray", label=f"oracle bound x{oracle:.2f} (layers, {results['exit_head']} exits)")
+    ax.axvline(oracle, linestyle="--", color="gray",
+               label=f"oracle bound x{oracle:.2f} (layers, {results['exit_head']} exits)")
     ax.legend(fontsize=7, loc="center right")
     ax.set_xlabel("decode tokens/s relative to the base model")
     ax.set_ylabel("top-1 agreement with the full model (held-out)")

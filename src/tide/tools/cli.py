@@ -32,7 +32,8 @@ __all__ = ["main"]
 def _load(name_or_path: str, dtype: str = "auto"):
     """(TideForCausalLM or base model, tokenizer) for a router repo or a plain model."""
     if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
-        raise FileNotFoundError(f"{name_or_path}: no such directory (pass a router repo or model directory, or a Hub id)")
+        raise FileNotFoundError(f"{name_or_path}: no such directory "
+                                "(pass a router repo or model directory, or a Hub id)")
     config = AutoConfig.from_pretrained(name_or_path)
     if isinstance(config, TideConfig):
         model = TideForCausalLM.from_pretrained(name_or_path, dtype=dtype)
@@ -68,10 +69,10 @@ def cmd_calibrate(args) -> None:
     )
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = calibrate(base, tokenizer, dataset=args.dataset, prompts=prompts, config=config, dataset_config=args.dataset_config,
-                           split=args.split, text_column=args.text_column, num_samples=args.num_samples,
-                           max_length=args.max_length, batch_size=args.batch_size, timing_budget_s=args.timing_budget_s,
-                           compiled_trials=args.compiled_trials)
+    model = calibrate(base, tokenizer, dataset=args.dataset, prompts=prompts, config=config,
+                           dataset_config=args.dataset_config, split=args.split, text_column=args.text_column,
+                           num_samples=args.num_samples, max_length=args.max_length, batch_size=args.batch_size,
+                           timing_budget_s=args.timing_budget_s, compiled_trials=args.compiled_trials)
     if not Processes.current(base.device).is_main:  # under `accelerate launch`: the main process writes
         return
     model.save_pretrained(args.out)
@@ -189,7 +190,8 @@ def _number(high: float, low: float | None = None, low_included: bool = False):
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value > high or (low is not None and (value < low if low_included else value <= low)):
+        if (not math.isfinite(value) or value > high
+                or (low is not None and (value < low if low_included else value <= low))):
             bounds = (f"in {'[' if low_included else '('}{low:g}, {high:g}]" if low is not None else f"<= {high:g}")
             raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text!r}")
         return value
@@ -205,7 +207,8 @@ def _budget(text: str) -> float | str | None:
 
 def _dtype(text: str) -> str:
     """argparse type: 'auto' or the name of a torch floating-point dtype."""
-    if text != "auto" and not (isinstance(getattr(torch, text, None), torch.dtype) and getattr(torch, text).is_floating_point):
+    if text != "auto" and not (isinstance(getattr(torch, text, None), torch.dtype)
+                               and getattr(torch, text).is_floating_point):
         raise argparse.ArgumentTypeError(f"must be 'auto' or a torch floating-point dtype such as float32, bfloat16 or "
                                          f"float16, got {text!r}")
     return text
@@ -247,12 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["exit", "lossless", "auto"],
                    help="default: the router repo's (calibration picks the faster of exit and lossless)")
     p.add_argument("--threshold", type=_number(1.0), help="exit mode: override the calibrated thresholds")
-    p.add_argument("--draft-layer", type=_integer(0), help="lossless mode: the checkpoint whose draft head (or exit head) drafts")
+    p.add_argument("--draft-layer", type=_integer(0),
+                   help="lossless mode: the checkpoint whose draft head (or exit head) drafts")
     p.add_argument("--max-draft", type=_integer(0), help="lossless mode: most drafts per verification (0: no drafting)")
-    p.add_argument("--draft-topk", type=_integer(1, MAX_DRAFT_TOPK), help="lossless mode, greedy: verify the draft head's k best tokens together "
-                                                  "(a one-level draft tree; 1: chain drafts)")
-    p.add_argument("--draft-vocab-size", type=_integer(MAX_DRAFT_TOPK, allowed=(0,)), help="lossless mode: drafts rank only this many most-predicted "
-                                                        "tokens (0: the whole vocabulary)")
+    p.add_argument("--draft-topk", type=_integer(1, MAX_DRAFT_TOPK),
+                   help="lossless mode, greedy: verify the draft head's k best tokens together "
+                        "(a one-level draft tree; 1: chain drafts)")
+    p.add_argument("--draft-vocab-size", type=_integer(MAX_DRAFT_TOPK, allowed=(0,)),
+                   help="lossless mode: drafts rank only this many most-predicted "
+                        "tokens (0: the whole vocabulary)")
     p.add_argument("--kv-strategy", choices=["propagate", "recompute"])
     p.add_argument("--max-new-tokens", type=_integer(1), default=64)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -268,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=_integer(1), default=48)
     p.add_argument("--repeats", type=_integer(1), default=3)
     p.add_argument("--no-compiled-baseline", action="store_true",
-                   help="skip the second baseline: the base model's compiled static-cache decode (compiling takes seconds)")
+                   help="skip the second baseline: the base model's compiled static-cache decode "
+                        "(compiling takes seconds)")
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write the quality/speed plot here (PNG)")
     p.set_defaults(func=cmd_bench)

@@ -30,11 +30,13 @@ def convert_tide_routers(path, base_model, config: TideConfig | None = None):
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - unpickling errors of every kind, named with the file
         first = str(err).strip().split(". ")[0]
-        raise ValueError(f"{path} could not be read as a TIDE router.pt of tensors ({type(err).__name__}: {first}).") from err
+        raise ValueError(f"{path} could not be read as a TIDE router.pt of tensors "
+                         f"({type(err).__name__}: {first}).") from err
     try:
         hidden, bottleneck, layers = state["hidden_dim"], state["bottleneck_dim"], state["router_layers"]
     except (TypeError, KeyError) as err:
-        raise ValueError(f"{path} is not a TIDE router checkpoint (expected hidden_dim, bottleneck_dim, router_layers).") from err
+        raise ValueError(f"{path} is not a TIDE router checkpoint "
+                         "(expected hidden_dim, bottleneck_dim, router_layers).") from err
     if not isinstance(layers, dict) or not layers:
         raise ValueError(f"{path}: router_layers is empty; a TIDE router.pt holds one router per consulted layer.")
     num_layers = len(resolve(base_model).layers)
@@ -82,8 +84,8 @@ def _router_tensors(path, layer: int, router, expected: dict) -> dict:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{path}: the router at layer {layer} has no {key} tensor.")
         if tuple(tensor.shape) != shape:
-            raise ValueError(f"{path}: router layer {layer} {key} has shape {list(tensor.shape)}, expected {list(shape)} "
-                             "(from hidden_dim and bottleneck_dim).")
+            raise ValueError(f"{path}: router layer {layer} {key} has shape {list(tensor.shape)}, "
+                             f"expected {list(shape)} (from hidden_dim and bottleneck_dim).")
         if not torch.isfinite(tensor).all():
             raise ValueError(f"{path}: router layer {layer} {key} holds values that are not finite (NaN or inf).")
         out[key] = tensor

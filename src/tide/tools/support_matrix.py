@@ -2,7 +2,8 @@
 
 For each model type in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` whose tiny config (`tide.models.tiny`) builds offline, and
 each named variant of a family whose config switches take other code paths (`tiny.VARIANTS`, e.g.
-`falcon[mha-sequential,rotary,sdpa]`), `check_model_type` wraps it with `TideForCausalLM.from_base` and runs four checks:
+`falcon[mha-sequential,rotary,sdpa]`), `check_model_type` wraps it with `TideForCausalLM.from_base` and runs four
+checks:
 
 - `exact`: `exit_threshold=1.0` gives the base model's greedy tokens;
 - `forced_exit`: every decode token forced out after layer 1 gives the tokens of an independent reference
@@ -68,8 +69,8 @@ def _first_line(err: BaseException) -> str:
 
 
 def _build(model_type: str):
-    """The tiny model of `model_type` (or a variant's name), or a refusal read from its structure alone (built on the meta device, so
-    models too large to build here are still judged)."""
+    """The tiny model of `model_type` (or a variant's name), or a refusal read from its structure alone (built on
+    the meta device, so models too large to build here are still judged)."""
     config = tiny_config(model_type)
     with torch.device("meta"):
         shape = AutoModelForCausalLM.from_config(config)
@@ -428,7 +429,8 @@ def markdown_table(results: list[MatrixResult]) -> str:
     lines = ["| model type | status | reason |", "|---|---|---|"] + [
         f"| `{r.model_type}` | {r.status} | {r.reason.replace('|', '/')} |" for r in results]
     variants = sum(r.model_type in VARIANTS for r in results)
-    return header + f"{len(results) - variants} model types and {variants} variants: {summary}.\n\n" + "\n".join(lines) + "\n"
+    return (header + f"{len(results) - variants} model types and {variants} variants: {summary}.\n\n"
+            + "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
