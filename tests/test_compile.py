@@ -72,8 +72,8 @@ def test_inductor_lossless_and_exit_equal_the_base_model():
                                       tide_config={"mode": "lossless", "max_draft": 2, "compile": True}), ref)
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=16,
                                       tide_config={"exit_threshold": 1.0, "compile": True}), ref)
-    (runner,) = model.span_runners.values()  # compiled: draft steps, a chain, verification and exit mode's spans
-    assert {"then", "chain"} <= {key[2] for key in runner._compiled if len(key) > 2}, list(runner._compiled)
+    (runner,) = model.span_runners.values()  # compiled: the fused cycles' graphs, exit mode's spans
+    assert [key for key in runner._compiled if key[0] == "graph" and key[1][0] == "cycle"], list(runner._compiled)
 
 
 def test_compile_needs_a_static_cache():
@@ -201,13 +201,15 @@ def test_compiled_calls_share_one_static_cache():
 
 
 def test_the_draft_head_runs_in_the_shallow_layers_graph():
-    """Compiled drafts run the shallow layers and the draft head as one graph; a `draft_logits` replaced on the model
-    is called instead (eagerly), and both give the base model's tokens."""
+    """Compiled drafts of the general loop (here: a call with a logits processor) run the shallow layers and the
+    draft head as one graph; a `draft_logits` replaced on the model is called instead (eagerly), and both give the
+    base model's tokens."""
     model, base = noisy_tide("llama")
     ids = prompt_ids()
-    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    penalty = dict(do_sample=False, max_new_tokens=16, repetition_penalty=1.3)
+    ref = base.generate(ids, **penalty)
     config = {"mode": "lossless", "max_draft": 3, "compile": True}
-    out = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config=config, compile_config=EAGER_BACKEND)
+    out = model.generate(ids, **penalty, tide_config=config, compile_config=EAGER_BACKEND)
     assert torch.equal(out, ref)
     (runner,) = model.span_runners.values()
     assert [key for key in runner._compiled if key[-1] == "then"], list(runner._compiled)
@@ -219,15 +221,16 @@ def test_the_draft_head_runs_in_the_shallow_layers_graph():
         return original(*args, **kwargs)
 
     model.draft_logits = replaced
-    out = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config=config, compile_config=EAGER_BACKEND)
+    out = model.generate(ids, **penalty, tide_config=config, compile_config=EAGER_BACKEND)
     assert torch.equal(out, ref) and calls
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: learned positions added to the embeddings
-def test_greedy_chains_draft_in_one_compiled_call(family):
-    """Compiled greedy chains with no logits processors draft every token of a chain in one call (one graph per chain
-    length); a chain cut by a stopping draft, and calls with a processor (drafted a call a token), give the base
-    model's tokens."""
+def test_greedy_chains_draft_in_one_compiled_call(family, monkeypatch):
+    """Where the fused cycle declines (`decode/fused.py`; forced here), compiled greedy chains with no logits
+    processors draft every token of a chain in one call (one graph per chain length); a chain cut by a stopping
+    draft, and calls with a processor (drafted a call a token), give the base model's tokens."""
+    monkeypatch.setattr("tide.decode.lossless.fused_chain_for", lambda *args, **kwargs: None)
     model, base = noisy_tide(family)
     ids = prompt_ids()
     config = {"mode": "lossless", "max_draft": 4, "compile": True}

@@ -18,6 +18,7 @@ import torch
 from ..models.compat import crop_cache
 from .accept import greedy_verdict, sampling_verdict
 from .emit import Emitted
+from .fused import fused_chain_for
 from .processors import process
 from .records import Draft, Verdict
 
@@ -36,6 +37,10 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
     drafter = session.drafter(generation_config, logits_processor, stopping_criteria, cache,
                               model_kwargs.get("attention_mask"))
     emitted = Emitted(generation_config, streamer)
+    fused = fused_chain_for(session, drafter, input_ids, generation_config, logits_processor, cache,
+                            model_kwargs.get("attention_mask"), emitted)
+    if fused is not None:  # compiled greedy chains: two graphs and one host read a cycle
+        return fused.decode(input_ids, stopping_criteria, generation_config, emitted)
     sample = bool(generation_config.do_sample)
     while True:
         draft = drafter.draft(input_ids)

@@ -128,6 +128,10 @@ class SpanRunner:
                             [(_at_offset_zero(args), _at_offset_zero(kwargs)) for args, kwargs in steps], then,
                             _dense(context)))
 
+    def graph(self, key, function, name: str, *args):
+        """`function(*args)` compiled (one graph per `key`; `function`'s own Python decides what it runs)."""
+        return self._own(self._function(function, ("graph", key), name)(*args))
+
     def backbone(self, **inputs):
         """The backbone's own forward on `inputs`, compiled (one graph per input shape): its last hidden state
         [B, T, H], which the backbone gives after its final norm."""

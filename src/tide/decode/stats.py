@@ -40,6 +40,8 @@ class GenerationStats:
     # windows hold, else one per pass), and why windows did not hold (None: they did, or were never asked)
     arg_captures: int = 0
     arg_windows_off: str | None = None
+    # compiled greedy chains (`decode/fused.py`): cycles run as one graph and one host read each
+    fused_cycles: int = 0
 
     def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0) -> None:
         """Count one exit-mode decode step: where its tokens left and the layer work it ran."""
@@ -105,6 +107,8 @@ class GenerationStats:
                     "parent's first child)" if self.tree_cycles else "")),
                 ("layer passes per token", f"{self.layer_passes_per_token:.2f} (the base model: {self.num_layers})"),
             ]
+            if self.fused_cycles:
+                rows.append(("fused cycles", f"{self.fused_cycles} (one compiled graph and one host read each)"))
         else:
             rows += [
                 ("mean layers per token", f"{self.mean_layers:.2f} of {self.num_layers}"),

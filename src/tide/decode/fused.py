@@ -1,0 +1,282 @@
+"""Greedy lossless cycles as one compiled graph and one host read each (`tide_config={"compile": True}`).
+
+A cycle of the general loop (`lossless.py`) runs the drafter's compiled calls, captures each pass's layer arguments
+on the host, checks each draft against the stopping criteria, reads the accepted count and crops the cache layer
+by layer: host work between compiled spans. Here, for greedy chains from the draft head (a full-attention static
+cache, one attention type, no logits processor but generate's minimum length), a cycle is one graph (one per chain
+width k, `_cycle`) and one read:
+
+1. **drafts**: the last emitted token x and each of k drafts run through layers 0..E (the draft layer) on the real
+   cache; the draft head on each output gives the next draft (its argmax). The backbone's own forward does the
+   work, on a view of it that holds layers 0..E and no final norm (`backbone_view`), so positions, rotary tables
+   and masks are made inside the graph as the model makes them.
+2. **verification**: layers E+1..L-1 over [x, d1..dk] from their layer-E states (a view that starts at layer E+1
+   and ends with the final norm), the head, a minimum length's end-of-sequence scores set to -inf, the argmax at
+   every position, the accepted count (the longest prefix of drafts equal to the full model's tokens), the next
+   cycle's token and context, and every cache layer's length cut back to the accepted path. Positions come from
+   the static cache's own length tensors, so no graph is made again for another prompt length.
+3. **one host read**: the accepted count and the full model's k + 1 tokens, for the stopping criteria, the
+   streamer and the sequence.
+
+Drafted tokens that would stop generation are not cut before verification (greedy: the emitted tokens are the
+full model's, whatever was drafted); the stopping criteria run on the emitted tokens, one at a time, and the
+tokens after the first that stops are dropped with their K/V. The deep view takes the layer-E states as its
+input embeddings; what the backbone adds to its inputs before layer 0 (learned positions) is measured once
+and taken off (`input_offset`), and a backbone that transforms them otherwise (e.g. scales them) is not used.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from ..models.compat import crop_cache, is_static_layer
+from .emit import Emitted
+from .speculative import next_cap
+
+__all__ = ["FusedChain", "backbone_view", "fused_chain_for", "input_offset"]
+
+
+def backbone_view(parts, start: int, stop: int, final_norm: bool) -> nn.Module | None:
+    """The backbone running only decoder layers start..stop-1 (its final norm where `final_norm`, else none): a
+    shallow copy sharing every parameter, whose forward is the backbone's own. None where the layers or the norm
+    are not the backbone's direct children."""
+    backbone, spec = parts.backbone, parts.spec
+    prefix = spec.backbone + "."
+    layers_name, norm_name = spec.layers.removeprefix(prefix), spec.norm.removeprefix(prefix)
+    if not (spec.layers.startswith(prefix) and spec.norm.startswith(prefix)) or "." in layers_name + norm_name:
+        return None
+    view = copy.copy(backbone)
+    view._modules = dict(backbone._modules)  # (copy.copy shares the dict: the backbone itself must not change)
+    view._modules[layers_name] = nn.ModuleList(list(parts.layers)[start:stop])
+    if not final_norm:
+        view._modules[norm_name] = nn.Identity()
+    return view
+
+
+def _mask(positions: torch.Tensor, keys: int, dtype) -> torch.Tensor:
+    """The additive causal mask [1, 1, q, keys] for queries at `positions` [q] over a static cache of `keys` slots."""
+    sees = torch.arange(keys, device=positions.device)[None, :] <= positions[:, None]
+    return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~sees, torch.finfo(dtype).min)[None, None]
+
+
+def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype):
+    """A cycle's drafts: x [1, 1] and `width` greedy drafts through layers 0..E -> (their layer-E states
+    [1, width + 1, H], the drafts [1, width])."""
+    start = cache.layers[0].cumulative_length.clone()
+    states, drafts = [], []
+    for i in range(width + 1):
+        positions = (start + i).view(1)
+        hidden = shallow(input_ids=token, position_ids=positions[None], attention_mask=_mask(positions, keys, dtype),
+                         past_key_values=cache, use_cache=True).last_hidden_state
+        states.append(hidden)
+        if i < width:
+            logits, context = head(hidden[:, -1], context)
+            token = logits.argmax(-1, keepdim=True)
+            drafts.append(token)
+    drafts = torch.cat(drafts, 1) if drafts else token.new_zeros(1, 0)
+    return torch.cat(states, 1), drafts
+
+
+def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, first_deep: int, suppress):
+    """A cycle's verification: layers E+1..L-1 over [x, drafts] from their layer-E `states` [1, k + 1, H], the
+    full model's tokens, the accepted count, the next context, and every cache layer cropped to the accepted
+    path -> (tokens [1, k + 1], accepted [], context [1, H]). `suppress`: None, or (where [k + 1] bool, tokens [V]
+    bool): the tokens whose scores are -inf at those positions (a minimum length's end-of-sequence tokens)."""
+    width = drafts.shape[1]
+    positions = cache.layers[first_deep].cumulative_length + torch.arange(width + 1, device=states.device)
+    if offset is not None:
+        states = states - offset(inputs_embeds=torch.zeros_like(states), position_ids=positions[None],
+                                 use_cache=False).last_hidden_state
+    normed = deep(inputs_embeds=states, position_ids=positions[None],
+                  attention_mask=_mask(positions, keys, states.dtype), past_key_values=cache,
+                  use_cache=True).last_hidden_state
+    logits = logits_from_normed(normed)
+    if suppress is not None:
+        where, suppressed = suppress
+        logits = logits.masked_fill(where[None, :, None] & suppressed, float("-inf"))
+    tokens = logits.argmax(-1)  # [1, k + 1]
+    accepted = (drafts == tokens[:, :width]).long().cumprod(-1).sum()
+    context = normed[0].index_select(0, accepted.view(1))
+    for layer in cache.layers:
+        layer.cumulative_length.sub_(width - accepted)
+    return tokens, accepted, context
+
+
+def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, keys: int, dtype,
+           first_deep: int, suppress):
+    """One cycle, drafts and verification, as one graph -> (accepted count then the full model's k + 1 tokens
+    [k + 2]: what the host reads; the next cycle's token x [1, 1]; its context [1, H])."""
+    states, drafts = _draft(shallow, head, cache, token, context, width, keys, dtype)
+    tokens, accepted, context = _verify(deep, offset, logits_from_normed, cache, states, drafts, keys, first_deep,
+                                        suppress)
+    return torch.cat([accepted.view(1), tokens[0]]), tokens.index_select(1, accepted.view(1)), context
+
+
+def input_offset(view: nn.Module, hidden: int, like: torch.Tensor) -> bool | None:
+    """What the backbone view `view` (no layers) adds to the input embeddings it is given, measured on random
+    states: False, nothing (they pass as they are); True, a term that does not depend on them (learned positions),
+    which the verification graph computes and takes off; None, it transforms them otherwise (e.g. scales them),
+    and cannot be given states."""
+    states = torch.randn(1, 3, hidden, dtype=like.dtype, device=like.device)
+    positions = torch.arange(3, device=like.device)[None]
+    with torch.no_grad():
+        out = view(inputs_embeds=states, position_ids=positions, use_cache=False).last_hidden_state
+        zero = view(inputs_embeds=torch.zeros_like(states), position_ids=positions, use_cache=False).last_hidden_state
+    if torch.equal(out, states):
+        return False
+    return True if torch.allclose(out - zero, states, atol=1e-5, rtol=1e-4) else None
+
+
+def fused_chain_for(session, drafter, input_ids, generation_config, logits_processor, cache, mask,
+                    emitted: Emitted) -> FusedChain | None:
+    """The fused greedy chain for this call, its prompt prefilled, or None where the call takes the general loop:
+    sampling, logits processors, per-token outputs, tree or n-gram drafts, eager spans, a cache that is not
+    full-attention static, padding in the prompt, a one-token prompt, attention that does not add a mask, a model
+    whose layers do not all take one set of arguments or whose backbone does not fit a view."""
+    parts = session.parts
+    minimum = _MinimumLength.of(logits_processor, session.model.num_head_rows, input_ids.device)
+    if (generation_config.do_sample or minimum is None or emitted.keeps_outputs or not session.spans.compiled
+            or session.draft_topk > 1 or session.draft_ngram or not session.head_drafts or not parts.uniform_layers
+            or not parts.spec.tree_drafts or parts.post_norm is not None
+            or getattr(parts.backbone.config, "_attn_implementation", None) not in ("sdpa", "eager")
+            or not cache.layers or not all(is_static_layer(layer) for layer in cache.layers)
+            or (mask is not None and not bool(mask.all())) or input_ids.shape[1] < 2):
+        return None
+    drafter._prefill(input_ids)  # the cache holds every token but the last; the context is the state before it
+    if not all(layer.is_initialized for layer in cache.layers):
+        return None
+    head = session.model.draft_function(session.draft_layer, session.draft_vocab_size)
+    if head is None:
+        return None
+    views = session.model.__dict__.setdefault("_fused_views", {})
+    key = session.draft_layer
+    if key not in views:
+        shallow = backbone_view(parts, 0, key + 1, final_norm=False)
+        deep = backbone_view(parts, key + 1, parts.num_layers, final_norm=True)
+        offset_view = backbone_view(parts, 0, 0, final_norm=False)
+        needed = None
+        if shallow is not None and deep is not None and offset_view is not None:
+            weight = next(parts.layers[0].parameters())
+            needed = input_offset(offset_view, parts.backbone.config.get_text_config().hidden_size, weight)
+        views[key] = None if needed is None else (shallow, deep, offset_view if needed else None)
+    if views[key] is None:
+        return None
+    return FusedChain(session, head, cache, *views[key], minimum)
+
+
+class FusedChain:
+    """Runs greedy lossless cycles of one call as one compiled graph and one host read each."""
+
+    def __init__(self, session, head, cache, shallow, deep, offset, minimum: _MinimumLength):
+        self.session, self.head, self.cache, self.minimum = session, head, cache, minimum
+        self.shallow, self.deep, self.offset = shallow, deep, offset
+        self.keys = cache.layers[0].max_cache_len
+
+    def decode(self, input_ids, stopping_criteria, generation_config, emitted: Emitted):
+        """Generate from `input_ids` [1, n] until a stopping criterion fires; returns what `generate` returns."""
+        session, cache, stats = self.session, self.cache, self.session.stats
+        stops = _Stops(stopping_criteria, generation_config, input_ids.device)
+        tokens, context = input_ids[0].tolist(), session.context
+        token = _dense(input_ids[:, -1:])  # (laid out afresh, as every later token: one graph)
+        cached = len(tokens) - 1  # the cache's length, followed here (reading the device's would be a sync)
+        dtype = next(session.parts.layers[0].parameters()).dtype
+        while True:
+            start = time.perf_counter()
+            room = min(self.keys - cached, generation_config.max_length - len(tokens)) - 1
+            width = max(0, min(session.cap, room))
+            suppress = self.minimum.suppress(len(tokens), width)
+            read, token, context = self.session.spans.graph(
+                ("cycle", width, suppress is not None), _cycle, f"tide_cycle_{width}" + "_min" * (suppress is not None),
+                self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
+                context, width, self.keys, dtype, session.draft_layer + 1, suppress)
+            read = read.tolist()  # the cycle's one host read
+            accepted, new = read[0], read[1: read[0] + 2]
+            kept, done = stops.emitted(tokens, new)
+            tokens += new[:kept]
+            cached += accepted + 1
+            new_ids = torch.tensor([new[:kept]], dtype=input_ids.dtype, device=input_ids.device)
+            emitted.add(new_ids, None, None)
+            stats.drafted += width
+            stats.accepted += accepted
+            stats.decode_tokens += accepted + 1
+            stats.verify_passes += 1
+            stats.decode_steps += 1
+            stats.fused_cycles += 1
+            stats.layer_passes += (session.draft_layer + 1) * width + session.parts.num_layers
+            session.cap = next_cap(session.cap, width, accepted, session.max_draft)
+            stats.decode_time_s += time.perf_counter() - start
+            if done:
+                crop_cache(cache, accepted + 1 - kept)  # the K/V of tokens after the one that stopped
+                sequences = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+                return emitted.finish(sequences, cache)
+
+
+class _MinimumLength:
+    """A call's minimum length (`min_length`, `min_new_tokens`: generate's processors that set the end-of-sequence
+    tokens' scores to -inf until the sequence is long enough), applied inside the verification graph."""
+
+    def __init__(self, length: int = 0, eos: torch.Tensor | None = None):
+        self.length, self.eos = length, eos  # eos: [V] bool
+
+    @classmethod
+    def of(cls, logits_processor, vocab: int, device) -> _MinimumLength | None:
+        """The minimum of `logits_processor`; None where it holds any other processor."""
+        length, eos = 0, set()
+        for processor in logits_processor:
+            if isinstance(processor, MinNewTokensLengthLogitsProcessor):
+                length = max(length, processor.prompt_length_to_skip + processor.min_new_tokens)
+            elif isinstance(processor, MinLengthLogitsProcessor):
+                length = max(length, processor.min_length)
+            else:
+                return None
+            eos |= set(processor.eos_token_id.view(-1).tolist())
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        mask[[token for token in eos if 0 <= token < vocab]] = True
+        return cls(length, mask)
+
+    def suppress(self, length: int, width: int):
+        """For a cycle whose first position follows a sequence of `length` tokens: None once no position is under
+        the minimum, else ([width + 1] bool, the tokens)."""
+        if length >= self.length:
+            return None
+        where = torch.tensor([length + i < self.length for i in range(width + 1)], device=self.eos.device)
+        return where, self.eos
+
+
+class _Stops:
+    """The call's stopping criteria over emitted tokens, one at a time. EOS and the length limit are checked on the
+    host's list of tokens (no device read); any other criterion is called on the sequence after each token."""
+
+    def __init__(self, stopping_criteria, generation_config, device):
+        self.criteria, self.device = stopping_criteria, device
+        self.eos, self.max_length, self.other = set(), generation_config.max_length, False
+        for criterion in stopping_criteria:
+            if isinstance(criterion, EosTokenCriteria):
+                self.eos |= set(criterion.eos_token_id.view(-1).tolist())
+            elif isinstance(criterion, MaxLengthCriteria):
+                self.max_length = min(self.max_length, criterion.max_length)
+            else:
+                self.other = True
+
+    def emitted(self, tokens: list[int], new: list[int]) -> tuple[int, bool]:
+        """(how many of `new` to keep, whether generation ends after them), `tokens` being the sequence before."""
+        for i, token in enumerate(new):
+            if token in self.eos or len(tokens) + i + 1 >= self.max_length:
+                return i + 1, True
+            if self.other:
+                sequence = torch.tensor([tokens + new[: i + 1]], device=self.device)
+                if bool(self.criteria(sequence, None).any()):
+                    return i + 1, True
+        return len(new), False
+
+
+def _dense(value):
+    """`value` laid out afresh (offset 0, contiguous strides): a row or slice of another tensor would be guarded on
+    its strides and make a graph of its own."""
+    return None if value is None else value.clone(memory_format=torch.contiguous_format)

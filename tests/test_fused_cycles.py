@@ -1,0 +1,175 @@
+"""Compiled greedy chains as one graph and one host read a cycle (`decode/fused.py`): token for token as the base
+model, counted launches and synchronisations, no recompilation across prompt lengths."""
+
+import pytest
+import torch
+from transformers import CompileConfig, TextStreamer
+from transformers.modeling_outputs import BaseModelOutput
+
+import tide.decode.lossless
+from tide.decode import fused
+from tide.decode.spans import SpanRunner
+from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
+
+EAGER_BACKEND = CompileConfig(backend="eager")
+SMALL = {"llama": {}, "gpt2": dict(n_layer=4)}  # (fewer layers where the model still talks: faster tracing)
+LOSSLESS = {"mode": "lossless", "max_draft": 3, "compile": True}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_dynamo():
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def warm():
+    """(Tide model, base) with every graph the tests below run made once: the longest call first (the lent static
+    cache keeps its size), then every chain width the cap can take (it adapts per cycle)."""
+    model, base = noisy_tide("llama")
+    generate(model, prompt_ids(20, seed=9), max_new_tokens=24)
+    for width in range(1, LOSSLESS["max_draft"] + 1):
+        model.generate(prompt_ids(20, seed=9), do_sample=False, compile_config=EAGER_BACKEND, max_new_tokens=12,
+                       tide_config={**LOSSLESS, "max_draft": width})
+    return model, base
+
+
+def generate(model, ids, **kwargs):
+    return model.generate(ids, do_sample=False, compile_config=EAGER_BACKEND, tide_config=LOSSLESS, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["gpt2"])  # learned positions taken off (llama: the tests on the warm model below)
+def test_fused_cycles_equal_the_base_model(family):
+    model, base = noisy_tide(family, model_overrides=SMALL[family])
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=24)
+    out = generate(model, ids, max_new_tokens=24)
+    stats = model.last_stats
+    assert torch.equal(out, ref)
+    assert stats.fused_cycles == stats.verify_passes > 0 and stats.accepted > 0  # drafts were accepted, some not
+    assert stats.accepted <= stats.drafted and stats.decode_tokens == 24
+
+
+def test_a_backbone_that_transforms_its_inputs_is_not_given_states():
+    """The deep layers take layer-E states as the backbone's input embeddings: what a backbone adds to them (learned
+    positions) is measured and taken off; one that transforms them otherwise (here: scales them) is not used."""
+
+    class Adds(torch.nn.Module):
+        def forward(self, inputs_embeds, position_ids, use_cache):
+            return BaseModelOutput(last_hidden_state=inputs_embeds + position_ids[..., None])
+
+    class Scales(torch.nn.Module):
+        def forward(self, inputs_embeds, position_ids, use_cache):
+            return BaseModelOutput(last_hidden_state=inputs_embeds * 2)
+
+    class Passes(torch.nn.Module):
+        def forward(self, inputs_embeds, position_ids, use_cache):
+            return BaseModelOutput(last_hidden_state=inputs_embeds)
+
+    like = torch.zeros(1)
+    assert fused.input_offset(Passes(), 8, like) is False
+    assert fused.input_offset(Adds(), 8, like) is True
+    assert fused.input_offset(Scales(), 8, like) is None
+
+
+def test_stopping_inside_a_cycle_drops_what_follows(warm):
+    """EOS mid-cycle, the length limit, a stop string (a criterion called per token), a minimum length and the
+    streamer: as generate."""
+    model, base = warm
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=24)
+    stop = int(ref[0, ids.shape[1] + 6])
+    kwargs = dict(max_new_tokens=24, eos_token_id=stop, pad_token_id=stop)
+    want = base.generate(ids, do_sample=False, **kwargs)
+    assert want.shape[1] < ref.shape[1]
+    assert torch.equal(generate(model, ids, **kwargs), want)
+    assert model.last_stats.fused_cycles
+    minimum = dict(max_new_tokens=12, min_new_tokens=10, eos_token_id=stop, pad_token_id=stop)  # in the graph
+    assert torch.equal(generate(model, ids, **minimum), base.generate(ids, do_sample=False, **minimum))
+    assert model.last_stats.fused_cycles
+    for new in (1, 2, 7):
+        assert torch.equal(generate(model, ids, max_new_tokens=new), ref[:, : ids.shape[1] + new])
+    tokenizer = tiny_tokenizer()
+    text = tokenizer.decode(ref[0, ids.shape[1] + 3: ids.shape[1] + 5])
+    stops = dict(max_new_tokens=24, stop_strings=[text], tokenizer=tokenizer)
+    assert torch.equal(generate(model, ids, **stops), base.generate(ids, do_sample=False, **stops))
+    streamed = []
+
+    class Collect(TextStreamer):
+        def put(self, value):
+            streamed.extend(value.view(-1).tolist())
+
+        def end(self):
+            pass
+
+    out = generate(model, ids, max_new_tokens=24, streamer=Collect(tokenizer))
+    assert streamed == ids[0].tolist() + out[0, ids.shape[1]:].tolist()
+
+
+def test_a_cycle_is_one_graph_launch_and_one_host_read(warm, monkeypatch):
+    """Counted, not assumed: compiled functions called and device reads (tolist, item, bool, int) during the cycles
+    of a warm call. A second launch or a second read in a cycle fails this."""
+    model, base = warm
+    ids = prompt_ids()
+    launches, reads, counting = [0], [0], [False]
+    original_function = SpanRunner._function
+
+    def counted_function(self, function, key, name):
+        compiled = original_function(self, function, key, name)
+
+        def call(*args, **kwargs):
+            launches[0] += counting[0]
+            return compiled(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(SpanRunner, "_function", counted_function)
+    for method in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
+        original = getattr(torch.Tensor, method)
+
+        def read(self, *args, _original=original, **kwargs):
+            reads[0] += counting[0]
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, method, read)
+    decode = fused.FusedChain.decode
+
+    def counted_decode(self, *args, **kwargs):
+        counting[0] = True
+        try:
+            return decode(self, *args, **kwargs)
+        finally:
+            counting[0] = False
+
+    monkeypatch.setattr(fused.FusedChain, "decode", counted_decode)
+    out = generate(model, ids, max_new_tokens=24)
+    cycles = model.last_stats.fused_cycles
+    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
+    assert cycles >= 5 and 0 < model.last_stats.accepted < model.last_stats.drafted  # accepted and rejected drafts
+    assert launches[0] == cycles
+    assert reads[0] <= cycles + 2  # one a cycle; once a call: the prompt's tokens, the length of the cache's tail
+
+
+def test_no_recompilation_across_prompt_lengths(warm):
+    """After warm-up, ten calls of other prompt lengths run the graphs already made."""
+    model, base = warm
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for length in range(3, 13):
+            ids = prompt_ids(length, seed=length)
+            assert torch.equal(generate(model, ids, max_new_tokens=12),
+                               base.generate(ids, do_sample=False, max_new_tokens=12))
+
+
+def test_calls_the_fused_cycle_does_not_serve_take_the_general_loop(warm, monkeypatch):
+    """Logits processors other than a minimum length, and per-token scores, decline (the general loop serves them,
+    correctly)."""
+    model, base = warm
+    ids = prompt_ids()
+    built = []
+    monkeypatch.setattr(tide.decode.lossless, "fused_chain_for",
+                        lambda *a, **k: built.append(fused.fused_chain_for(*a, **k)) or built[-1])
+    assert torch.equal(generate(model, ids, max_new_tokens=8, repetition_penalty=1.3),
+                       base.generate(ids, do_sample=False, max_new_tokens=8, repetition_penalty=1.3))
+    out = generate(model, ids, max_new_tokens=8, return_dict_in_generate=True, output_scores=True)
+    assert len(out.scores) == 8
+    assert built == [None, None]
+    generate(model, ids, max_new_tokens=8)
+    assert built[-1] is not None
