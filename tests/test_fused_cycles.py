@@ -173,3 +173,20 @@ def test_calls_the_fused_cycle_does_not_serve_take_the_general_loop(warm, monkey
     assert built == [None, None]
     generate(model, ids, max_new_tokens=8)
     assert built[-1] is not None
+
+
+def test_a_compiled_call_drafts_the_fused_chain_unless_it_names_its_scheme(warm):
+    """A repo's tree and n-gram scheme gives way to the fused chain in a compiled greedy call; a call that names
+    `draft_topk` or `draft_ngram` keeps what it named. Both: the base model's tokens."""
+    model, base = warm
+    ids = prompt_ids()
+    ref = base.generate(ids, do_sample=False, max_new_tokens=12)
+    model.config.generation = {"draft_topk": 2, "draft_ngram": 3}
+    try:
+        assert torch.equal(generate(model, ids, max_new_tokens=12), ref)
+        assert model.last_stats.fused_cycles and model.last_stats.draft_topk == 1
+        named = {**LOSSLESS, "draft_topk": 2}
+        out = model.generate(ids, do_sample=False, compile_config=EAGER_BACKEND, tide_config=named, max_new_tokens=12)
+        assert torch.equal(out, ref) and not model.last_stats.fused_cycles and model.last_stats.tree_cycles
+    finally:
+        model.config.generation = {}

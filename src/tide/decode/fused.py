@@ -136,19 +136,20 @@ def input_offset(view: nn.Module, hidden: int, like: torch.Tensor) -> bool | Non
 def fused_chain_for(session, drafter, input_ids, generation_config, logits_processor, cache, mask,
                     emitted: Emitted) -> FusedChain | None:
     """The fused greedy chain for this call, its prompt prefilled, or None where the call takes the general loop:
-    sampling, logits processors, per-token outputs, tree or n-gram drafts, eager spans, a cache that is not
-    full-attention static, padding in the prompt, a one-token prompt, attention that does not add a mask, a model
-    whose layers do not all take one set of arguments or whose backbone does not fit a view."""
+    sampling, logits processors, per-token outputs, a tree or n-gram scheme the call named, eager spans, a cache
+    that is not full-attention static, padding in the prompt, a one-token prompt, attention that does not add a
+    mask, a model whose layers do not all take one set of arguments or whose backbone does not fit a view."""
     parts = session.parts
     minimum = _MinimumLength.of(logits_processor, session.model.num_head_rows, input_ids.device)
     if (generation_config.do_sample or minimum is None or emitted.keeps_outputs or not session.spans.compiled
-            or session.draft_topk > 1 or session.draft_ngram or not session.head_drafts or not parts.uniform_layers
+            or (not session.fused_chain_first and (session.draft_topk > 1 or session.draft_ngram))
+            or not session.head_drafts or not parts.uniform_layers
             or not parts.spec.tree_drafts or parts.post_norm is not None
             or getattr(parts.backbone.config, "_attn_implementation", None) not in ("sdpa", "eager")
             or not cache.layers or not all(is_static_layer(layer) for layer in cache.layers)
             or (mask is not None and not bool(mask.all())) or input_ids.shape[1] < 2):
         return None
-    drafter._prefill(input_ids)  # the cache holds every token but the last; the context is the state before it
+    getattr(drafter, "chain", drafter)._prefill(input_ids)  # the cache holds all but the last token; the context
     if not all(layer.is_initialized for layer in cache.layers):
         return None
     head = session.model.draft_function(session.draft_layer, session.draft_vocab_size)
@@ -167,6 +168,7 @@ def fused_chain_for(session, drafter, input_ids, generation_config, logits_proce
         views[key] = None if needed is None else (shallow, deep, offset_view if needed else None)
     if views[key] is None:
         return None
+    session.stats.draft_topk = 1
     return FusedChain(session, head, cache, *views[key], minimum)
 
 

@@ -87,6 +87,8 @@ class LosslessSession:
         self.original_forward = base_forward(model.base)
         self.layer_args = LayerArgs(self.parts, stats=self.stats)  # drafted tokens' and verification's layer arguments
         self.chains_in_one_call = True  # until `draft_chain` finds this model's arguments cannot run that way
+        self.fused_chain_first = False  # a compiled call drafts greedy chains as one graph a cycle where it can,
+        #   whatever tree or n-gram scheme its config names (`decode/fused.py`)
 
     @property
     def pending(self) -> int:
