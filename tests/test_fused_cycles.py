@@ -1,6 +1,8 @@
 """Compiled greedy chains as one graph and one host read a cycle (`decode/fused.py`): token for token as the base
 model, counted launches and synchronisations, no recompilation across prompt lengths."""
 
+from collections import Counter
+
 import pytest
 import torch
 from transformers import CompileConfig, TextStreamer
@@ -9,6 +11,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import tide.decode.lossless
 from tide.decode import fused
 from tide.decode.spans import SpanRunner
+from generation_helpers import chi_square, chi_square_limit
 from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
 
 EAGER_BACKEND = CompileConfig(backend="eager")
@@ -190,3 +193,48 @@ def test_a_compiled_call_drafts_the_fused_chain_unless_it_names_its_scheme(warm)
         assert torch.equal(out, ref) and not model.last_stats.fused_cycles and model.last_stats.tree_cycles
     finally:
         model.config.generation = {}
+
+
+def test_the_sampled_verdict_draws_from_the_full_model():
+    """The speculative-sampling rule as the graph runs it (`fused._sampled_verdict`), against fixed distributions:
+    the first emitted token is distributed as the full model's first row, and the second, after an accepted first
+    draft, as its second row (chi-square, 4,000 draws of drafts from their own distributions)."""
+    torch.manual_seed(0)
+    vocab, runs = 6, 4000
+    p, q = torch.rand(3, vocab), torch.rand(2, vocab)
+    p = p / p.sum(-1, keepdim=True)
+    q = q / q.sum(-1, keepdim=True)
+    first, second = Counter(), Counter()
+    for _ in range(runs):
+        drafts = torch.multinomial(q, 1)[:, 0]  # [2]
+        tokens, accepted = fused._sampled_verdict(p, drafts, q[None])
+        tokens, accepted = tokens[0].tolist(), int(accepted)
+        first[tokens[0]] += 1
+        if accepted >= 1:
+            second[tokens[1]] += 1
+    for counts, row in ((first, p[0]), (second, p[1])):
+        chi2, df = chi_square(counts, dict(enumerate(row.tolist())), sum(counts.values()))
+        assert chi2 < chi_square_limit(df), (chi2, df, counts)
+    assert sum(second.values()) > runs / 4  # the second row was really reached
+
+
+def test_sampled_calls_run_fused_with_their_warpers(warm):
+    """Sampling with temperature and top-k runs in the graph: the tokens stay in the full model's top-k support at
+    every step, drafts are accepted, and a later call (new processor objects, same values) replays the graphs."""
+    model, base = warm
+    ids = prompt_ids()
+    config = {**LOSSLESS, "max_draft": 2}
+    sample = dict(do_sample=True, top_k=2, temperature=1.5, max_new_tokens=12, compile_config=EAGER_BACKEND)
+    torch.manual_seed(0)
+    model.generate(ids, tide_config=config, **sample)
+    accepted = 0
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            torch.manual_seed(seed)
+            out = model.generate(ids, tide_config=config, **sample)
+            assert model.last_stats.fused_cycles
+            accepted += model.last_stats.accepted
+            logits = base(out).logits[0, ids.shape[1] - 1: -1]  # the full model's scores before each new token
+            allowed = logits.topk(2, -1).indices
+            assert (allowed == out[0, ids.shape[1]:, None]).any(-1).all()
+    assert accepted > 0

@@ -5,6 +5,8 @@ compiled static-cache base and the repo's own scheme compiled; interleaved per p
     python examples/bench_baselines/fused_ab.py MODEL ROUTERS TEXT OUT.json [CHAIN_JSON]
     (MODEL: a local folder, or "shipped"; TEXT: heldout, code or quote; 6 prompts x 40 tokens, 1 thread;
     CHAIN_JSON: the chain's tide_config fields, e.g. '{"draft_layer": 3, "max_draft": 4}')
+    python examples/bench_baselines/fused_ab.py MODEL ROUTERS TEXT OUT.json CHAIN_JSON '[{"max_draft": 2}, ...]'
+    (the base rows and one fused row per variant of CHAIN_JSON; median of 3)
 """
 import json
 import statistics
@@ -36,7 +38,10 @@ rows = {**bench.base_rows,
         "repo's scheme, compile=True": lambda ids: model.generate(ids, **g, tide_config={"compile": True}),
         "chain, general loop (before)": general_loop,
         "chain, fused cycle (after)": lambda ids: model.generate(ids, **g, tide_config=chain)}
-med, same = time_interleaved(rows, prompts, repeats=5)
+if len(sys.argv) > 6:  # more chains, fused only: '[{"max_draft": 2}, ...]' (each over CHAIN_JSON)
+    rows = {**bench.base_rows, **{f"chain {extra}, fused": (lambda cfg: lambda ids: model.generate(
+        ids, **g, tide_config=cfg))({**chain, **extra}) for extra in json.loads(sys.argv[6])}}
+med, same = time_interleaved(rows, prompts, repeats=5 if len(sys.argv) <= 6 else 3)
 res = {}
 print(f"{model_dir} {text}: {len(prompts)} prompts x {n} tokens, median of 5, 1 thread; chain {chain}")
 for k, v in med.items():

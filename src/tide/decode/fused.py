@@ -1,38 +1,48 @@
-"""Greedy lossless cycles as one compiled graph and one host read each (`tide_config={"compile": True}`).
+"""Lossless chains as one compiled graph and one host read a cycle (`tide_config={"compile": True}`).
 
 A cycle of the general loop (`lossless.py`) runs the drafter's compiled calls, captures each pass's layer arguments
 on the host, checks each draft against the stopping criteria, reads the accepted count and crops the cache layer
-by layer: host work between compiled spans. Here, for greedy chains from the draft head (a full-attention static
-cache, one attention type, no logits processor but generate's minimum length), a cycle is one graph (one per chain
-width k, `_cycle`) and one read:
+by layer: host work between compiled spans. Here, for chains from the draft head (a full-attention static cache,
+one attention type), greedy or sampled, a cycle is one graph (one per chain width k, `_cycle`) and one read:
 
 1. **drafts**: the last emitted token x and each of k drafts run through layers 0..E (the draft layer) on the real
-   cache; the draft head on each output gives the next draft (its argmax). The backbone's own forward does the
-   work, on a view of it that holds layers 0..E and no final norm (`backbone_view`), so positions, rotary tables
-   and masks are made inside the graph as the model makes them.
+   cache; the draft head on each output gives the next draft: its argmax, or a token drawn from its distribution
+   after the call's warpers. The backbone's own forward does the work, on a view of it that holds layers 0..E and
+   no final norm (`backbone_view`), so positions, rotary tables and masks are made inside the graph as the model
+   makes them.
 2. **verification**: layers E+1..L-1 over [x, d1..dk] from their layer-E states (a view that starts at layer E+1
-   and ends with the final norm), the head, a minimum length's end-of-sequence scores set to -inf, the argmax at
-   every position, the accepted count (the longest prefix of drafts equal to the full model's tokens), the next
-   cycle's token and context, and every cache layer's length cut back to the accepted path. Positions come from
-   the static cache's own length tensors, so no graph is made again for another prompt length.
-3. **one host read**: the accepted count and the full model's k + 1 tokens, for the stopping criteria, the
-   streamer and the sequence.
+   and ends with the final norm), the head, a minimum length's end-of-sequence scores set to -inf, acceptance
+   (greedy: the longest prefix of drafts equal to the full model's argmax; sampling: the speculative-sampling rule,
+   its uniform draws and the token after the path drawn on the device), the next cycle's token and context, and
+   every cache layer's length cut back to the accepted path. Positions come from the static cache's own length
+   tensors, so no graph is made again for another prompt length.
+3. **one host read**: the accepted count and the tokens, for the stopping criteria, the streamer and the sequence.
 
-Drafted tokens that would stop generation are not cut before verification (greedy: the emitted tokens are the
-full model's, whatever was drafted); the stopping criteria run on the emitted tokens, one at a time, and the
-tokens after the first that stops are dropped with their K/V. The deep view takes the layer-E states as its
-input embeddings; what the backbone adds to its inputs before layer 0 (learned positions) is measured once
-and taken off (`input_offset`), and a backbone that transforms them otherwise (e.g. scales them) is not used.
+The processors that run in the graph are generate's minimum length and, sampling, the warpers that read the
+scores alone (temperature, top-k, top-p, min-p); a call with any other takes the general loop. Drafted tokens that
+would stop generation are not cut before verification (the emitted tokens are the full model's, whatever was
+drafted); the stopping criteria run on the emitted tokens, one at a time, and the tokens after the first that
+stops are dropped with their K/V. The deep view takes the layer-E states as its input embeddings; what the
+backbone adds to its inputs before layer 0 (learned positions) is measured once and taken off (`input_offset`),
+and a backbone that transforms them otherwise (e.g. scales them) is not used.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import time
 
 import torch
 from torch import nn
-from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from ..models.compat import crop_cache, is_static_layer
@@ -65,11 +75,12 @@ def _mask(positions: torch.Tensor, keys: int, dtype) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~sees, torch.finfo(dtype).min)[None, None]
 
 
-def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype):
-    """A cycle's drafts: x [1, 1] and `width` greedy drafts through layers 0..E -> (their layer-E states
-    [1, width + 1, H], the drafts [1, width])."""
+def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype, warp):
+    """A cycle's drafts: x [1, 1] and `width` drafts through layers 0..E, each the draft head's argmax (greedy,
+    `warp` None) or drawn from its distribution after `warp` (the call's processors) -> (the layer-E states
+    [1, width + 1, H], the drafts [1, width], the distributions they were drawn from [1, width, V] or None)."""
     start = cache.layers[0].cumulative_length.clone()
-    states, drafts = [], []
+    states, drafts, drawn_from = [], [], []
     for i in range(width + 1):
         positions = (start + i).view(1)
         hidden = shallow(input_ids=token, position_ids=positions[None], attention_mask=_mask(positions, keys, dtype),
@@ -77,17 +88,31 @@ def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype):
         states.append(hidden)
         if i < width:
             logits, context = head(hidden[:, -1], context)
-            token = logits.argmax(-1, keepdim=True)
+            if warp is None:
+                token = logits.argmax(-1, keepdim=True)
+            else:
+                drawn_from.append(warp(logits.float()).softmax(-1))
+                token = _draw(drawn_from[-1])
             drafts.append(token)
     drafts = torch.cat(drafts, 1) if drafts else token.new_zeros(1, 0)
-    return torch.cat(states, 1), drafts
+    return torch.cat(states, 1), drafts, torch.stack(drawn_from, 1) if drawn_from else None
 
 
-def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, first_deep: int, suppress):
-    """A cycle's verification: layers E+1..L-1 over [x, drafts] from their layer-E `states` [1, k + 1, H], the
-    full model's tokens, the accepted count, the next context, and every cache layer cropped to the accepted
-    path -> (tokens [1, k + 1], accepted [], context [1, H]). `suppress`: None, or (where [k + 1] bool, tokens [V]
-    bool): the tokens whose scores are -inf at those positions (a minimum length's end-of-sequence tokens)."""
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """A token drawn from each row of `probs` [n, V] (not necessarily normalised) -> [n, 1]: the exponential race,
+    argmax of p_i / E_i with E_i ~ Exp(1), picks i with probability p_i / sum(p) (one kernel, no host read)."""
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1, keepdim=True)
+
+
+def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, first_deep: int, suppress, warp,
+            drawn_from):
+    """A cycle's verification: layers E+1..L-1 over [x, drafts] from their layer-E `states` [1, k + 1, H]; the
+    tokens to emit, the accepted count, the next context, and every cache layer cut back to the accepted path
+    -> (tokens [1, k + 1], of which the first accepted + 1 are emitted; accepted []; context [1, H]).
+    `suppress`: None, or (where [k + 1] bool, tokens [V] bool): the tokens whose scores are -inf at those
+    positions (a minimum length's end-of-sequence tokens). Greedy (`warp` None): the longest prefix of drafts
+    equal to the full model's argmax, then its token. Sampling: the speculative-sampling rule (`accept.py`) on
+    the full model's distributions after `warp` and the drafts' `drawn_from` [1, k, V]."""
     width = drafts.shape[1]
     positions = cache.layers[first_deep].cumulative_length + torch.arange(width + 1, device=states.device)
     if offset is not None:
@@ -100,21 +125,45 @@ def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, 
     if suppress is not None:
         where, suppressed = suppress
         logits = logits.masked_fill(where[None, :, None] & suppressed, float("-inf"))
-    tokens = logits.argmax(-1)  # [1, k + 1]
-    accepted = (drafts == tokens[:, :width]).long().cumprod(-1).sum()
+    if warp is None:
+        tokens = logits.argmax(-1)  # [1, k + 1]
+        accepted = (drafts == tokens[:, :width]).long().cumprod(-1).sum()
+    else:
+        tokens, accepted = _sampled_verdict(warp(logits[0].float()).softmax(-1), drafts[0], drawn_from)
     context = normed[0].index_select(0, accepted.view(1))
     for layer in cache.layers:
         layer.cumulative_length.sub_(width - accepted)
     return tokens, accepted, context
 
 
+def _sampled_verdict(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Tensor | None):
+    """The speculative-sampling rule on the device. p: [k + 1, V] the full model's distributions; drafts [k];
+    drawn_from: [1, k, V] (None when k = 0). Draft i is kept with probability min(1, p_i / q_i); after the first
+    rejection, at a, the next token is drawn from max(p_a - q_a, 0) (from p_a where that is all zero, as
+    `accept.sampling_verdict`), after k accepted drafts from p_k -> (tokens [1, k + 1]: the drafts with the drawn
+    token at a; a [])."""
+    width = drafts.shape[0]
+    q = torch.cat([drawn_from[0], p.new_zeros(1, p.shape[1])]) if width else p.new_zeros(1, p.shape[1])
+    index = torch.arange(width, device=p.device)
+    kept = torch.rand(width, device=p.device) * q[index, drafts] <= p[index, drafts]  # u <= p / q (q > 0 there)
+    accepted = kept.long().cumprod(0).sum()
+    at = accepted.view(1)
+    target, drafted = p.index_select(0, at), q.index_select(0, at)
+    residual = (target - drafted).clamp(min=0)
+    residual = torch.where(residual.sum() > 0, residual, target)
+    last = _draw(residual)[0]  # [1]
+    tokens = torch.where(torch.arange(width + 1, device=p.device) == accepted, last, torch.cat([drafts, last]))
+    return tokens[None], accepted
+
+
 def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, keys: int, dtype,
-           first_deep: int, suppress):
-    """One cycle, drafts and verification, as one graph -> (accepted count then the full model's k + 1 tokens
-    [k + 2]: what the host reads; the next cycle's token x [1, 1]; its context [1, H])."""
-    states, drafts = _draft(shallow, head, cache, token, context, width, keys, dtype)
+           first_deep: int, suppress, warp):
+    """One cycle, drafts and verification, as one graph -> (accepted count then the k + 1 tokens of which the
+    first accepted + 1 are emitted [k + 2]: what the host reads; the next cycle's token x [1, 1]; its context
+    [1, H])."""
+    states, drafts, drawn_from = _draft(shallow, head, cache, token, context, width, keys, dtype, warp)
     tokens, accepted, context = _verify(deep, offset, logits_from_normed, cache, states, drafts, keys, first_deep,
-                                        suppress)
+                                        suppress, warp, drawn_from)
     return torch.cat([accepted.view(1), tokens[0]]), tokens.index_select(1, accepted.view(1)), context
 
 
@@ -135,13 +184,15 @@ def input_offset(view: nn.Module, hidden: int, like: torch.Tensor) -> bool | Non
 
 def fused_chain_for(session, drafter, input_ids, generation_config, logits_processor, cache, mask,
                     emitted: Emitted) -> FusedChain | None:
-    """The fused greedy chain for this call, its prompt prefilled, or None where the call takes the general loop:
-    sampling, logits processors, per-token outputs, a tree or n-gram scheme the call named, eager spans, a cache
-    that is not full-attention static, padding in the prompt, a one-token prompt, attention that does not add a
-    mask, a model whose layers do not all take one set of arguments or whose backbone does not fit a view."""
+    """The fused chain for this call, its prompt prefilled, or None where the call takes the general loop: logits
+    processors that do not run in the graph, per-token outputs, a tree or n-gram scheme the call named, eager
+    spans, a cache that is not full-attention static, padding in the prompt, a one-token prompt, attention that
+    does not add a mask, a model whose layers do not all take one set of arguments or whose backbone does not fit
+    a view."""
     parts = session.parts
-    minimum = _MinimumLength.of(logits_processor, session.model.num_head_rows, input_ids.device)
-    if (generation_config.do_sample or minimum is None or emitted.keeps_outputs or not session.spans.compiled
+    processors = _Processors.of(logits_processor, session.model.num_head_rows, input_ids.device,
+                                bool(generation_config.do_sample))
+    if (processors is None or emitted.keeps_outputs or not session.spans.compiled
             or (not session.fused_chain_first and (session.draft_topk > 1 or session.draft_ngram))
             or not session.head_drafts or not parts.uniform_layers
             or not parts.spec.tree_drafts or parts.post_norm is not None
@@ -169,14 +220,14 @@ def fused_chain_for(session, drafter, input_ids, generation_config, logits_proce
     if views[key] is None:
         return None
     session.stats.draft_topk = 1
-    return FusedChain(session, head, cache, *views[key], minimum)
+    return FusedChain(session, head, cache, *views[key], processors)
 
 
 class FusedChain:
-    """Runs greedy lossless cycles of one call as one compiled graph and one host read each."""
+    """Runs the lossless cycles of one call as one compiled graph and one host read each."""
 
-    def __init__(self, session, head, cache, shallow, deep, offset, minimum: _MinimumLength):
-        self.session, self.head, self.cache, self.minimum = session, head, cache, minimum
+    def __init__(self, session, head, cache, shallow, deep, offset, processors: _Processors):
+        self.session, self.head, self.cache, self.processors = session, head, cache, processors
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
 
@@ -192,11 +243,12 @@ class FusedChain:
             start = time.perf_counter()
             room = min(self.keys - cached, generation_config.max_length - len(tokens)) - 1
             width = max(0, min(session.cap, room))
-            suppress = self.minimum.suppress(len(tokens), width)
+            suppress, warp = self.processors.suppress(len(tokens), width), self.processors.warp
+            kind = (width, suppress is not None, warp is not None)  # one graph each
             read, token, context = self.session.spans.graph(
-                ("cycle", width, suppress is not None), _cycle, f"tide_cycle_{width}" + "_min" * (suppress is not None),
+                ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_min" * kind[1] + "_sampled" * kind[2],
                 self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
-                context, width, self.keys, dtype, session.draft_layer + 1, suppress)
+                context, width, self.keys, dtype, session.draft_layer + 1, suppress, warp)
             read = read.tolist()  # the cycle's one host read
             accepted, new = read[0], read[1: read[0] + 2]
             kept, done = stops.emitted(tokens, new)
@@ -219,28 +271,34 @@ class FusedChain:
                 return emitted.finish(sequences, cache)
 
 
-class _MinimumLength:
-    """A call's minimum length (`min_length`, `min_new_tokens`: generate's processors that set the end-of-sequence
-    tokens' scores to -inf until the sequence is long enough), applied inside the verification graph."""
+class _Processors:
+    """The call's logits processors that run inside the cycle's graph: generate's minimum length (`min_length`,
+    `min_new_tokens`: the end-of-sequence tokens' scores set to -inf until the sequence is long enough) and, when
+    sampling, the warpers that are functions of the scores alone (temperature, top-k, top-p, min-p), in the
+    call's order."""
 
-    def __init__(self, length: int = 0, eos: torch.Tensor | None = None):
+    WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+    def __init__(self, length: int, eos: torch.Tensor, warpers: tuple):
         self.length, self.eos = length, eos  # eos: [V] bool
+        self.warp = functools.partial(_warp, warpers) if warpers else None
 
     @classmethod
-    def of(cls, logits_processor, vocab: int, device) -> _MinimumLength | None:
-        """The minimum of `logits_processor`; None where it holds any other processor."""
-        length, eos = 0, set()
+    def of(cls, logits_processor, vocab: int, device, sample: bool) -> _Processors | None:
+        """The processors of `logits_processor`; None where it holds any other (or a minimum after a warper)."""
+        length, eos, warpers = 0, set(), []
         for processor in logits_processor:
-            if isinstance(processor, MinNewTokensLengthLogitsProcessor):
-                length = max(length, processor.prompt_length_to_skip + processor.min_new_tokens)
-            elif isinstance(processor, MinLengthLogitsProcessor):
-                length = max(length, processor.min_length)
+            if isinstance(processor, (MinNewTokensLengthLogitsProcessor, MinLengthLogitsProcessor)) and not warpers:
+                length = max(length, processor.prompt_length_to_skip + processor.min_new_tokens
+                             if isinstance(processor, MinNewTokensLengthLogitsProcessor) else processor.min_length)
+                eos |= set(processor.eos_token_id.view(-1).tolist())
+            elif sample and isinstance(processor, cls.WARPERS):
+                warpers.append(processor)
             else:
                 return None
-            eos |= set(processor.eos_token_id.view(-1).tolist())
         mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         mask[[token for token in eos if 0 <= token < vocab]] = True
-        return cls(length, mask)
+        return cls(length, mask, tuple(warpers))
 
     def suppress(self, length: int, width: int):
         """For a cycle whose first position follows a sequence of `length` tokens: None once no position is under
@@ -249,6 +307,12 @@ class _MinimumLength:
             return None
         where = torch.tensor([length + i < self.length for i in range(width + 1)], device=self.eos.device)
         return where, self.eos
+
+
+def _warp(warpers: tuple, scores: torch.Tensor) -> torch.Tensor:
+    for warper in warpers:  # (these read the scores alone: no sequence is given)
+        scores = warper(None, scores)
+    return scores
 
 
 class _Stops:
