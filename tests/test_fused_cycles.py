@@ -178,9 +178,9 @@ def test_calls_the_fused_cycle_does_not_serve_take_the_general_loop(warm, monkey
     assert built[-1] is not None
 
 
-def test_a_compiled_call_drafts_the_fused_chain_unless_it_names_its_scheme(warm):
-    """A repo's tree and n-gram scheme gives way to the fused chain in a compiled greedy call; a call that names
-    `draft_topk` or `draft_ngram` keeps what it named. Both: the base model's tokens."""
+def test_a_compiled_call_drafts_the_fused_chain_unless_it_names_a_tree(warm):
+    """A repo's tree gives way to the fused chain (with the repo's n-gram drafts) in a compiled call; a call that
+    names `draft_topk` keeps its tree. Both: the base model's tokens."""
     model, base = warm
     ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=12)
@@ -238,3 +238,22 @@ def test_sampled_calls_run_fused_with_their_warpers(warm):
             allowed = logits.topk(2, -1).indices
             assert (allowed == out[0, ids.shape[1]:, None]).any(-1).all()
     assert accepted > 0
+
+
+def test_ngram_continuations_are_the_drafts_where_the_text_repeats(warm):
+    """With `draft_ngram`, a repeated n-gram's continuation is drafted (by the host, run in one pass): greedy equals
+    the base model, and sampled calls keep to the full model's top-k support."""
+    model, base = warm
+    ids = torch.cat([prompt_ids(6, seed=3)] * 3, 1)  # the model's text repeats its prompt
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    config = {**LOSSLESS, "draft_ngram": 3}
+    out = model.generate(ids, do_sample=False, max_new_tokens=16, compile_config=EAGER_BACKEND, tide_config=config)
+    assert torch.equal(out, ref)
+    stats = model.last_stats
+    assert stats.fused_cycles and stats.ngram_drafted and stats.ngram_accepted
+    torch.manual_seed(0)
+    out = model.generate(ids, do_sample=True, top_k=2, max_new_tokens=16, compile_config=EAGER_BACKEND,
+                         tide_config=config)
+    assert model.last_stats.ngram_drafted
+    allowed = base(out).logits[0, ids.shape[1] - 1: -1].topk(2, -1).indices
+    assert (allowed == out[0, ids.shape[1]:, None]).any(-1).all()

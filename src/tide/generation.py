@@ -36,7 +36,7 @@ _OWN_THRESHOLDS = {"exit_threshold", "thresholds"}  # a call that sets one exits
 # A compiled call that sets one of these runs Tide's mode even where calibration timed it slower than the base
 # model's compiled decode (`compiled_modes=False`).
 _ASKS_A_MODE = _OWN_THRESHOLDS | {"mode", "max_draft", "draft_layer", "draft_topk"}
-_OWN_SCHEME = {"draft_topk", "draft_ngram"}  # a compiled call that sets one drafts that way, never the fused chain
+_OWN_SCHEME = {"draft_topk"}  # a compiled call that sets it drafts that way, not the fused chain
 _NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", "prompt_lookup_num_tokens", "output_hidden_states",
                       "output_attentions")
 
@@ -131,8 +131,8 @@ def _generate(model, tide_config, run, compiled: bool, args, kwargs):
         if run.max_draft == 0:  # calibration found that no drafting scheme pays on this model and machine
             return _base_generate(model, compiled, args, kwargs)
         session, loop = LosslessSession(model, run, _spans(model, run, kwargs)), lossless_decode
-        # compiled: a greedy chain as one graph a cycle (`decode/fused.py`) outran the repo's tree or n-gram scheme
-        # in the general loop (docs/benchmarks.md); a call that names its scheme keeps it
+        # compiled: a chain as one graph a cycle (`decode/fused.py`) outran the repo's tree in the general loop
+        # (docs/benchmarks.md); a call that names `draft_topk` keeps it
         session.fused_chain_first = compiled and not _OWN_SCHEME & _given_fields(tide_config)
     else:
         if _no_cache(kwargs):

@@ -7,9 +7,10 @@ one attention type), greedy or sampled, a cycle is one graph (one per chain widt
 
 1. **drafts**: the last emitted token x and each of k drafts run through layers 0..E (the draft layer) on the real
    cache; the draft head on each output gives the next draft: its argmax, or a token drawn from its distribution
-   after the call's warpers. The backbone's own forward does the work, on a view of it that holds layers 0..E and
-   no final norm (`backbone_view`), so positions, rotary tables and masks are made inside the graph as the model
-   makes them.
+   after the call's warpers. With `draft_ngram`, where the sequence's latest n-gram occurred before, its
+   continuation is the draft instead (the host knows it; x and it run through layers 0..E in one pass). The
+   backbone's own forward does the work, on a view of it that holds layers 0..E and no final norm
+   (`backbone_view`), so positions, rotary tables and masks are made inside the graph as the model makes them.
 2. **verification**: layers E+1..L-1 over [x, d1..dk] from their layer-E states (a view that starts at layer E+1
    and ends with the final norm), the head, a minimum length's end-of-sequence scores set to -inf, acceptance
    (greedy: the longest prefix of drafts equal to the full model's argmax; sampling: the speculative-sampling rule,
@@ -30,7 +31,6 @@ and a backbone that transforms them otherwise (e.g. scales them) is not used.
 from __future__ import annotations
 
 import copy
-import functools
 import time
 
 import torch
@@ -47,6 +47,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from ..models.compat import crop_cache, is_static_layer
 from .emit import Emitted
+from .ngram import NgramLookup
 from .speculative import next_cap
 
 __all__ = ["FusedChain", "backbone_view", "fused_chain_for", "input_offset"]
@@ -96,6 +97,21 @@ def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype, w
             drafts.append(token)
     drafts = torch.cat(drafts, 1) if drafts else token.new_zeros(1, 0)
     return torch.cat(states, 1), drafts, torch.stack(drawn_from, 1) if drawn_from else None
+
+
+def _given(shallow, cache, ids, keys: int, dtype, warp):
+    """A cycle's drafts given by the host (an n-gram continuation): x and them, ids [1, k + 1], through layers 0..E
+    in one pass -> (the layer-E states [1, k + 1, H], the drafts [1, k], sampling: distributions certain of each
+    draft [1, k, V], else None)."""
+    positions = cache.layers[0].cumulative_length + torch.arange(ids.shape[1], device=ids.device)
+    states = shallow(input_ids=ids, position_ids=positions[None], attention_mask=_mask(positions, keys, dtype),
+                     past_key_values=cache, use_cache=True).last_hidden_state
+    drafts = ids[:, 1:]
+    return states, drafts, None if warp is None else _certain(drafts, warp.vocab)
+
+
+def _certain(drafts: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(drafts, vocab).float()
 
 
 def _draw(probs: torch.Tensor) -> torch.Tensor:
@@ -157,11 +173,14 @@ def _sampled_verdict(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Te
 
 
 def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, keys: int, dtype,
-           first_deep: int, suppress, warp):
-    """One cycle, drafts and verification, as one graph -> (accepted count then the k + 1 tokens of which the
-    first accepted + 1 are emitted [k + 2]: what the host reads; the next cycle's token x [1, 1]; its context
-    [1, H])."""
-    states, drafts, drawn_from = _draft(shallow, head, cache, token, context, width, keys, dtype, warp)
+           first_deep: int, suppress, warp, given):
+    """One cycle, drafts (from the head, or `given` [1, k] by the host) and verification, as one graph ->
+    (accepted count then the k + 1 tokens of which the first accepted + 1 are emitted [k + 2]: what the host
+    reads; the next cycle's token x [1, 1]; its context [1, H])."""
+    if given is None:
+        states, drafts, drawn_from = _draft(shallow, head, cache, token, context, width, keys, dtype, warp)
+    else:
+        states, drafts, drawn_from = _given(shallow, cache, torch.cat([token, given], 1), keys, dtype, warp)
     tokens, accepted, context = _verify(deep, offset, logits_from_normed, cache, states, drafts, keys, first_deep,
                                         suppress, warp, drawn_from)
     return torch.cat([accepted.view(1), tokens[0]]), tokens.index_select(1, accepted.view(1)), context
@@ -185,7 +204,7 @@ def input_offset(view: nn.Module, hidden: int, like: torch.Tensor) -> bool | Non
 def fused_chain_for(session, drafter, input_ids, generation_config, logits_processor, cache, mask,
                     emitted: Emitted) -> FusedChain | None:
     """The fused chain for this call, its prompt prefilled, or None where the call takes the general loop: logits
-    processors that do not run in the graph, per-token outputs, a tree or n-gram scheme the call named, eager
+    processors that do not run in the graph, per-token outputs, a tree the call named, eager
     spans, a cache that is not full-attention static, padding in the prompt, a one-token prompt, attention that
     does not add a mask, a model whose layers do not all take one set of arguments or whose backbone does not fit
     a view."""
@@ -193,7 +212,7 @@ def fused_chain_for(session, drafter, input_ids, generation_config, logits_proce
     processors = _Processors.of(logits_processor, session.model.num_head_rows, input_ids.device,
                                 bool(generation_config.do_sample))
     if (processors is None or emitted.keeps_outputs or not session.spans.compiled
-            or (not session.fused_chain_first and (session.draft_topk > 1 or session.draft_ngram))
+            or (not session.fused_chain_first and session.draft_topk > 1)
             or not session.head_drafts or not parts.uniform_layers
             or not parts.spec.tree_drafts or parts.post_norm is not None
             or getattr(parts.backbone.config, "_attn_implementation", None) not in ("sdpa", "eager")
@@ -228,6 +247,7 @@ class FusedChain:
 
     def __init__(self, session, head, cache, shallow, deep, offset, processors: _Processors):
         self.session, self.head, self.cache, self.processors = session, head, cache, processors
+        self.ngrams = NgramLookup(session.draft_ngram) if session.draft_ngram else None
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
 
@@ -239,20 +259,28 @@ class FusedChain:
         token = _dense(input_ids[:, -1:])  # (laid out afresh, as every later token: one graph)
         cached = len(tokens) - 1  # the cache's length, followed here (reading the device's would be a sync)
         dtype = next(session.parts.layers[0].parameters()).dtype
+        if self.ngrams:
+            self.ngrams.extend(tokens)
         while True:
             start = time.perf_counter()
             room = min(self.keys - cached, generation_config.max_length - len(tokens)) - 1
             width = max(0, min(session.cap, room))
+            continuation = self.ngrams.continuation(min(session.max_draft, room)) if self.ngrams and room > 0 else []
+            given = torch.tensor([continuation], device=token.device) if continuation else None
+            width = len(continuation) if continuation else width
             suppress, warp = self.processors.suppress(len(tokens), width), self.processors.warp
-            kind = (width, suppress is not None, warp is not None)  # one graph each
+            kind = (width, suppress is not None, warp is not None, given is not None)  # one graph each
+            name = f"tide_cycle_{width}" + "_min" * kind[1] + "_sampled" * kind[2] + "_given" * kind[3]
             read, token, context = self.session.spans.graph(
-                ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_min" * kind[1] + "_sampled" * kind[2],
-                self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
-                context, width, self.keys, dtype, session.draft_layer + 1, suppress, warp)
+                ("cycle", *kind), _cycle, name, self.shallow, self.head, self.deep, self.offset,
+                session.parts.logits_from_normed, cache, token, context, width, self.keys, dtype,
+                session.draft_layer + 1, suppress, warp, given)
             read = read.tolist()  # the cycle's one host read
             accepted, new = read[0], read[1: read[0] + 2]
             kept, done = stops.emitted(tokens, new)
             tokens += new[:kept]
+            if self.ngrams:
+                self.ngrams.extend(new[:kept])
             cached += accepted + 1
             new_ids = torch.tensor([new[:kept]], dtype=input_ids.dtype, device=input_ids.device)
             emitted.add(new_ids, None, None)
@@ -263,7 +291,11 @@ class FusedChain:
             stats.decode_steps += 1
             stats.fused_cycles += 1
             stats.layer_passes += (session.draft_layer + 1) * width + session.parts.num_layers
-            session.cap = next_cap(session.cap, width, accepted, session.max_draft)
+            if continuation:  # (n-gram drafts leave the head's cap)
+                stats.ngram_drafted += width
+                stats.ngram_accepted += accepted
+            else:
+                session.cap = next_cap(session.cap, width, accepted, session.max_draft)
             stats.decode_time_s += time.perf_counter() - start
             if done:
                 crop_cache(cache, accepted + 1 - kept)  # the K/V of tokens after the one that stopped
@@ -279,9 +311,9 @@ class _Processors:
 
     WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
-    def __init__(self, length: int, eos: torch.Tensor, warpers: tuple):
+    def __init__(self, length: int, eos: torch.Tensor, warpers: tuple, sample: bool):
         self.length, self.eos = length, eos  # eos: [V] bool
-        self.warp = functools.partial(_warp, warpers) if warpers else None
+        self.warp = _Warp(warpers, eos.shape[0]) if sample else None
 
     @classmethod
     def of(cls, logits_processor, vocab: int, device, sample: bool) -> _Processors | None:
@@ -298,7 +330,7 @@ class _Processors:
                 return None
         mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         mask[[token for token in eos if 0 <= token < vocab]] = True
-        return cls(length, mask, tuple(warpers))
+        return cls(length, mask, tuple(warpers), sample)
 
     def suppress(self, length: int, width: int):
         """For a cycle whose first position follows a sequence of `length` tokens: None once no position is under
@@ -309,10 +341,16 @@ class _Processors:
         return where, self.eos
 
 
-def _warp(warpers: tuple, scores: torch.Tensor) -> torch.Tensor:
-    for warper in warpers:  # (these read the scores alone: no sequence is given)
-        scores = warper(None, scores)
-    return scores
+class _Warp:
+    """The call's warpers as one function of the scores (they read the scores alone: no sequence is given)."""
+
+    def __init__(self, warpers: tuple, vocab: int):
+        self.warpers, self.vocab = warpers, vocab
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self.warpers:
+            scores = warper(None, scores)
+        return scores
 
 
 class _Stops:

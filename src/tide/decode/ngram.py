@@ -26,7 +26,11 @@ class NgramLookup:
 
     def update(self, ids: torch.Tensor) -> None:
         """Read the tokens of `ids` [1, T] (the whole sequence so far) added since the last call."""
-        for token in ids[0, len(self.tokens):].tolist():
+        self.extend(ids[0, len(self.tokens):].tolist())
+
+    def extend(self, tokens: list[int]) -> None:
+        """Read `tokens`, the sequence's next tokens."""
+        for token in tokens:
             self.tokens.append(token)
             end = len(self.tokens) - 1  # the new token follows the n-grams that end just before it
             for n in range(self.min_n, self.max_n + 1):
