@@ -21,7 +21,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # (later calls replaying: tests/test_fused_cycles.py)
 def test_compiled_graphs_are_token_identical(family):
     model, base = noisy_tide(family)
     ids = prompt_ids()
@@ -47,16 +47,6 @@ def test_grouped_query_sdpa_verification_compiles():
     out = model.generate(ids, do_sample=False, max_new_tokens=16, compile_config=EAGER_BACKEND,
                          tide_config={"mode": "lossless", "max_draft": 3, "compile": True})
     assert torch.equal(out, ref)
-
-
-def test_later_calls_replay_without_recompiling():
-    model, base = noisy_tide("llama")
-    ids = prompt_ids()
-    config = {"mode": "lossless", "max_draft": 3, "compile": True}
-    model.generate(ids, do_sample=False, max_new_tokens=24, tide_config=config, compile_config=EAGER_BACKEND)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        out = model.generate(ids, do_sample=False, max_new_tokens=24, tide_config=config, compile_config=EAGER_BACKEND)
-    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
 
 
 def test_inductor_lossless_and_exit_equal_the_base_model():
