@@ -31,7 +31,8 @@ import warnings
 import tide
 
 # The functions that time things on this machine, by name; every module-level binding of them in `tide` is
-# replaced (calibration.py and bench.py import them by name, so patching their home module alone would miss them).
+# replaced (calibration's modules and bench.py import them by name, so patching their home module alone would miss
+# them).
 TIMED_FUNCTIONS = ("measure_costs", "measured_speedup")
 FIXED_SPEEDUP = 1.0
 SCRIPT_SPEEDUP = 1.5

@@ -84,11 +84,11 @@ def test_calibration_offers_no_restricted_drafts_for_an_offloaded_head(monkeypat
     import importlib
     import types
 
-    calibrate = importlib.import_module("tide.calibration.run")
+    heldout = importlib.import_module("tide.calibration.heldout")
     model = tide.TideForCausalLM.from_base(tiny_model("llama"))
-    monkeypatch.setattr(calibrate, "candidate_sizes", lambda rows: [16])  # the tiny head is too small for any
+    monkeypatch.setattr(heldout, "candidate_sizes", lambda rows: [16])  # the tiny head is too small for any
     trainer, procs = types.SimpleNamespace(predicted=torch.arange(128)), types.SimpleNamespace(world=1)
     assert model.parts.head_rows_readable
-    assert calibrate._ranked_vocabulary(model, trainer, procs).tolist()[:3] == [127, 126, 125]
+    assert heldout.ranked_draft_vocabulary(model, trainer, procs).tolist()[:3] == [127, 126, 125]
     model.parts.lm_head = torch.nn.Linear(32, 128, bias=False, device="meta")
-    assert not model.parts.head_rows_readable and calibrate._ranked_vocabulary(model, trainer, procs) is None
+    assert not model.parts.head_rows_readable and heldout.ranked_draft_vocabulary(model, trainer, procs) is None

@@ -170,13 +170,14 @@ def test_held_out_chain_ranks_read_the_previous_drafts_state():
     per text (a text's first token reads zeros), whatever the padding."""
     import importlib
 
-    calibration = importlib.import_module("tide.calibration.run")
+    forward = importlib.import_module("tide.calibration.forward")
+    heldout = importlib.import_module("tide.calibration.heldout")
     model = _model()
     ids = torch.randint(4, 100, (2, 7), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding on the second text
-    cap = calibration._capture(model, {"input_ids": ids, "attention_mask": mask})
-    scored = calibration._score(model, cap, model.config)
+    cap = forward.capture(model, {"input_ids": ids, "attention_mask": mask})
+    scored = heldout._score(model, cap, model.config)
     k = model.config.draft_head_layers()[0]
     for row in range(2):
         keep = mask[row].bool()

@@ -180,8 +180,9 @@ def test_estimates_price_a_restricted_draft_by_its_share_of_the_head():
 def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tmp_path):
     """Calibration ranks the full model's predictions, scores restricted drafts on held-out text, and keeps
     the ranked vocabulary whole (the largest size scored), with the chosen scheme's size as the default."""
-    calibration = __import__("tide.calibration.run", fromlist=["choose_draft"])
-    monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
+    heldout = __import__("tide.calibration.heldout", fromlist=["candidate_sizes"])
+    timing = __import__("tide.calibration.timing", fromlist=["choose_draft"])
+    monkeypatch.setattr(heldout, "candidate_sizes", lambda rows: [16, 32])
     seen = {}
 
     def choose(tide_model, tokenizer, texts, candidates, **options):
@@ -189,10 +190,10 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
         pick = candidates[0]._replace(draft_vocab_size=16)  # as if calibration had timed this one fastest
         return {"trials": [{**pick._asdict(), "measured": 1.5}], "chosen": {**pick._asdict(), "measured": 1.5}}
 
-    monkeypatch.setattr(calibration, "choose_draft", choose)
+    monkeypatch.setattr(timing, "choose_draft", choose)
     scored = []
-    original_candidates = calibration.draft_candidates
-    monkeypatch.setattr(calibration, "draft_candidates",
+    original_candidates = timing.draft_candidates
+    monkeypatch.setattr(timing, "draft_candidates",
                         lambda *a, **kw: scored.append(kw["restricted"]) or original_candidates(*a, **kw))
     model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
                            config=tide.TideConfig(checkpoint_interval=2), num_samples=16, batch_size=8,
@@ -215,10 +216,11 @@ def test_calibration_keeps_the_vocabulary_of_the_scheme_it_chose(monkeypatch, tm
 def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
     """The trials run `generate` with each scheme's draft vocabulary (timings replaced: a restricted draft is
     made the fastest), and the kept one decodes as the base model."""
-    calibration = __import__("tide.calibration.run", fromlist=["timed_schemes"])
+    heldout = __import__("tide.calibration.heldout", fromlist=["candidate_sizes"])
+    timing = __import__("tide.calibration.timing", fromlist=["timed_schemes"])
     trials = __import__("tide.calibration.trials", fromlist=["timed"])
-    monkeypatch.setattr(calibration, "candidate_sizes", lambda rows: [16, 32])
-    monkeypatch.setattr(calibration, "timed_schemes", lambda candidates, count: candidates[:count])
+    monkeypatch.setattr(heldout, "candidate_sizes", lambda rows: [16, 32])
+    monkeypatch.setattr(timing, "timed_schemes", lambda candidates, count: candidates[:count])
     ran = []
 
     def timed(tide_model, prompts, config, baseline="generate"):

@@ -92,23 +92,23 @@ def test_large_vocabularies_train_their_heads_on_candidates():
     assert not headloss.uses_candidates(4608, False)  # an offloaded head: the whole vocabulary
     torch.manual_seed(0)
     base = tiny_model("llama", vocab_size=8192)
-    from tide.calibration import run
+    from tide.calibration import run, trainer
 
     seen = []
-    original = run._Trainer._head_step
+    original = trainer._Trainer._head_step
 
     def step(self):
         seen.append(self.candidates)
         original(self)
 
-    run._Trainer._head_step = step
+    trainer._Trainer._head_step = step
     try:
         tide.calibrate(base, tiny_tokenizer(), dataset=sample_texts(16), config=tide.TideConfig(checkpoint_interval=2),
                        num_samples=16, max_length=32, head_steps=3, passes=1, validation_tokens=0, draft_trials=0,
                        measure_costs=False, progress=False)
     finally:
-        run._Trainer._head_step = original
+        trainer._Trainer._head_step = original
     assert seen == [True] * 3
-    default = run._Trainer(tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2)),
-                           run.CalibrationOptions(), num_batches=4)
-    assert default.candidates and default.head_steps_left == run.HEAD_STEPS[True] == 1000
+    default = trainer._Trainer(tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2)),
+                               run.CalibrationOptions(), num_batches=4)
+    assert default.candidates and default.head_steps_left == trainer.HEAD_STEPS[True] == 1000

@@ -86,7 +86,7 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
     MAX_VALIDATION_ROUNDS times (each round decodes every validation token again), then selects no exits."""
     from types import SimpleNamespace
 
-    from tide.calibration import run
+    from tide.calibration import validation
     from tide.calibration.distributed import Processes
     from tide.calibration.thresholds import EXIT_ERROR_BUDGETS
 
@@ -107,10 +107,10 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
         decoded.append(config.thresholds)
         return SimpleNamespace(agreement=0.5, tokens=1000, mean_layers=1.0)
 
-    monkeypatch.setattr(run, "teacher_forced", teacher_forced)
+    monkeypatch.setattr(validation, "teacher_forced", teacher_forced)
     model = SimpleNamespace(heldout_selection=Held(), checkpoints=[1], config=SimpleNamespace(
         resolve_generation=lambda options: SimpleNamespace(thresholds=options["thresholds"])))
     start = SimpleNamespace(exit_error_budget=EXIT_ERROR_BUDGETS[-1])
-    selection, _, result = run._validate(model, [[1, 2, 3]], start, {}, 0.99, Processes())
-    assert len(decoded) == run.MAX_VALIDATION_ROUNDS and asked[-1] == 0.0
+    selection, _, result = validation.validate(model, [[1, 2, 3]], start, {}, 0.99, Processes())
+    assert len(decoded) == validation.MAX_VALIDATION_ROUNDS and asked[-1] == 0.0
     assert selection.exit_error_budget == 0.0 and result["agreement"] == 0.5

@@ -14,6 +14,7 @@ from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
 calibration = importlib.import_module("tide.calibration.run")
 trials = importlib.import_module("tide.calibration.trials")
+phases = importlib.import_module("tide.calibration.phases")
 TRIAL_S = 10.0
 
 
@@ -28,7 +29,7 @@ def _calibrate(monkeypatch, budget, **options):
         return 1.3 if tide_config["mode"] == "exit" else 1.5
 
     monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
-    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(phases, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     torch.manual_seed(0)
     model = tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(24),
                            config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.05), num_samples=24,
@@ -84,7 +85,7 @@ def test_the_auto_budget_is_a_third_of_the_other_phases_at_least_its_floor(monke
     timings (40 s); every drafting scheme is cut."""
     model, timed = _calibrate(monkeypatch, "auto")
     budget = model.config.calibration["timing_budget"]
-    assert budget["seconds"] == calibration.AUTO_TRIAL_FLOOR_S == 30.0 and budget["spent"] == 40.0
+    assert budget["seconds"] == phases.AUTO_TRIAL_FLOOR_S == 30.0 and budget["spent"] == 40.0
     assert [t[0] for t in timed] == ["exit"] * 4 and budget["cut"][-1] == "the default mode compiled"
     assert calibration.CalibrationOptions().timing_budget_s == "auto"
 

@@ -60,7 +60,7 @@ def acceptance(routers: str, workload: str, threads: int = 1) -> dict:
     on held-out text: the model's greedy answers to 8 held-out questions (chat), or 16 held-out paragraphs,
     teacher-forced (prose). {layer: {"exit": ..., "draft": ..., "draft_top3": ...}}."""
     import tide
-    from tide.calibration.run import _capture
+    from tide.calibration.forward import capture
     from tide.calibration.selftext import SelfText, generated_texts, prompt_texts
 
     torch.set_num_threads(threads)
@@ -72,7 +72,7 @@ def acceptance(routers: str, workload: str, threads: int = 1) -> dict:
         texts = realmodel.prose()[1][:16]
     tok.pad_token = tok.pad_token or tok.eos_token
     batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False, truncation=True, max_length=192)
-    cap = _capture(model, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask})
+    cap = capture(model, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask})
     out = {}
     for layer, states in cap.states.items():
         exit_top1 = model.exit_logits(layer, states).argmax(-1)
@@ -163,12 +163,12 @@ def main(argv=None):
     every.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     if args.command == "calibrate":
-        from tide.calibration import headloss, run
+        from tide.calibration import headloss, trainer
 
         if args.negatives:
             headloss.NEGATIVES = args.negatives
         if args.whole_vocabulary:
-            run.uses_candidates = lambda vocab_size, readable: False
+            trainer.uses_candidates = lambda vocab_size, readable: False
         options = dict(head_steps=args.head_steps, minibatch=args.minibatch)
         if args.heads_only:
             options.update(measure_costs=False, validation_tokens=0, draft_trials=0)

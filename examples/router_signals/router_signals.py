@@ -28,7 +28,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tide  # noqa: E402
-from tide.calibration.run import CalibrationOptions, _batches, _capture  # noqa: E402
+from tide.calibration.forward import capture  # noqa: E402
+from tide.calibration.options import CalibrationOptions  # noqa: E402
+from tide.calibration.texts import batches  # noqa: E402
 from tide.tools.demo import _load_base  # noqa: E402
 from tide.tools.demo_corpus import split_corpus  # noqa: E402
 from tide.calibration.thresholds import auc, calibrate_cascade  # noqa: E402
@@ -41,8 +43,8 @@ def collect(model, tokenizer, texts):
     normed, logprobs, agree = ({k: [] for k in model.checkpoints} for _ in range(3))
     top1 = []
     with torch.no_grad():
-        for batch in _batches(texts, tokenizer, opts, model.base.device):
-            cap = _capture(model, batch)
+        for batch in batches(texts, tokenizer, opts, model.base.device):
+            cap = capture(model, batch)
             top1.append(cap.full_top1)
             for k in model.checkpoints:
                 n = model.parts.final_norm(model.routers[k].exit_state(cap.states[k]))

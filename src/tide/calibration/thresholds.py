@@ -8,6 +8,10 @@ removed before the next checkpoint is calibrated, as generation runs the cascade
 small to large (Learn-then-Test's fixed sequence) and the largest one kept is the last for which the
 one-sided Clopper-Pearson upper bound on the overall disagreement rate, over all held-out tokens, is at
 most `1 - target_agreement` at the stated confidence.
+
+The check through the decode step (`validation.validate`) then lowers the budget while the decoded agreement's
+bound misses the target: `allowed_errors` (the disagreements a count of decoded tokens allows) and `next_budget`
+(the budget it checks next).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from ..heads.router import exit_decision
 
 __all__ = ["auc", "binomial_upper_bound", "select_threshold", "calibrate_cascade", "CascadeSelection",
-           "CheckpointCalibration", "oracle_depth", "tokens_for_bound", "kept_nothing_message"]
+           "CheckpointCalibration", "oracle_depth", "tokens_for_bound", "kept_nothing_message", "allowed_errors",
+           "next_budget"]
 
 NEVER = 1.0  # scores are sigmoids in [0, 1] and a token exits when score > threshold
 # Per-exit error budgets tried, in this fixed order, by `calibrate_cascade`.
@@ -198,6 +203,28 @@ def tokens_for_bound(rate: float, target_agreement: float, confidence: float, li
         mid = (low + high) // 2
         low, high = (low, mid) if holds(mid) else (mid, high)
     return high
+
+
+def allowed_errors(tokens: int, target: float, confidence: float) -> int:
+    """The most disagreements in `tokens` decoded tokens whose lower confidence bound still reaches `target`
+    (-1 where even none would not)."""
+    allowed = -1
+    while allowed + 1 < tokens and 1.0 - binomial_upper_bound(allowed + 1, tokens, confidence) >= target:
+        allowed += 1
+    return allowed
+
+
+
+def next_budget(smaller: list[float], budget: float, errors: int, allowed: int) -> float:
+    """The per-exit error budget to check next after `errors` disagreements at `budget` where `allowed` would pass:
+    the largest of the `smaller` budgets at most budget x sqrt(allowed / errors), and at least one step down.
+    Decoded disagreements grow more slowly than the budget (part of them come from the approximate K/V of
+    skipped layers, not from the exits the budget allows), so the step is half the one that proportion would
+    give, in log scale: a few rounds to the budget the measurement points at, where stepping down one budget a
+    round took up to 7 rounds of the check on the shipped model, and no overshoot to a budget far below it."""
+    estimate = budget * math.sqrt(max(allowed, 0) / max(errors, 1))
+    fitting = [b for b in smaller if b <= estimate * 1.0001]  # the budgets are rounded to 6 decimals
+    return fitting[-1] if fitting else smaller[0]
 
 
 def kept_nothing_message(layers: list[int], scores: dict, agree: dict, labels: dict, target_agreement: float,

@@ -354,7 +354,7 @@ def _unsupported_message(model: nn.Module, why: str) -> str:
         f"Tide does not know model type {getattr(model.config, 'model_type', None)!r} and probing failed ({why}). "
         f"Supported types: {', '.join(supported_model_types())}. Register it with tide.register('<model_type>', "
         "tide.ArchSpec(backbone='model', layers='model.layers', norm='model.norm', lm_head='lm_head', ...)); "
-        "see tide/architectures.py for the fields."
+        "see tide/models/architectures.py for the fields."
     )
 
 

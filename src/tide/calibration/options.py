@@ -1,0 +1,70 @@
+"""`tide.calibrate`'s options: `CalibrationOptions`, checked when made, and the keyword arguments that set them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+__all__ = ["CalibrationOptions", "options_from"]
+
+
+@dataclass
+class CalibrationOptions:
+    num_samples: int = 512
+    max_length: int = 256
+    batch_size: int = 8
+    heldout_fraction: float = 0.2
+    # training tokens kept for minibatches, over all processes (None: up to 32768 within ~1 GiB)
+    buffer_size: int | None = None
+    minibatch: int = 256
+    # Adam steps of the exit and draft heads, spread over the training stream (None: HEAD_STEPS[candidate loss],
+    # 200 over the whole vocabulary, 1000 over candidates, whose steps cost far less)
+    head_steps: int | None = None
+    head_lr: float = 1e-3
+    passes: int = 4  # router training sweeps over the buffered tokens, after the exit heads are trained
+    lr: float = 1e-3  # router learning rate
+    seed: int = 0
+    measure_costs: bool = True  # time checkpoints and layers here; drop checkpoints that do not pay; pick drafts
+    validation_tokens: int = 1024  # held-out tokens decoded through the decode step to check the target (0: skip)
+    draft_trials: int = 3  # lossless drafting schemes timed against the base model (best estimates first; 0: skip)
+    compiled_trials: bool = False  # also time the kept mode compiled against the base model's compiled decode
+    # cap on the timing trials' seconds, later trials cut: "auto" (a third of the other phases' seconds, at least
+    # AUTO_TRIAL_FLOOR_S: a quarter of the calibration), a number, or None (no cap)
+    timing_budget_s: float | str | None = "auto"
+    prompt_new_tokens: int = 128  # with `prompts`: tokens the base model writes after each prompt
+    prompt_samples: int = 2  # with `prompts`: sampled continuations of each prompt, besides the greedy one
+    prompt_chat: bool | None = None  # with `prompts`: strings go through the chat template (None: where there is one)
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("num_samples", "max_length", "batch_size", "minibatch", "head_steps", "passes",
+                     "validation_tokens", "draft_trials", "seed"):
+            value = getattr(self, name)
+            if name == "head_steps" and value is None:
+                continue
+            minimum = 1 if name in ("num_samples", "max_length", "batch_size", "minibatch") else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"calibrate: {name} must be an integer >= {minimum}, got {value!r}.")
+        if self.buffer_size is not None and (not isinstance(self.buffer_size, int) or self.buffer_size < 1):
+            raise ValueError(f"calibrate: buffer_size must be a positive integer or None, got {self.buffer_size!r}.")
+        if not isinstance(self.heldout_fraction, (int, float)) or not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(f"calibrate: heldout_fraction must be between 0 and 1 (exclusive), "
+                             f"got {self.heldout_fraction!r}.")
+        budget = self.timing_budget_s
+        if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                                         or not math.isfinite(budget) or budget < 0):
+            raise ValueError(f"calibrate: timing_budget_s must be \"auto\", a finite number >= 0 or None, "
+                             f"got {budget!r}.")
+        for name in ("head_lr", "lr"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0.0:
+                raise ValueError(f"calibrate: {name} must be a positive number, got {value!r}.")
+
+
+def options_from(options: dict) -> CalibrationOptions:
+    """`CalibrationOptions` from `calibrate`'s extra keyword arguments (an unknown one is an error that lists them)."""
+    known = {f.name for f in fields(CalibrationOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"calibrate: unknown option(s) {unknown}; the options are {sorted(known)}.")
+    return CalibrationOptions(**options)

@@ -1,0 +1,205 @@
+"""Training the heads and routers: the first pass streams the training texts, one base forward per batch
+(`forward.capture`) into a bounded buffer, with the exit and draft heads' minibatch steps on the way (`train`);
+`_Trainer` then copies the heads into the model and trains the routers on labels through the trained exits."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..modeling import TideForCausalLM
+from .distributed import Processes
+from .forward import Capture, capture, exit_labels
+from .headloss import TEACHER_TOP, Candidates, draw_negatives, head_kl, uses_candidates
+from .heldout import ranked_draft_vocabulary
+from .options import CalibrationOptions
+from .phases import Context
+from .texts import batches
+
+__all__ = ["train", "HEAD_STEPS"]
+
+
+def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.Tensor | None]:
+    """Stream this process's training texts (`bar` counts them): exit heads, draft heads, then routers. (The
+    trainer, the ranked draft vocabulary or None: `heldout.ranked_draft_vocabulary`, with `draft_trials`.)"""
+    tide, opts, procs, phases = ctx.tide, ctx.opts, ctx.procs, ctx.phases
+    local_batches = math.ceil(len(train_texts) / opts.batch_size)
+    num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
+    trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs)
+    for batch in phases.counted("data", batches(train_texts, ctx.tokenizer, opts, tide.base.device)):
+        with phases("training"):
+            trainer.add(capture(tide, batch, top=trainer.candidates))
+        bar.update(batch["input_ids"].shape[0])
+        bar.set_postfix(kl=f"{trainer.last_kl:.3f}")
+    with phases("training"):
+        for _ in range(num_batches - local_batches):
+            trainer.add(None)
+        trainer.finish()
+        ranked = ranked_draft_vocabulary(tide, trainer, procs) if opts.draft_trials else None
+    return trainer, ranked
+
+
+# The heads' default Adam steps, by loss: {candidates: steps}. A candidate step costs a fraction of a step over the
+# whole vocabulary, and on SmolLM2-135M-Instruct 1,000 of them raised draft acceptance at layer 3 from 36% to 47%
+# over 200 (docs/benchmarks.md).
+HEAD_STEPS = {False: 200, True: 1000}
+
+
+class _Trainer:
+    """Exit heads then routers, from a bounded ring buffer of training tokens.
+
+    While the training texts stream, each batch's states enter the buffer and the exit heads (translators) and
+    draft heads take Adam steps minimising KL(full model || head) on buffered tokens, `head_steps` in all. Then
+    every buffered token is labelled through the trained exits and the routers (on fp32 copies) sweep the buffer
+    `passes` times. Memory: the buffer, (checkpoints + 2) x buffer_size x H floats.
+    """
+
+    def __init__(self, tide: TideForCausalLM, opts: CalibrationOptions, num_batches: int,
+                 procs: Processes | None = None):
+        self.tide, self.opts, self.parts = tide, opts, tide.parts
+        self.procs = procs or Processes()
+        self.layers = list(tide.checkpoints)
+        hidden = tide.config.base_hidden_size or self.parts.norm.weight.shape[-1]
+        size = opts.buffer_size or max(opts.minibatch, min(32768, (1 << 30) // (4 * hidden * (len(self.layers) + 2))))
+        size = math.ceil(size / self.procs.world)  # together, the processes' buffers hold what one process's would
+        device = tide.base.device
+        self.states = {k: torch.empty(size, hidden, device=device) for k in self.layers}
+        self.final = torch.empty(size, hidden, device=device)
+        self.top1 = torch.empty(size, dtype=torch.long, device=device)
+        self.size, self.filled, self.cursor, self.train_tokens, self.head_rows = size, 0, 0, 0, 0
+        self.translators = {k: copy.deepcopy(tide.routers[k].translator).float() for k in self.layers
+                            if tide.routers[k].translator is not None}
+        self.drafts = {k: copy.deepcopy(tide.routers[k].draft).float() for k in self.layers
+                       if tide.routers[k].draft is not None}
+        self.context = torch.empty(size, hidden, device=device) if self.drafts else None
+        self.predicted = torch.zeros(tide.num_head_rows, dtype=torch.long, device=device)  # full-model top-1 counts
+        # the candidate loss, else the whole vocabulary
+        self.candidates = uses_candidates(tide.num_head_rows, self.parts.head_rows_readable)
+        self.top = torch.empty(size, TEACHER_TOP, dtype=torch.long, device=device) if self.candidates else None
+        params = self._head_params()
+        self.head_optim = torch.optim.Adam(params, lr=opts.head_lr) if params else None
+        steps = HEAD_STEPS[self.candidates] if opts.head_steps is None else opts.head_steps
+        self.steps_per_batch = math.ceil(steps / max(num_batches, 1))
+        self.head_steps_left = steps if params else 0
+        self.generator = torch.Generator(device="cpu").manual_seed(opts.seed)
+        self.last_kl = float("nan")
+
+    def add(self, cap: Capture | None) -> None:
+        """Buffer a batch's states (None: no batch left on this process, but take the steps the others take)."""
+        if cap is not None:
+            self._buffer(cap)
+        for _ in range(min(self.steps_per_batch, self.head_steps_left)):
+            self._head_step()
+
+    def _buffer(self, cap: Capture) -> None:
+        n = min(cap.final.shape[0], self.size)
+        idx = ((torch.arange(n) + self.cursor) % self.size).to(self.final.device)
+        for k in self.layers:
+            self.states[k][idx] = cap.states[k][-n:].float()
+        self.final[idx], self.top1[idx] = cap.final[-n:].float(), cap.full_top1[-n:]
+        if self.top is not None:
+            self.top[idx] = cap.top[-n:]
+        self.predicted += torch.bincount(cap.full_top1, minlength=self.predicted.numel())
+        if self.context is not None:
+            self.context[idx] = cap.context[-n:].float()
+        self.cursor = (self.cursor + n) % self.size
+        self.filled = min(self.filled + n, self.size)
+        self.train_tokens += cap.final.shape[0]
+
+    def _pick(self) -> torch.Tensor:
+        """This process's share of a minibatch (the gradients are averaged over the processes, so a step still
+        learns from `minibatch` tokens in all)."""
+        rows = math.ceil(self.opts.minibatch / self.procs.world)
+        pick = torch.randint(self.filled, (min(rows, self.filled),), generator=self.generator)
+        return pick.to(self.final.device)
+
+    def _logits(self, state: torch.Tensor, candidates: Candidates | None) -> torch.Tensor:
+        """Final norm + head of the model on fp32 states (cast to the model's dtype), over the whole vocabulary or
+        the rows' candidates. [M, H] -> fp32 [M, V] or [M, C]."""
+        dtype = self.parts.norm.weight.dtype if hasattr(self.parts.norm, "weight") else state.dtype
+        normed = self.parts.final_norm(state.to(dtype))
+        if candidates is None:
+            return self.parts.logits_from_normed(normed).float()
+        return candidates.logits(self.parts, normed)
+
+    def _head_step(self) -> None:
+        self.head_steps_left -= 1
+        pick = self._pick()
+        self.head_rows += pick.numel()
+        candidates = (Candidates(self.top[pick], draw_negatives(self.predicted, self.generator))
+                      if self.candidates else None)
+        with torch.no_grad():
+            teacher = self._logits(self.final[pick], candidates)  # [M, V] or [M, C]
+        with torch.enable_grad():
+            states = [t(self.states[k][pick]) for k, t in self.translators.items()]
+            states += [d(self.states[k][pick], self.context[pick]) for k, d in self.drafts.items()]
+            loss = sum(head_kl(self._logits(state, candidates), teacher) for state in states) / len(states)
+            params = self._head_params()
+            grads = torch.autograd.grad(loss, params)  # the base model's own parameters get no .grad
+        for p, g in zip(params, grads):
+            p.grad = g
+        self.procs.mean_grads(params)
+        self.head_optim.step()
+        self.last_kl = float(loss.detach())
+
+    def _head_params(self) -> list:
+        return [p for head in [*self.translators.values(), *self.drafts.values()] for p in head.parameters()]
+
+    def finish(self) -> None:
+        """Copy the trained exit and draft heads into the model, then train the routers on labels through the exits.
+
+        Each router is trained by one process (checkpoints dealt out in turn) on every process's buffered tokens,
+        with no collective per step, and then sent to the others: a router's minibatch steps cost their fixed work,
+        not their rows, so splitting rows across processes would not shorten them (with an all-reduce a step, two
+        processes took three times as long as one), while splitting the routers divides the phase."""
+        with torch.no_grad():
+            for heads, name in ((self.translators, "translator"), (self.drafts, "draft")):
+                for k, trained in heads.items():
+                    target = getattr(self.tide.routers[k], name)
+                    for dst, src in zip(target.parameters(), trained.parameters()):
+                        dst.copy_(src.to(dst.dtype))
+        for i, k in enumerate(self.layers):
+            owner = i % self.procs.world
+            normed, labels = (self.procs.gather_to(x, owner) for x in self._router_data(k))
+            if self.procs.rank == owner:
+                self._train_router(k, normed, labels)
+        for i, k in enumerate(self.layers):
+            router = self.tide.routers[k]
+            self.procs.broadcast_tensors([*router.down.parameters(), *router.up.parameters()], src=i % self.procs.world)
+
+    def _router_data(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final-norm view of this process's buffered exit states at `k` and their labels through the exit
+        (fp32)."""
+        tide, n, router = self.tide, self.filled, self.tide.routers[k]
+        with torch.no_grad():
+            states, final, top1 = self.states[k][:n].to(router.down.weight.dtype), self.final[:n], self.top1[:n]
+            normed, labels = [], []
+            for part in range(0, n, 4096):
+                chunk = slice(part, part + 4096)
+                normed.append(self.parts.final_norm(router.exit_state(states[chunk])).float())
+                exit_logits = tide.exit_logits(k, states[chunk])
+                label = exit_labels(exit_logits, states[chunk], final[chunk], top1[chunk], tide.config)[1]
+                labels.append(label.float())
+        return torch.cat(normed), torch.cat(labels)
+
+    def _train_router(self, k: int, normed: torch.Tensor, labels: torch.Tensor) -> None:
+        """Router `k`'s Adam steps on (normed, labels): `passes` sweeps in minibatches."""
+        router = self.tide.routers[k]
+        trained = copy.deepcopy(router).float()
+        trained.translator = trained.draft = None
+        optim = torch.optim.Adam(trained.parameters(), lr=self.opts.lr)
+        n = normed.shape[0]
+        with torch.enable_grad():
+            for _ in range(self.opts.passes * math.ceil(n / self.opts.minibatch)):
+                pick = torch.randint(n, (min(self.opts.minibatch, n),), generator=self.generator).to(normed.device)
+                loss = F.binary_cross_entropy_with_logits(trained(normed[pick]), labels[pick])
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+                optim.step()
+        with torch.no_grad():
+            for name in ("down", "up"):
+                for dst, src in zip(getattr(router, name).parameters(), getattr(trained, name).parameters()):
+                    dst.copy_(src.to(dst.dtype))
