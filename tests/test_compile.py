@@ -170,7 +170,8 @@ def test_compiled_calls_share_one_static_cache():
                            base.generate(prompt, do_sample=False, max_new_tokens=new))
     assert len(seen) == 3 and seen[0] is seen[1] is seen[2]
     held, keys = seen[0], seen[0].layers[0].keys
-    assert held.layers[0].max_cache_len == ids.shape[1] + 20 - 1  # as generate sizes it: max_length - 1
+    # as generate sizes it (max_length - 1), and room for a whole draft (max_draft + 1) after the last token
+    assert held.layers[0].max_cache_len == ids.shape[1] + 20 - 1 + 3 + 1
     out = model.generate(ids, max_new_tokens=20, return_dict_in_generate=True, **run)
     assert len(seen) == 3 and out.past_key_values is not held  # a returned cache: generate made it, not lent
     with original(base.config, 8, 1, next(base.parameters())) as taken:
@@ -187,7 +188,7 @@ def test_compiled_calls_share_one_static_cache():
     assert len(pool._free) == pool.KEEP and all(key[1] > 1 for key in pool._free)
     model.static_caches.clear()  # frees them: the next call gets a new one, sized for itself
     model.generate(ids, max_new_tokens=8, **run)
-    assert seen[-1] is not held and seen[-1].layers[0].max_cache_len == ids.shape[1] + 8 - 1
+    assert seen[-1] is not held and seen[-1].layers[0].max_cache_len == ids.shape[1] + 8 - 1 + 3 + 1
 
 
 def test_the_draft_head_runs_in_the_shallow_layers_graph():

@@ -26,6 +26,7 @@ from .decode.engine import ExitSession
 from .decode.spans import SpanRunner, compile_options, options_key
 from .decode.speculative import LosslessSession, LosslessUnavailable
 from .decode.stats import GenerationStats
+from .heads.kernels import kernel_mode
 from .models.compat import cache_layer_kinds, is_static_layer
 
 __all__ = ["generate_with_tide", "resolve_run_config", "attach_stats", "lossless_problem"]
@@ -81,10 +82,12 @@ def _given_fields(tide_config) -> set:
 def generate_with_tide(model, tide_config, *args, **kwargs):
     model.last_stats = None
     run = resolve_run_config(model, tide_config)
-    compiled = tide_config is not False and model.config.resolve_generation(tide_config).compile
+    generation = model.config.resolve_generation(tide_config) if tide_config is not False else None
+    compiled = generation is not None and generation.compile
     length = _static_cache_length(model, args, kwargs) if compiled else None
     if length is None:
         return _generate(model, tide_config, run, compiled, args, kwargs)
+    length += (generation.max_draft or 0) + 1  # room for a whole draft after the last token (`decode/fused.py`)
     rows = _inputs(args, kwargs).shape[0] * (_option(model, kwargs, "num_return_sequences") or 1)
     with model.static_caches.lend(model.base.config, length, rows, next(model.base.parameters())) as cache:
         return _generate(model, tide_config, run, compiled, args, {**kwargs, "past_key_values": cache})
@@ -139,7 +142,8 @@ def _generate(model, tide_config, run, compiled: bool, args, kwargs):
             raise ValueError("Tide's exit mode decodes on the KV cache (skipped layers still get their K/V); drop "
                              "use_cache=False, or pass tide_config=False to run the base model without exits.")
         session, loop = ExitSession(model, run, _spans(model, run, kwargs)), exit_decode
-    return _run(model, session, loop, args, kwargs)
+    with kernel_mode(run.kernels):  # the exit tests' path for this call (its context only)
+        return _run(model, session, loop, args, kwargs)
 
 
 def _run(model, session, loop, args, kwargs):

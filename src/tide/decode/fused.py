@@ -121,12 +121,13 @@ def _draw(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, first_deep: int, suppress, warp,
-            drawn_from):
+            drawn_from, valid):
     """A cycle's verification: layers E+1..L-1 over [x, drafts] from their layer-E `states` [1, k + 1, H]; the
     tokens to emit, the accepted count, the next context, and every cache layer cut back to the accepted path
     -> (tokens [1, k + 1], of which the first accepted + 1 are emitted; accepted []; context [1, H]).
-    `suppress`: None, or (where [k + 1] bool, tokens [V] bool): the tokens whose scores are -inf at those
-    positions (a minimum length's end-of-sequence tokens). Greedy (`warp` None): the longest prefix of drafts
+    `suppress`: (where [k + 1] bool, tokens [V] bool): the tokens whose scores are -inf at those positions (a
+    minimum length's end-of-sequence tokens). `valid` []: how many of the drafts count (the rest pad a shorter
+    n-gram continuation to the graph's width; never accepted). Greedy (`warp` None): the longest prefix of drafts
     equal to the full model's argmax, then its token. Sampling: the speculative-sampling rule (`accept.py`) on
     the full model's distributions after `warp` and the drafts' `drawn_from` [1, k, V]."""
     width = drafts.shape[1]
@@ -138,30 +139,33 @@ def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, 
                   attention_mask=_mask(positions, keys, states.dtype), past_key_values=cache,
                   use_cache=True).last_hidden_state
     logits = logits_from_normed(normed)
-    if suppress is not None:
-        where, suppressed = suppress
-        logits = logits.masked_fill(where[None, :, None] & suppressed, float("-inf"))
+    where, suppressed = suppress
+    logits = logits.masked_fill(where[None, :, None] & suppressed, float("-inf"))
+    counts = torch.arange(width, device=states.device) < valid  # [k]
     if warp is None:
         tokens = logits.argmax(-1)  # [1, k + 1]
-        accepted = (drafts == tokens[:, :width]).long().cumprod(-1).sum()
+        accepted = ((drafts == tokens[:, :width]) & counts).long().cumprod(-1).sum()
     else:
-        tokens, accepted = _sampled_verdict(warp(logits[0].float()).softmax(-1), drafts[0], drawn_from)
+        tokens, accepted = _sampled_verdict(warp(logits[0].float()).softmax(-1), drafts[0], drawn_from, counts)
     context = normed[0].index_select(0, accepted.view(1))
     for layer in cache.layers:
         layer.cumulative_length.sub_(width - accepted)
     return tokens, accepted, context
 
 
-def _sampled_verdict(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Tensor | None):
+def _sampled_verdict(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Tensor | None,
+                     counts: torch.Tensor | None = None):
     """The speculative-sampling rule on the device. p: [k + 1, V] the full model's distributions; drafts [k];
     drawn_from: [1, k, V] (None when k = 0). Draft i is kept with probability min(1, p_i / q_i); after the first
     rejection, at a, the next token is drawn from max(p_a - q_a, 0) (from p_a where that is all zero, as
     `accept.sampling_verdict`), after k accepted drafts from p_k -> (tokens [1, k + 1]: the drafts with the drawn
-    token at a; a [])."""
+    token at a; a []). `counts` [k] bool: the drafts that count (padding does not: its q is zero, never kept)."""
     width = drafts.shape[0]
-    q = torch.cat([drawn_from[0], p.new_zeros(1, p.shape[1])]) if width else p.new_zeros(1, p.shape[1])
+    q = drawn_from[0] if counts is None else drawn_from[0] * counts[:, None]
+    q = torch.cat([q, p.new_zeros(1, p.shape[1])]) if width else p.new_zeros(1, p.shape[1])
     index = torch.arange(width, device=p.device)
     kept = torch.rand(width, device=p.device) * q[index, drafts] <= p[index, drafts]  # u <= p / q (q > 0 there)
+    kept = kept if counts is None else kept & counts
     accepted = kept.long().cumprod(0).sum()
     at = accepted.view(1)
     target, drafted = p.index_select(0, at), q.index_select(0, at)
@@ -173,8 +177,9 @@ def _sampled_verdict(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Te
 
 
 def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, keys: int, dtype,
-           first_deep: int, suppress, warp, given):
-    """One cycle, drafts (from the head, or `given` [1, k] by the host) and verification, as one graph ->
+           first_deep: int, suppress, warp, given, valid):
+    """One cycle, drafts (from the head, or `given` [1, k] by the host, of which the first `valid` count) and
+    verification, as one graph ->
     (accepted count then the k + 1 tokens of which the first accepted + 1 are emitted [k + 2]: what the host
     reads; the next cycle's token x [1, 1]; its context [1, H])."""
     if given is None:
@@ -182,7 +187,7 @@ def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, contex
     else:
         states, drafts, drawn_from = _given(shallow, cache, torch.cat([token, given], 1), keys, dtype, warp)
     tokens, accepted, context = _verify(deep, offset, logits_from_normed, cache, states, drafts, keys, first_deep,
-                                        suppress, warp, drawn_from)
+                                        suppress, warp, drawn_from, width if given is None else valid)
     return torch.cat([accepted.view(1), tokens[0]]), tokens.index_select(1, accepted.view(1)), context
 
 
@@ -263,18 +268,23 @@ class FusedChain:
             self.ngrams.extend(tokens)
         while True:
             start = time.perf_counter()
-            room = min(self.keys - cached, generation_config.max_length - len(tokens)) - 1
-            width = max(0, min(session.cap, room))
-            continuation = self.ngrams.continuation(min(session.max_draft, room)) if self.ngrams and room > 0 else []
-            given = torch.tensor([continuation], device=token.device) if continuation else None
-            width = len(continuation) if continuation else width
-            suppress, warp = self.processors.suppress(len(tokens), width), self.processors.warp
-            kind = (width, suppress is not None, warp is not None, given is not None)  # one graph each
-            name = f"tide_cycle_{width}" + "_min" * kind[1] + "_sampled" * kind[2] + "_given" * kind[3]
+            # (the cache Tide lends a compiled call has room for a full draft after the last token: tokens past
+            # the length limit are computed and dropped, and no graph is made for a narrower width near the end)
+            room = self.keys - cached - 1
+            continuation = self.ngrams.continuation(session.max_draft) if self.ngrams else []
+            if continuation and room >= session.max_draft:  # padded to one width: one graph for every continuation
+                width, valid = session.max_draft, torch.tensor(len(continuation), device=token.device)
+                given = torch.tensor([continuation + continuation[-1:] * (width - len(continuation))],
+                                     device=token.device)
+            else:
+                continuation, given, valid = [], None, None
+                width = max(0, min(session.cap, room))
+            kind = (width, self.processors.warp is not None, given is not None)  # one graph each
             read, token, context = self.session.spans.graph(
-                ("cycle", *kind), _cycle, name, self.shallow, self.head, self.deep, self.offset,
-                session.parts.logits_from_normed, cache, token, context, width, self.keys, dtype,
-                session.draft_layer + 1, suppress, warp, given)
+                ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2],
+                self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
+                context, width, self.keys, dtype, session.draft_layer + 1, self.processors.suppress(len(tokens), width),
+                self.processors.warp, given, valid)
             read = read.tolist()  # the cycle's one host read
             accepted, new = read[0], read[1: read[0] + 2]
             kept, done = stops.emitted(tokens, new)
@@ -284,16 +294,16 @@ class FusedChain:
             cached += accepted + 1
             new_ids = torch.tensor([new[:kept]], dtype=input_ids.dtype, device=input_ids.device)
             emitted.add(new_ids, None, None)
-            stats.drafted += width
-            stats.accepted += accepted
-            stats.decode_tokens += accepted + 1
+            stats.drafted += len(continuation) or width
+            stats.accepted += min(accepted, kept)  # (emitted: tokens past a stop are computed and dropped)
+            stats.decode_tokens += kept
             stats.verify_passes += 1
             stats.decode_steps += 1
             stats.fused_cycles += 1
             stats.layer_passes += (session.draft_layer + 1) * width + session.parts.num_layers
             if continuation:  # (n-gram drafts leave the head's cap)
-                stats.ngram_drafted += width
-                stats.ngram_accepted += accepted
+                stats.ngram_drafted += len(continuation)
+                stats.ngram_accepted += min(accepted, kept)
             else:
                 session.cap = next_cap(session.cap, width, accepted, session.max_draft)
             stats.decode_time_s += time.perf_counter() - start
@@ -333,10 +343,8 @@ class _Processors:
         return cls(length, mask, tuple(warpers), sample)
 
     def suppress(self, length: int, width: int):
-        """For a cycle whose first position follows a sequence of `length` tokens: None once no position is under
-        the minimum, else ([width + 1] bool, the tokens)."""
-        if length >= self.length:
-            return None
+        """For a cycle whose first position follows a sequence of `length` tokens: ([width + 1] bool, the tokens):
+        where the tokens' scores are -inf (all False once no position is under the minimum: one graph either way)."""
         where = torch.tensor([length + i < self.length for i in range(width + 1)], device=self.eos.device)
         return where, self.eos
 
