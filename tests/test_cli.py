@@ -1,6 +1,7 @@
 """The `tide` command line on tiny local models."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -115,6 +116,9 @@ def test_demo_runs_end_to_end(tmp_path, capsys, monkeypatch, eager_compiled_base
     out = capsys.readouterr().out
     for section in ("1. The shipped model", "2. Calibrate", "3. Save", "mode='exit'", "mode='lossless'", "5. Speed"):
         assert section in out
+    took = re.search(r"demo took ([0-9.]+) s: 1\. [0-9.]+ s, 2\. [0-9.]+ s, 3\. [0-9.]+ s, 4\. [0-9.]+ s, "
+                     r"5\. ([0-9.]+) s", out)
+    assert took and float(took.group(1)) >= float(took.group(2)), out[-300:]  # each section timed
     assert sorted(p.name for p in (tmp_path / "routers").iterdir()) == [
         "README.md", "config.json", "custom_generate", "routers.safetensors"]
 

@@ -56,13 +56,35 @@ def demo_model_and_texts(routers: str | None = None, num_samples: int = 1024):
     return model, tokenizer, DEMO_PROMPTS, heldout
 
 
-def _section(title: str) -> None:
-    print(f"\n=== {title} " + "=" * max(0, 70 - len(title)))
+class _Sections:
+    """The demo's numbered sections, each timed: `done()` prints how long each took."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+        self._current, self._start = None, time.perf_counter()
+
+    def __call__(self, title: str) -> None:
+        self._close()
+        self._current = title
+        print(f"\n=== {title} " + "=" * max(0, 70 - len(title)))
+
+    def _close(self) -> None:
+        now = time.perf_counter()
+        if self._current is not None:
+            key = self._current.split(".")[0]
+            self.times[key] = self.times.get(key, 0.0) + now - self._start
+        self._start = now
+
+    def done(self) -> None:
+        self._close()
+        parts = ", ".join(f"{number}. {seconds:.1f} s" for number, seconds in self.times.items())
+        print(f"\ndemo took {sum(self.times.values()):.1f} s: {parts}")
 
 
 def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
     torch.manual_seed(0)
-    _section("1. The shipped model")
+    section = _Sections()
+    section("1. The shipped model")
     base, tokenizer = _load_base()
     report = json.loads((DEMO_MODEL_DIR / "training_report.json").read_text())
     print(f"{DEMO_MODEL_DIR.name}: Llama, {base.config.num_hidden_layers} layers, hidden {base.config.hidden_size}, "
@@ -71,13 +93,13 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
     train, heldout = split_corpus()
     print(f"text: Python's own documentation, {len(train)} training / {len(heldout)} held-out paragraphs")
 
-    _section("2. Calibrate routers (tide.calibrate)")
+    section("2. Calibrate routers (tide.calibrate)")
     start = time.perf_counter()
     model = _calibrate(base, tokenizer, train, num_samples=128 if quick else 1024, quick=quick)
     print(f"calibrated in {time.perf_counter() - start:.1f} s")
     print(calibration_table(model.config))
 
-    _section("3. Save the router repo and load it back")
+    section("3. Save the router repo and load it back")
     model.save_pretrained(out_dir)
     for name in sorted(os.listdir(out_dir)):
         print(f"  {out_dir}/{name}  ({(Path(out_dir) / name).stat().st_size / 1024:.1f} KiB)")
@@ -85,7 +107,7 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
     print(f"loaded: TideForCausalLM.from_pretrained({out_dir!r}) -> base {model.config.base_model_name_or_path}")
 
     for mode in ("exit", "lossless"):
-        _section(f"4. Generate, mode={mode!r} (streaming)")
+        section(f"4. Generate, mode={mode!r} (streaming)")
         for prompt in DEMO_PROMPTS[: 1 if quick else 2]:
             inputs = tokenizer(prompt, return_tensors="pt")
             model.generate(**inputs, max_new_tokens=24 if quick else 40, do_sample=False,
@@ -95,10 +117,11 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
             print(stats.summary() if stats else f"({why} on this model and machine: the base model ran unchanged)")
             print()
 
-    _section("5. Speed and quality against the base model")
+    section("5. Speed and quality against the base model")
     # 4 repeats: with 2, a row that runs the base model unchanged read x0.94 [0.92-0.96] in one demo run
     # (6 repeats of the same: x0.995-0.998)
     results = run_bench(model, tokenizer, DEMO_PROMPTS[:2], heldout[: 4 if quick else 16], sweep=(),
                         new_tokens=16 if quick else 32, repeats=1 if quick else 4)
     print("\n(exit mode trades agreement for speed; lossless output is the base model's, token for token)")
+    section.done()
     return results
