@@ -63,3 +63,25 @@ def test_threshold_one_batch_equals_base_greedy(attention):
     batch = tok(PROMPTS, return_tensors="pt", padding=True)
     expected = model.base.generate(**batch, pad_token_id=0, **GREEDY)
     assert torch.equal(model.generate(**batch, tide_config={"exit_threshold": 1.0}, pad_token_id=0, **GREEDY), expected)
+
+
+def test_without_row_skipping_every_row_keeps_running_and_the_tokens_stay():
+    """`row_skipping=False`: exited rows ride along (every layer call takes the whole batch), the same tokens."""
+    model = _model("llama")
+    tok = tiny_tokenizer(pad=True)
+    tok.padding_side = "left"
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    skipping = model.generate(**batch, tide_config={"exit_threshold": 0.5}, pad_token_id=0, **GREEDY)
+    assert model.last_stats.switches["row_skipping"] is True
+    seen, hooks = _rows_per_layer(model)
+    try:
+        kept = model.generate(**batch, tide_config={"exit_threshold": 0.5, "row_skipping": False}, pad_token_id=0,
+                              **GREEDY)
+    finally:
+        for h in hooks:
+            h.remove()
+    stats = model.last_stats
+    assert stats.switches["row_skipping"] is False and "row_skipping=False" in stats.summary()
+    assert {"1", "3"} <= set(stats.exits)
+    assert {rows for calls in seen.values() for rows in calls} == {len(PROMPTS)}
+    assert torch.equal(kept, skipping)

@@ -27,6 +27,10 @@ def test_interval_never_includes_last_layer():
         (dict(checkpoint_layers=[1, 3], min_layers=5, base_num_layers=6), "min_layers"),
         (dict(router_hidden_size=0), "router_hidden_size"),
         (dict(prefill_exit="yes"), "prefill_exit"),
+        (dict(row_skipping="off"), "row_skipping"),
+        (dict(kernels="triton"), r"kernels must be one of \['auto', 'torch', 'kernel'\]"),
+        (dict(kv_fill="batched"), r"kv_fill must be one of \['auto', 'layerwise'\]"),
+        (dict(few_row_layout="on"), r"few_row_layout must be one of \['auto', 'plain', 'transposed', 'packed'\]"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
@@ -88,6 +92,22 @@ def test_generation_options_have_their_own_class_and_repo_defaults():
         TideConfig(checkpoint_layers=[1, 3], base_num_layers=6, draft_layer=2)
     with pytest.raises(ValueError, match="tide_config.kv_strategy"):
         TideGenerationConfig(kv_strategy="magic")
+
+
+def test_engine_switches_are_generation_options_a_repo_can_default(tmp_path):
+    from tide import TideGenerationConfig
+
+    assert TideGenerationConfig().switches == {"row_skipping": True, "kernels": "auto", "kv_fill": "auto",
+                                               "few_row_layout": "auto"}
+    cfg = TideConfig(checkpoint_layers=[1, 3])
+    cfg.set_generation_defaults(row_skipping=False, kv_fill="layerwise")
+    assert cfg.generation == {"row_skipping": False, "kv_fill": "layerwise"}
+    cfg.save_pretrained(tmp_path)
+    back = TideConfig.from_pretrained(tmp_path)
+    run = back.resolve_generation({"kernels": "torch", "few_row_layout": "packed"})
+    assert run.switches == {"row_skipping": False, "kernels": "torch", "kv_fill": "layerwise",
+                            "few_row_layout": "packed"}
+    assert back.resolve_generation({"row_skipping": True}).switches["row_skipping"] is True
 
 
 def test_old_config_files_with_top_level_generation_keys_load(tmp_path):

@@ -3,6 +3,7 @@
 import copy
 import functools
 import gc
+import itertools
 import os
 import pickle
 import types
@@ -166,8 +167,7 @@ def test_install_is_idempotent_and_a_deep_copy_dispatches_for_the_copy(layout):
 
 @pytest.mark.parametrize("layout", LAYOUT_FUNCTIONS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lossless_stays_token_identical_in_each_layout(family, layout, layout_calls, monkeypatch):
-    monkeypatch.setenv("TIDE_FEW_ROW_LAYOUT", layout)
+def test_lossless_stays_token_identical_in_each_layout(family, layout, layout_calls):
     base = tiny_model(family)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
     torch.manual_seed(0)
@@ -175,8 +175,8 @@ def test_lossless_stays_token_identical_in_each_layout(family, layout, layout_ca
     ref = base.generate(ids, do_sample=False, max_new_tokens=12)
     for scheme in ({"max_draft": 3}, {"max_draft": 1, "draft_topk": 3}):  # a chain, a tree
         out = model.generate(ids, do_sample=False, max_new_tokens=12,
-                             tide_config={"mode": "lossless", "draft_layer": 1, **scheme})
-        assert torch.equal(out, ref)
+                             tide_config={"mode": "lossless", "draft_layer": 1, "few_row_layout": layout, **scheme})
+        assert torch.equal(out, ref) and model.last_stats.switches["few_row_layout"] == layout
     if family != "gpt2":  # GPT-2's projections are Conv1D, not nn.Linear
         assert {name for name, _ in layout_calls} == {layout}  # verification passes took the layout
 
@@ -229,7 +229,6 @@ def test_the_choice_is_measured_once_per_model_and_can_be_forced(monkeypatch, la
     measured = []
     monkeypatch.setattr(fewrows, "_measure", lambda modules: measured.append(len(modules))
                         or dict.fromkeys(fewrows.MEASURED_ROWS, "plain"))
-    monkeypatch.delenv("TIDE_FEW_ROW_LAYOUT", raising=False)
     base = tiny_model("llama")
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
     ids = torch.randint(4, 100, (1, 9))
@@ -238,12 +237,33 @@ def test_the_choice_is_measured_once_per_model_and_can_be_forced(monkeypatch, la
     for _ in range(2):
         assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=8, tide_config=lossless), ref)
     assert measured == [base.config.num_hidden_layers + 1] and layout_calls == []  # once; plain measured fastest
-    monkeypatch.setenv("TIDE_FEW_ROW_LAYOUT", "transposed")
-    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=8, tide_config=lossless), ref)
-    assert layout_calls and len(measured) == 1
-    monkeypatch.setenv("TIDE_FEW_ROW_LAYOUT", "sometimes")
-    with pytest.raises(ValueError, match="TIDE_FEW_ROW_LAYOUT"):
-        fewrows.layouts(model.parts)
+    forced = {**lossless, "few_row_layout": "transposed"}
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=8, tide_config=forced), ref)
+    assert layout_calls and {name for name, _ in layout_calls} == {"transposed"} and len(measured) == 1
+    with pytest.raises(ValueError, match="few_row_layout must be one of"):
+        model.generate(ids, do_sample=False, max_new_tokens=8, tide_config={**lossless, "few_row_layout": "sometimes"})
+
+
+def test_recompute_chunks_take_the_calls_layout(layout_calls):
+    """kv_strategy="recompute" recomputes stale K/V in chunks of several positions: in the call's `few_row_layout`."""
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_layers=[1]))
+
+    def scripted(thresholds):  # per call: a token that leaves at layer 1, then one that runs deep and redoes it
+        exits = itertools.cycle([True, False])
+
+        def test(hidden):
+            leave = torch.full(hidden.shape[:1], next(exits))
+            return leave.float(), leave, hidden
+        return {1: test}
+
+    model.exit_tests = scripted
+    ids = torch.randint(4, 100, (1, 9))
+    config = {"exit_threshold": 0.5, "kv_strategy": "recompute"}
+    plain = model.generate(ids, do_sample=False, max_new_tokens=6, tide_config={**config, "few_row_layout": "plain"})
+    assert layout_calls == [] and model.last_stats.recomputed_positions > 0
+    forced = model.generate(ids, do_sample=False, max_new_tokens=6,
+                            tide_config={**config, "few_row_layout": "transposed"})
+    assert {name for name, _ in layout_calls} == {"transposed"} and torch.equal(forced, plain)
 
 
 def test_available_memory_is_read_where_the_platform_tells_it():

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import tide
 import tide.heads.kernels as tk
 from tide.models.architectures import resolve
 from tide.heads.router import Router, checkpoint_test_reference
@@ -23,7 +24,6 @@ LOCAL_KERNELS = os.environ.get("LOCAL_KERNELS")  # for the GPU tests; the others
 
 @pytest.fixture(autouse=True)
 def fresh_loader(monkeypatch):
-    monkeypatch.delenv("TIDE_KERNELS", raising=False)
     monkeypatch.delenv("LOCAL_KERNELS", raising=False)
     tk._load.cache_clear()
     yield
@@ -101,20 +101,43 @@ def test_auto_falls_back_to_the_reference_on_cpu_and_logs_once(caplog, monkeypat
     assert "CUDA is not available" in records[0].getMessage()
 
 
-def test_env_torch_forces_the_reference(monkeypatch):
-    monkeypatch.setenv("TIDE_KERNELS", "torch")
+def test_torch_mode_forces_the_reference(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr("kernels.get_kernel", _must_not_be_called)
-    assert tk.load_router_kernel() is tk.router_exit_reference
+    with tk.kernel_mode("torch"):
+        assert tk.load_router_kernel() is tk.router_exit_reference
 
 
 def test_kernel_mode_without_cuda_raises_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="TIDE_KERNELS=kernel.*CUDA is not available"):
+    with pytest.raises(RuntimeError, match="kernels='kernel'.*CUDA is not available"):
         tk.load_router_kernel("kernel")
-    monkeypatch.setenv("TIDE_KERNELS", "kernel")
-    with pytest.raises(RuntimeError, match="TIDE_KERNELS=kernel"):
+    with tk.kernel_mode("kernel"), pytest.raises(RuntimeError, match="kernels='kernel'"):
         tk.router_exit(torch.randn(2, 32), _final_norm("llama"), Router(32, 4), 0.5)
+    assert tk.load_router_kernel() is tk.router_exit_reference  # outside the context: "auto" again
+
+
+def test_a_calls_kernels_option_is_in_force_while_its_exit_tests_run():
+    """`tide_config={"kernels": ...}` is the mode that the op's CUDA implementation and the router-exit loader read
+    (`_mode(None)`) while the call's exit tests run, and only then. On CPU every mode computes the reference: the
+    same tokens."""
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_layers=[1]))
+    seen, build = [], model.exit_tests
+
+    def recording(thresholds):
+        return {k: (lambda hidden, test=test: seen.append(tk._mode(None)) or test(hidden))
+                for k, test in build(thresholds).items()}
+
+    model.exit_tests = recording
+    ids = torch.randint(4, 100, (1, 6))
+    out = {}
+    for mode in ("auto", "torch", "kernel"):
+        seen.clear()
+        out[mode] = model.generate(ids, do_sample=False, max_new_tokens=4,
+                                   tide_config={"exit_threshold": 0.5, "kernels": mode})
+        assert seen and set(seen) == {mode} and model.last_stats.switches["kernels"] == mode
+    assert tk._mode(None) == "auto"
+    assert torch.equal(out["torch"], out["auto"]) and torch.equal(out["kernel"], out["auto"])
 
 
 def test_unknown_mode_is_rejected():
@@ -335,8 +358,8 @@ def test_checkpoint_kernel_falls_back_to_the_reference(monkeypatch):
 
 
 def test_checkpoint_op_on_cuda_takes_the_kernel_for_few_rows_only(monkeypatch):
-    """The op's CUDA implementation runs the fused kernel for up to FUSED_MAX_ROWS rows where TIDE_KERNELS is auto
-    (more rows: the reference, which was faster there), and for any count with TIDE_KERNELS=kernel. Called directly,
+    """The op's CUDA implementation runs the fused kernel for up to FUSED_MAX_ROWS rows where the kernels mode is
+    auto (more rows: the reference, which was faster there), and for any count in mode "kernel". Called directly,
     on CPU tensors, with a stand-in kernel that records its calls."""
     ran = []
 
@@ -347,10 +370,10 @@ def test_checkpoint_op_on_cuda_takes_the_kernel_for_few_rows_only(monkeypatch):
     monkeypatch.setattr(tk, "load_checkpoint_kernel", lambda mode=None: fused)
     few, many = tk.FUSED_MAX_ROWS, tk.FUSED_MAX_ROWS + 1
     for rows, mode, expected in ((few, "auto", [few]), (many, "auto", []), (many, "kernel", [many])):
-        monkeypatch.setenv("TIDE_KERNELS", mode)
         ran.clear()
         args = _checkpoint_args("full", "cpu", torch.float32, rows=rows)
-        assert torch.equal(tk._checkpoint_test_cuda(*args)[1], checkpoint_test_reference(*args)[1])
+        with tk.kernel_mode(mode):
+            assert torch.equal(tk._checkpoint_test_cuda(*args)[1], checkpoint_test_reference(*args)[1])
         assert ran == expected, (rows, mode)
 
 

@@ -184,7 +184,7 @@ def _layer_calls_during(parts, fn) -> int:
     return len(called)
 
 
-def test_fused_fill_never_calls_the_layers_unless_forced(monkeypatch):
+def test_fused_fill_never_calls_the_layers_unless_forced():
     _, parts, cache, calls = _decode_step("llama", batch=1)
     everything = list(range(parts.num_layers))
     assert _layer_calls_during(parts, lambda: fill_kv(parts, calls, everything, calls[0].hidden, cache)) == 0
@@ -192,10 +192,6 @@ def test_fused_fill_never_calls_the_layers_unless_forced(monkeypatch):
     cache.crop(-1)
     fill = lambda: fill_kv(parts, calls, everything, calls[0].hidden, cache, layerwise=True)  # noqa: E731
     assert _layer_calls_during(parts, fill) == parts.num_layers
-    cache.crop(-1)
-    monkeypatch.setenv("TIDE_KV_FILL", "layerwise")
-    assert (_layer_calls_during(parts, lambda: fill_kv(parts, calls, everything, calls[0].hidden, cache))
-            == parts.num_layers)
 
 
 def test_stack_follows_weight_changes_and_dies_with_the_model():
@@ -238,9 +234,10 @@ def _own_forward_calls(parts, deep: list[int], decoding: list):
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("family", FAMILIES + ["stablelm", "bloom", "gpt_bigcode"])
-def test_forced_exit_generation_is_the_same_batched_and_layerwise(family, rows, monkeypatch):
+def test_forced_exit_generation_is_the_same_batched_and_layerwise(family, rows):
     """Every decode token exits at the first checkpoint (layer 1), so every deep layer's K/V comes from `fill_kv`:
-    batched, no deep layer's own forward runs in a decode step; layer by layer, each runs (to its cache write)."""
+    batched, no deep layer's own forward runs in a decode step; layer by layer (`kv_fill="layerwise"`), each runs
+    (to its cache write)."""
     base = _tiny(family)
     _perturb_norms(base)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
@@ -249,18 +246,18 @@ def test_forced_exit_generation_is_the_same_batched_and_layerwise(family, rows, 
     ids = torch.randint(4, 100, (rows, 9))
     deep = list(range(2, model.parts.num_layers))
 
-    def generate():
+    def generate(kv_fill):
         decoding = []
         with _own_forward_calls(model.parts, deep, decoding) as counts:
-            out = model.generate(ids, tide_config={"exit_threshold": -1}, do_sample=False, max_new_tokens=40,
-                                 output_scores=True, return_dict_in_generate=True,
+            out = model.generate(ids, tide_config={"exit_threshold": -1, "kv_fill": kv_fill}, do_sample=False,
+                                 max_new_tokens=40, output_scores=True, return_dict_in_generate=True,
                                  logits_processor=LogitsProcessorList([MarkDecodeSteps(decoding)]))
         assert out["tide_stats"].exits == {"1": rows * 39}
+        assert out["tide_stats"].switches["kv_fill"] == kv_fill
         return out, counts
 
-    batched, batched_calls = generate()
-    monkeypatch.setenv("TIDE_KV_FILL", "layerwise")
-    layerwise, layerwise_calls = generate()
+    batched, batched_calls = generate("auto")
+    layerwise, layerwise_calls = generate("layerwise")
     assert batched["tide_stats"].arg_captures >= 2  # the layer arguments' window of 31 positions was captured again
     assert batched_calls == {}, f"deep layers' own forwards ran in decode steps: {batched_calls}"
     assert set(layerwise_calls) == set(deep)

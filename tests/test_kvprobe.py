@@ -2,6 +2,7 @@
 of a fused qkv projection), and K/V-only passes that follow it write what the layer's own code writes."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -154,10 +155,10 @@ def test_the_probe_runs_inside_inference_mode_and_reports_a_failure():
 
 def test_the_stronger_check_catches_a_layer_that_computes_its_queries(monkeypatch):
     """Without the probe's plan the K/V-only pass computes GPT-2's whole c_attn: the support matrix's forced-exit
-    check must fail on it (on the per-layer fill; the batched fill calls no linear module)."""
-    monkeypatch.setenv("TIDE_KV_FILL", "layerwise")
+    check must fail on it (on the per-layer fill, the repo's default here; the batched fill calls no linear
+    module)."""
     base = tiny_model("gpt2")
-    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_layers=[1]))
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_layers=[1], kv_fill="layerwise"))
     check_forced_exit(model, base)
     empty = KVPlan([LayerPlan() for _ in model.parts.layers])
     monkeypatch.setattr(kvprobe, "kv_plan", lambda parts: empty)
@@ -169,8 +170,9 @@ def test_bench_reports_a_skipped_layers_kv_as_a_fraction_of_a_layer(monkeypatch)
     from tide.tools.bench import kv_fill_costs, kv_fill_costs_text
 
     for family, batched in (("llama", True), ("gpt2", True), ("gpt2", False)):
-        monkeypatch.setenv("TIDE_KV_FILL", "" if batched else "layerwise")
         model = tide.TideForCausalLM.from_base(tiny_model(family), tide.TideConfig(checkpoint_layers=[1]))
+        if not batched:  # a family that fills layer by layer
+            monkeypatch.setattr(model.parts, "spec", dataclasses.replace(model.parts.spec, kv_projections=None))
         with torch.inference_mode():
             costs = kv_fill_costs(model, prompt_length=4, repeats=2)
         assert (costs["batched"] is not None) == batched

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -93,14 +92,6 @@ def half_forced_out(exit_layer: int, batch: int):
     return lambda thresholds: {exit_layer: test}
 
 
-def without_row_skipping(fn):
-    os.environ["TIDE_ROW_SKIPPING"] = "off"
-    try:
-        return fn()
-    finally:
-        del os.environ["TIDE_ROW_SKIPPING"]
-
-
 def layer_seconds_by_rows(model, base, batches, prompt_tokens: int, repeats: int = 5) -> dict:
     """Median time of one decoder layer call on a decode token, by the number of rows it runs."""
     from transformers import DynamicCache
@@ -134,8 +125,8 @@ def run_batches(args, base, model) -> dict:
             "base": lambda i, **kw: base.generate(i, do_sample=False, **kw),
             "tide_half_forced_out": lambda i, **kw: model.generate(
                 i, do_sample=False, tide_config={"exit_threshold": 0.5}, **kw),
-            "tide_half_forced_out_rows_kept": lambda i, **kw: without_row_skipping(
-                lambda: model.generate(i, do_sample=False, tide_config={"exit_threshold": 0.5}, **kw)),
+            "tide_half_forced_out_rows_kept": lambda i, **kw: model.generate(
+                i, do_sample=False, tide_config={"exit_threshold": 0.5, "row_skipping": False}, **kw),
         }
         for fn in runs.values():
             fn(ids, max_new_tokens=2)

@@ -19,18 +19,24 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 __all__ = ["TideConfig", "TideGenerationConfig", "GENERATION_FIELDS", "MAX_DRAFT_TOPK", "LABEL_RULES", "KV_STRATEGIES",
-           "MODES", "EXIT_HEADS", "DRAFT_HEADS"]
+           "MODES", "EXIT_HEADS", "DRAFT_HEADS", "SWITCHES", "KERNEL_MODES", "KV_FILLS", "FEW_ROW_LAYOUTS"]
 
 LABEL_RULES = ("top1", "cosine")
 EXIT_HEADS = ("tuned", "lens")
 DRAFT_HEADS = ("context", "exit")
 KV_STRATEGIES = ("propagate", "recompute")
 MODES = ("exit", "lossless", "auto")
+KERNEL_MODES = ("auto", "torch", "kernel")
+KV_FILLS = ("auto", "layerwise")
+FEW_ROW_LAYOUTS = ("auto", "plain", "transposed", "packed")
 
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "batch_exits",
                      "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "head_drafts",
-                     "compile", "compiled_modes")
+                     "compile", "compiled_modes", "row_skipping", "kernels", "kv_fill", "few_row_layout")
+# Of those, the engine's switches: how Tide computes, never what (the same tokens, up to float rounding). For
+# comparisons and diagnosis; a call's values are in its stats (`GenerationStats.switches`).
+SWITCHES = ("row_skipping", "kernels", "kv_fill", "few_row_layout")
 MAX_DRAFT_TOPK = 8  # tree drafts: candidates verified together with the token before them
 MAX_DRAFT_NGRAM = 8  # n-gram drafts: the longest n-gram matched
 
@@ -101,19 +107,39 @@ class TideGenerationConfig:
             timed no faster than the base model's own compiled static-cache decode, which such calls then run
             instead (the baseline a compiled call is measured by). A call that sets `mode`, thresholds or draft
             options runs them regardless.
+        row_skipping (`bool`, *optional*, defaults to `True`):
+            Exit mode on a batch, `kv_strategy="propagate"`: a row that exits leaves the running batch (its later
+            layers' K/V filled at once from its state). `False`: exited rows ride along until every row has left,
+            their outputs discarded. The same tokens either way.
+        kernels (`str`, *optional*, defaults to `"auto"`):
+            Exit mode's checkpoint tests on CUDA: `"auto"` (the fused kernel `tide-transformers/tide-kernels` where
+            it loads, for up to `tide.heads.kernels.FUSED_MAX_ROWS` rows; else the PyTorch reference), `"torch"`
+            (always the reference) or `"kernel"` (the kernel for any row count, an error where it cannot load).
+            CPU tensors always take the reference.
+        kv_fill (`str`, *optional*, defaults to `"auto"`):
+            Exit mode, `kv_strategy="propagate"`: how skipped layers get their K/V. `"auto"`: one batched
+            computation for all of them where the model's layers stack (`tide.layers.kvfill`), else layer by
+            layer; `"layerwise"`: always layer by layer, each layer's own code up to its cache write.
+        few_row_layout (`str`, *optional*, defaults to `"auto"`):
+            The CPU layout of the model's linears in Tide's passes over 2-16 positions (lossless verification,
+            n-gram chunks, recompute's chunks; `tide.layers.fewrows`): `"auto"` (the layout measured fastest
+            for each row count, once per model and process), or `"plain"`, `"transposed"`, `"packed"` forced.
     """
 
     def __init__(self, exit_threshold: float | None = None, thresholds: dict | None = None, min_layers: int = 0,
                  kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False,
                  batch_exits: bool = True, max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1,
                  draft_vocab_size: int = 0, draft_ngram: int = 0, head_drafts: bool = True, compile: bool = False,
-                 compiled_modes: bool = True):
+                 compiled_modes: bool = True, row_skipping: bool = True, kernels: str = "auto",
+                 kv_fill: str = "auto", few_row_layout: str = "auto"):
         self.exit_threshold, self.min_layers = exit_threshold, min_layers
         self.kv_strategy, self.mode = kv_strategy, mode
         self.prefill_exit, self.batch_exits = prefill_exit, batch_exits
         self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
         self.draft_vocab_size, self.compile, self.compiled_modes = draft_vocab_size, compile, compiled_modes
         self.draft_ngram, self.head_drafts = draft_ngram, head_drafts
+        self.row_skipping, self.kernels, self.kv_fill = row_skipping, kernels, kv_fill
+        self.few_row_layout = few_row_layout
         self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
         self.validate()
 
@@ -152,6 +178,9 @@ class TideGenerationConfig:
         """Check every field (and, given the model's checkpoints, the ones that name a layer)."""
         _check_choice("kv_strategy", self.kv_strategy, KV_STRATEGIES, owner="tide_config")
         _check_choice("mode", self.mode, MODES, owner="tide_config")
+        _check_choice("kernels", self.kernels, KERNEL_MODES, owner="tide_config")
+        _check_choice("kv_fill", self.kv_fill, KV_FILLS, owner="tide_config")
+        _check_choice("few_row_layout", self.few_row_layout, FEW_ROW_LAYOUTS, owner="tide_config")
         _check_int("min_layers", self.min_layers, minimum=0, owner="tide_config")
         _check_int("max_draft", self.max_draft, minimum=0, owner="tide_config")
         if self.draft_layer is not None:
@@ -171,7 +200,7 @@ class TideGenerationConfig:
         if 0 < self.draft_vocab_size < MAX_DRAFT_TOPK:
             raise ValueError(f"tide_config.draft_vocab_size must be 0 (the whole vocabulary) or at least "
                              f"{MAX_DRAFT_TOPK} (the most candidates a draft offers), got {self.draft_vocab_size}.")
-        for name in ("prefill_exit", "batch_exits", "head_drafts", "compile", "compiled_modes"):
+        for name in ("prefill_exit", "batch_exits", "head_drafts", "compile", "compiled_modes", "row_skipping"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"tide_config.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.exit_threshold is not None:
@@ -194,6 +223,11 @@ class TideGenerationConfig:
                 f"tide_config.min_layers={self.min_layers} is past the last checkpoint (layer {checkpoints[-1]}, "
                 f"i.e. after {checkpoints[-1] + 1} layers): no token could ever exit. Lower min_layers."
             )
+
+    @property
+    def switches(self) -> dict:
+        """The engine switches (`SWITCHES`) as {name: value}: what a call's stats record."""
+        return {k: getattr(self, k) for k in SWITCHES}
 
     def consulted_checkpoints(self, checkpoints: list[int]) -> list[int]:
         """The checkpoints whose routers are consulted: those after at least `min_layers` layers."""

@@ -11,7 +11,6 @@ architecture by name (see `architectures.py`).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -46,8 +45,12 @@ class ExitSession:
         self.exit_tests = model.exit_tests(self.consulted)
         norm_param = next(self.parts.norm.parameters(), None)
         self.norm_device = norm_param.device if norm_param is not None else None
-        self.stats = GenerationStats(self.parts.num_layers, sorted(self.consulted), kv_strategy=config.kv_strategy)
-        self.recompute = RecomputeState(self.parts) if config.kv_strategy == "recompute" else None
+        self.stats = GenerationStats(self.parts.num_layers, sorted(self.consulted), kv_strategy=config.kv_strategy,
+                                     switches=config.switches)
+        self.recompute = (RecomputeState(self.parts, config.few_row_layout) if config.kv_strategy == "recompute"
+                          else None)
+        # propagate's switches, read once per call: exited rows leave a batch; skipped layers' K/V layer by layer
+        self.steps_options = dict(row_skipping=config.row_skipping, layerwise=config.kv_fill == "layerwise")
         # the decode steps' layer arguments, one capture per window
         self.layer_args = LayerArgs(self.parts, stats=self.stats)
         self.original_forward = base_forward(model.base)
@@ -82,7 +85,8 @@ class ExitSession:
         if self.recompute is not None:
             steps = self.recompute.steps(input_ids, cache, inputs)
         else:
-            steps = PropagateSteps(self.parts, input_ids, cache, inputs, self.layer_args, self.spans)
+            steps = PropagateSteps(self.parts, input_ids, cache, inputs, self.layer_args, self.spans,
+                                   **self.steps_options)
         walk = walk_layers(self.parts, steps, self.exit_tests)
         if self.recompute is not None:
             self.recompute.after_step(steps, walk)
@@ -93,7 +97,8 @@ class ExitSession:
     def prefill_step(self, input_ids, cache, kwargs) -> torch.Tensor:
         """Prompt tokens exit by router too (`prefill_exit=True`); skipped layers get propagated KV."""
         inputs = {k: v for k, v in kwargs.items() if k in BACKBONE_KEYS}
-        walk = walk_layers(self.parts, PropagateSteps(self.parts, input_ids, cache, inputs), self.exit_tests)
+        steps = PropagateSteps(self.parts, input_ids, cache, inputs, **self.steps_options)
+        walk = walk_layers(self.parts, steps, self.exit_tests)
         self.stats.prefill_token_layers += int((walk.exit_layer + 1).sum())
         return self.logits(walk.states)
 
@@ -116,19 +121,19 @@ class WalkResult:
 class PropagateSteps:
     """How a walk runs layers with `kv_strategy="propagate"`: an exited token's state stays frozen, so the
     layers after its exit see it (its K/V there is propagated from it), filled by one batched K/V computation
-    (`kvfill.fill_kv`).
+    (`kvfill.fill_kv`; `layerwise=True`: layer by layer, a call's `kv_fill="layerwise"`).
 
     In a batched decode step, rows that have exited leave the running batch (`rowsplit`): their K/V for every
     later layer is filled when they exit, and the layers run on the remaining rows only. Where a layer's
-    arguments cannot be sliced by row, or with `TIDE_ROW_SKIPPING=off`, every row keeps running (exited rows'
-    outputs are discarded).
+    arguments cannot be sliced by row, or with `row_skipping=False` (a call's option), every row keeps running
+    (exited rows' outputs are discarded).
     """
 
     recomputed = 0
 
     def __init__(self, parts, input_ids, cache, inputs: dict, layer_args: LayerArgs | None = None,
-                 spans: SpanRunner | None = None):
-        self.parts, self.cache = parts, cache
+                 spans: SpanRunner | None = None, row_skipping: bool = True, layerwise: bool = False):
+        self.parts, self.cache, self.layerwise = parts, cache, layerwise
         self.spans = spans or SpanRunner(parts)
         if layer_args is not None and set(inputs) <= {"attention_mask", "position_ids"}:
             self.hidden, self.calls = layer_args.calls(input_ids, cache, inputs.get("attention_mask"),
@@ -139,7 +144,7 @@ class PropagateSteps:
             self.hidden = self.calls[0].hidden  # [B, T, H]: the input of the first layer
         batch, length = self.hidden.shape[:2]
         self.split = None  # RowSplitCache once a row has left, when rows can leave the batch
-        self.row_skipping = (batch > 1 and length == 1 and os.environ.get("TIDE_ROW_SKIPPING", "on").lower() != "off"
+        self.row_skipping = (row_skipping and batch > 1 and length == 1
                              and all(can_slice(c, batch) for c in {id(c): c for c in self.calls}.values()))
 
     def run(self, i: int, hidden: torch.Tensor, exited: torch.Tensor | None) -> torch.Tensor:
@@ -170,13 +175,13 @@ class PropagateSteps:
         self.split.rows = rows
         calls = map_calls(self.calls, lambda call: sliced_call(call, rows, batch))
         fill_kv(self.parts, calls, list(range(layer + 1, self.parts.num_layers)),
-                hidden.index_select(0, rows.to(hidden.device)), self.split)
+                hidden.index_select(0, rows.to(hidden.device)), self.split, self.layerwise)
 
     def fill_kv(self, layers: list[int], hidden: torch.Tensor) -> None:
         if self.split is not None:  # every row's later layers were filled when it left
             self.split.check_complete()
             return
-        fill_kv(self.parts, self.calls, layers, hidden, self.cache)
+        fill_kv(self.parts, self.calls, layers, hidden, self.cache, self.layerwise)
 
 
 def walk_layers(parts, steps, exit_tests: dict) -> WalkResult:

@@ -76,9 +76,10 @@ class LosslessSession:
         self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1
         self.draft_vocab_size = config.draft_vocab_size
         self.draft_ngram, self.head_drafts = config.draft_ngram, config.head_drafts
+        self.few_row_layout = config.few_row_layout  # the CPU linears' layout in multi-position passes
         self.mask = None  # [1, n] the prompt's attention mask (None: no padding)
         self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact",
-                                     draft_vocab_size=config.draft_vocab_size)
+                                     draft_vocab_size=config.draft_vocab_size, switches=config.switches)
         self.pending_ids = None  # [1, P] tokens through the shallow layers only
         self.pending_states = None  # [1, P, H] their layer-E outputs
         self.pending_complete = False  # the pending tokens include the last drafted one (n-gram drafts)
@@ -114,7 +115,7 @@ class LosslessSession:
         if token.shape[1] == 1:
             hidden = self.spans.run(0, self.draft_layer + 1, hidden, calls)
         else:
-            with few_row_linears(self.parts), grouped_query_attention_in_place():
+            with few_row_linears(self.parts, self.few_row_layout), grouped_query_attention_in_place():
                 hidden = self.spans.run(0, self.draft_layer + 1, hidden, calls, eager=True)
         self._keep_pending(token, hidden)
         return hidden
@@ -218,7 +219,7 @@ class LosslessSession:
         _, calls = self.layer_args.calls(ids, cache, inputs.get("attention_mask"), inputs["position_ids"],
                                          past=deep_length)
         deep = range(self.draft_layer + 1, self.parts.num_layers)
-        with few_row_linears(self.parts), grouped_query_attention_in_place():  # P + 1 positions: the CPU layouts
+        with few_row_linears(self.parts, self.few_row_layout), grouped_query_attention_in_place():  # P + 1 positions
             states = self.spans.run(deep.start, deep.stop, states, calls, eager=eager)
             if pad:  # the padding's K/V lie past the deep layers' length, where the next chunk overwrites them
                 states = states[:, :positions]

@@ -42,6 +42,9 @@ class GenerationStats:
     arg_windows_off: str | None = None
     # compiled greedy chains (`decode/fused.py`): cycles run as one graph and one host read each
     fused_cycles: int = 0
+    # the engine switches the call ran with (`TideGenerationConfig.switches`: row_skipping, kernels, kv_fill,
+    # few_row_layout); empty where the base model's own decode ran
+    switches: dict = field(default_factory=dict)
 
     def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0) -> None:
         """Count one exit-mode decode step: where its tokens left and the layer work it ran."""
@@ -122,6 +125,8 @@ class GenerationStats:
             ("wall time", f"{self.wall_time_s:.3f} s (decode {self.decode_time_s:.3f} s)"),
             ("decode tokens/s", f"{self.tokens_per_s:.1f}"),
         ]
+        if self.switches:
+            rows.append(("switches", ", ".join(f"{k}={v}" for k, v in self.switches.items())))
         total = max(sum(self.exits.values()), 1)
         prefix = "draft " if self.mode == "lossless" else ""
         label = "draft layer" if self.mode == "lossless" else "checkpoints consulted"

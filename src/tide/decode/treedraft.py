@@ -359,7 +359,7 @@ class TreeDrafter:
                                                           past_key_values=LengthView(cache, have)), blocked[1:, 1:],
                                       start=have)
             shallow = additive_masks(parts, shallow)
-        with few_row_linears(parts), grouped_query_attention_in_place():  # N - 1 and N positions: the CPU layouts
+        with few_row_linears(parts, session.few_row_layout), grouped_query_attention_in_place():  # N - 1 and N rows
             states = session.spans.run(0, session.draft_layer + 1, shallow[0].hidden, shallow, eager=eager)
             states = session.spans.run(session.draft_layer + 1, parts.num_layers, torch.cat([x_state, states], 1),
                                        deep, eager=eager)

@@ -6,7 +6,8 @@ unavailable (`router_exit_reference` here, `checkpoint_test_reference` in `heads
 kernel `tide-transformers/tide-kernels` (sources in `hub_kernels/tide_kernels/`) computes the same thing in one
 launch each: `load_router_kernel` returns its `router_exit`, and this module registers its `checkpoint_test`
 as the CUDA implementation of the `tide::checkpoint_test` op, which compiled graphs call as one node.
-`TIDE_KERNELS=auto|torch|kernel` picks the path; the path taken is logged once.
+A generate call's `kernels` option (`auto|torch|kernel`, `TideGenerationConfig.kernels`) picks the path for the
+call (`kernel_mode`); the path taken is logged once.
 
 This module does not decide where checkpoints are, move tensors between devices or touch the KV cache.
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Callable
 
@@ -23,18 +26,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import KERNEL_MODES
 from .router import (GEMMA_RMS_NORM, LAYER_NORM, RMS_NORM, checkpoint_test,  # the op's norm_kind
                      checkpoint_test_reference, exit_decision)
 
 __all__ = ["FUSED_MAX_ROWS", "GEMMA_RMS_NORM", "KERNEL_REPO", "KERNEL_VERSION", "LAYER_NORM", "RMS_NORM",
-           "load_checkpoint_kernel",
-           "load_router_kernel", "norm_params", "router_exit", "router_exit_reference"]
+           "kernel_mode", "load_checkpoint_kernel", "load_router_kernel", "norm_params", "router_exit",
+           "router_exit_reference"]
 
 logger = logging.getLogger("tide")
 
 KERNEL_REPO = "tide-transformers/tide-kernels"
 KERNEL_VERSION = 1  # `version` in hub_kernels/tide_kernels/build.toml
-KERNEL_MODES = ("auto", "torch", "kernel")
+# The mode in force where a call gives none: a generate call's `kernels` option while it runs (`kernel_mode`).
+_MODE: ContextVar = ContextVar("tide_kernels", default="auto")
 
 
 # Final norms the op reproduces, by class name: a substring rule would be wrong (Gemma3nRMSNorm scales by w,
@@ -72,7 +77,7 @@ def router_exit_reference(hidden, norm_weight, norm_bias, norm_kind, eps, down_w
 def load_router_kernel(mode: str | None = None) -> Callable:
     """The router-exit function to use: the fused kernel's `router_exit` or `router_exit_reference`.
 
-    mode (default: env `TIDE_KERNELS`, else "auto"): "torch" always returns the reference; "auto" tries the
+    mode (default: the one `kernel_mode` set, else "auto"): "torch" always returns the reference; "auto" tries the
     kernel on CUDA and falls back to the reference; "kernel" raises if the kernel cannot be loaded.
     A local build is used when `LOCAL_KERNELS` holds `tide-transformers/tide-kernels=<dir>`.
     """
@@ -88,15 +93,15 @@ def load_checkpoint_kernel(mode: str | None = None) -> Callable:
     module = _load(mode)
     fused = getattr(module, "checkpoint_test", None)
     if fused is None and module is not None and mode == "kernel":
-        raise RuntimeError(f"TIDE_KERNELS=kernel, but this build of {KERNEL_REPO} has no checkpoint_test; rebuild it "
-                           "(hub_kernels/tide_kernels/build_local.py) or use TIDE_KERNELS=auto.")
+        raise RuntimeError(f"kernels='kernel', but this build of {KERNEL_REPO} has no checkpoint_test; rebuild it "
+                           "(hub_kernels/tide_kernels/build_local.py) or use kernels='auto'.")
     return checkpoint_test_reference if fused is None else fused
 
 
-# Rows up to which the fused checkpoint test runs where TIDE_KERNELS is "auto". It takes one block per row: on an
+# Rows up to which the fused checkpoint test runs where the mode is "auto". It takes one block per row: on an
 # H200 in bf16 it ran x2.3-2.6 faster than the reference's ops at 1-4 rows (hidden 2048) and x1.15 at 1 row (hidden
 # 4096), but x0.51 at 8 rows (hidden 4096), where 8 blocks leave the GPU idle (docs/gpu.md). More rows (batches in
-# exit mode) run the reference; TIDE_KERNELS=kernel runs the kernel for any count.
+# exit mode) run the reference; mode "kernel" runs the kernel for any count.
 FUSED_MAX_ROWS = 4
 
 
@@ -110,10 +115,21 @@ def _checkpoint_test_cuda(hidden, translate_weight, translate_bias, down_bias, d
                 eps, threshold)
 
 
+@contextmanager
+def kernel_mode(mode: str):
+    """The exit tests in this context (a generate call, its thread or task) take `mode`'s path: "auto", "torch" or
+    "kernel", as in `load_router_kernel`. Compiled graphs keep the path they were captured with."""
+    token = _MODE.set(_mode(mode))
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
 def _mode(mode: str | None) -> str:
-    mode = (mode or os.environ.get("TIDE_KERNELS") or "auto").strip().lower()
+    mode = mode or _MODE.get()
     if mode not in KERNEL_MODES:
-        raise ValueError(f"TIDE_KERNELS / mode must be one of {', '.join(KERNEL_MODES)}, got {mode!r}.")
+        raise ValueError(f"kernels mode must be one of {', '.join(KERNEL_MODES)}, got {mode!r}.")
     return mode
 
 
@@ -121,15 +137,15 @@ def _mode(mode: str | None) -> str:
 def _load(mode: str):
     """The kernel module, or None where the references run (mode "torch", or "auto" without a kernel)."""
     if mode == "torch":
-        logger.info("Tide exit tests: PyTorch reference (TIDE_KERNELS=torch).")
+        logger.info("Tide exit tests: PyTorch reference (kernels='torch').")
         return None
     try:
         kernel, source = _load_kernel()
     except Exception as err:  # no CUDA, no matching build variant, Hub unreachable, ...
         if mode == "kernel":
             raise RuntimeError(
-                f"TIDE_KERNELS=kernel, but the fused router kernel {KERNEL_REPO} (version {KERNEL_VERSION}) could "
-                f"not be loaded: {err}. Use TIDE_KERNELS=auto to fall back to the PyTorch reference."
+                f"kernels='kernel', but the fused router kernel {KERNEL_REPO} (version {KERNEL_VERSION}) could "
+                f"not be loaded: {err}. Use kernels='auto' to fall back to the PyTorch reference."
             ) from err
         log = logger.warning if torch.cuda.is_available() else logger.info
         log("Tide exit tests: PyTorch reference (fused kernel unavailable: %s).", err)

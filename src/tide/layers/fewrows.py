@@ -15,9 +15,9 @@ So the layout is measured, not assumed (docs/benchmarks.md, `examples/verify_cos
 `few_row_linears(parts)`, the plain `nn.Linear` modules given to `install` (the model's, on the first pass whose
 measured layout is not plain: where plain wins everywhere, no linear is ever touched) compute 2 to `MAX_ROWS` rows on
 CPU in the layout measured fastest for that row count, for this model on this machine (once per model and
-process: `layouts`; `TIDE_FEW_ROW_LAYOUT=plain|transposed|packed` forces one). All layouts compute
-F.linear's product; only the order of floating-point sums may differ. Outside the context, on other devices,
-for one row or more than `MAX_ROWS`, for subclasses of `nn.Linear` (quantized layers), and under
+process: `layouts`; `few_row_linears(parts, layout)`, a generate call's `few_row_layout`, forces one). All
+layouts compute F.linear's product; only the order of floating-point sums may differ. Outside the context, on
+other devices, for one row or more than `MAX_ROWS`, for subclasses of `nn.Linear` (quantized layers), and under
 `torch.compile` (dynamo traces nn.Linear's own product), nothing changes.
 
 The packed layout needs float32 weights and PyTorch built with MKL, and it keeps a packed copy of each weight
@@ -59,14 +59,14 @@ _PACKED: dict = {}  # id(weight) -> (weakref to it, its copy_key, packed copy); 
 
 
 @contextmanager
-def few_row_linears(parts=None, layout: str | None = None):
-    """Let installed linears take the few-row layout in this context: the ones measured fastest for the model
-    `parts` (its `ModelParts`), or `layout` for every row count."""
-    if layout is None and parts is None:
+def few_row_linears(parts=None, layout: str = "auto"):
+    """Let installed linears take the few-row layout in this context: `layout` for every row count, or with
+    "auto" the ones measured fastest for the model `parts` (its `ModelParts`)."""
+    if layout == "auto" and parts is None:
         raise ValueError("few_row_linears needs the model's parts (measured layouts) or a layout.")
-    if layout is not None and layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
-    choice = dict.fromkeys(MEASURED_ROWS, layout) if layout is not None else layouts(parts)
+    if layout != "auto" and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {(*LAYOUTS, 'auto')}, got {layout!r}.")
+    choice = dict.fromkeys(MEASURED_ROWS, layout) if layout != "auto" else layouts(parts)
     if all(name == "plain" for name in choice.values()):
         # F.linear everywhere: leave the dispatch off, so that each linear's call costs what it does outside
         # (checking the row count costs about 3 us a linear: 0.25 ms a pass on the 12-layer demo model)
@@ -175,12 +175,7 @@ def _packed(x: torch.Tensor, weight: torch.Tensor, bias, packed: torch.Tensor | 
 def layouts(parts) -> dict:
     """{row count in `MEASURED_ROWS`: the layout measured fastest for this model's linears (`parts`: its
     `ModelParts`) on this machine}. Measured on the first call and kept for the model's lifetime; plain where
-    the weights are not on CPU. `TIDE_FEW_ROW_LAYOUT=plain|transposed|packed` forces one layout."""
-    forced = os.environ.get("TIDE_FEW_ROW_LAYOUT", "auto").lower()
-    if forced in LAYOUTS:
-        return dict.fromkeys(MEASURED_ROWS, forced)
-    if forced != "auto":
-        raise ValueError(f"TIDE_FEW_ROW_LAYOUT must be one of {(*LAYOUTS, 'auto')}, got {forced!r}.")
+    the weights are not on CPU."""
     if parts.layers not in _CHOICES:
         _CHOICES[parts.layers] = _measure([*parts.layers, parts.lm_head])
     return _CHOICES[parts.layers]

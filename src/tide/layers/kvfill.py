@@ -26,8 +26,8 @@ Cohere, a k-norm over all heads at once as in OLMo 2, layers without rotary amon
 layer by layer. A fill is batched per group of one attention type (`parts.layer_types`; sliding and full layers
 apart, each stacked contiguously) whose calls share one `position_embeddings` object or carry none. Everything
 else is filled by `kvprobe.write_kv` per layer, which runs each layer's own code up to its cache write,
-computing only the linear outputs that reach the K/V. `fill_kv(..., layerwise=True)` or the environment
-variable `TIDE_KV_FILL=layerwise` forces that path.
+computing only the linear outputs that reach the K/V. `fill_kv(..., layerwise=True)` forces that path (a generate
+call's `kv_fill="layerwise"`).
 
 A batched fill calls no module of the skipped layers: only the stacked weights, the calls' rotary and
 `cache.update`. Building the stack (once per model, device and dtype) calls each input norm and k-norm once on a
@@ -44,7 +44,6 @@ This module decides nothing about exits and never runs attention or MLPs; it onl
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -64,15 +63,14 @@ _K_NORM_NAMES = ("k_norm", "k_layernorm", "key_norm")
 
 @torch.no_grad()
 def fill_kv(parts, calls: list[LayerCall], layers: list[int], hidden: torch.Tensor, cache,
-            layerwise: bool | None = None) -> None:
+            layerwise: bool = False) -> None:
     """Write K/V computed from `hidden` [B, T, H] into the cache of each layer in `layers` (ascending).
 
-    `calls[i]` is layer i's `LayerCall`; `layerwise=True` (or `TIDE_KV_FILL=layerwise`) forces the
-    per-layer path.
+    `calls[i]` is layer i's `LayerCall`; `layerwise=True` forces the per-layer path.
     """
     if not layers:
         return
-    stack = None if _forced_layerwise(parts, layerwise) else _stack(parts, hidden.device, hidden.dtype)
+    stack = None if layerwise or parts.spec.kv_projections is None else _stack(parts, hidden.device, hidden.dtype)
     for group in _by_attention_type(parts, layers):
         positions = None if stack is None else _positions(calls, group)
         if positions is None:
@@ -87,7 +85,7 @@ def fill_kv(parts, calls: list[LayerCall], layers: list[int], hidden: torch.Tens
 @torch.no_grad()
 def fused_available(parts, calls: list[LayerCall], layers: list[int], hidden: torch.Tensor) -> bool:
     """True when every layer in `layers` would be filled by the batched path for states like `hidden`."""
-    if _forced_layerwise(parts, None):
+    if parts.spec.kv_projections is None:
         return False
     stack = _stack(parts, hidden.device, hidden.dtype)
     if stack is None:
@@ -98,12 +96,6 @@ def fused_available(parts, calls: list[LayerCall], layers: list[int], hidden: to
 def clear_stacks() -> None:
     """Forget every stacked weight (they are rebuilt on the next fill)."""
     _STACKS.clear()
-
-
-def _forced_layerwise(parts, layerwise: bool | None) -> bool:
-    if layerwise is None:
-        layerwise = os.environ.get("TIDE_KV_FILL", "").lower() == "layerwise"
-    return layerwise or parts.spec.kv_projections is None
 
 
 def _by_attention_type(parts, layers: list[int]) -> list[list[int]]:

@@ -55,8 +55,8 @@ class RecomputeState:
     `RecomputeSteps` from `steps()` and hands the walk's result back to `after_step()`.
     """
 
-    def __init__(self, parts):
-        self.parts = parts
+    def __init__(self, parts, few_row_layout: str = "auto"):
+        self.parts, self.few_row_layout = parts, few_row_layout  # the chunks' CPU linear layout (`fewrows`)
         self.ids = self.positions = self.exact_through = self.states = None  # [B, P], [B, P], [B, P], [B, P, H]
 
     @property
@@ -149,7 +149,7 @@ class RecomputeSteps:
         self.chunk_states = torch.where(entering, self._with_token(self.token_state), self.chunk_states)
         stale = self.exact_through[:, :-1] < i
         self.recomputed = self.recomputed + stale.sum()
-        with few_row_linears(self.parts), grouped_query_attention_in_place():
+        with few_row_linears(self.parts, self.state.few_row_layout), grouped_query_attention_in_place():
             self.chunk_states = self.chunk_calls[i].run(self.parts, i, self.chunk_states,
                                                         cache=_MergeTail(self.cache, stale))
         self.token_state = self.chunk_states[:, -1:]
