@@ -6,7 +6,7 @@ the layers' arguments, walk the stack with per-token exits (`walk_layers`), and 
 token's exit state. How a walk runs a layer and fills skipped layers' K/V is the KV strategy's
 (`PropagateSteps` here, `recompute.RecomputeSteps`); only the session records stats. Logits processors,
 stopping criteria, streamers and sampling stay transformers' own. This module does no file I/O and knows no
-architecture by name (see `architectures.py`).
+architecture by name (see `models/architectures.py`).
 """
 
 from __future__ import annotations
