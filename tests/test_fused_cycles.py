@@ -10,7 +10,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 import tide.decode.lossless
 from tide.decode import fused
-from tide.decode.spans import SpanRunner
+from tide.layers.spans import SpanRunner
 from generation_helpers import chi_square, chi_square_limit
 from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
 

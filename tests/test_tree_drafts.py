@@ -9,7 +9,7 @@ from transformers import LogitsProcessorList
 from generation_helpers import BoostInPlace, chi_square, chi_square_limit
 from tiny_models import FAMILIES, noisy_tide, prompt_ids
 from tide.config import MAX_DRAFT_TOPK
-from tide.decode.treedraft import tree_mask_calls
+from tide.layers.calls import tree_mask_calls
 
 
 def _wrap(family="llama"):
@@ -334,8 +334,7 @@ def test_one_capture_serves_both_tree_passes(family, monkeypatch):
 
 
 def test_without_first_position_slices_every_per_position_argument():
-    from tide.layers.calls import LayerCall
-    from tide.decode.treedraft import without_first_position
+    from tide.layers.calls import LayerCall, without_first_position
 
     q = 3
     hidden, mask = torch.randn(1, q, 16), torch.randn(1, 1, q, 7)
@@ -575,7 +574,7 @@ def test_merged_tree_compiled_pads_its_ngram_trees_to_one_width(monkeypatch):
     or the cache."""
     from transformers import CompileConfig
 
-    from tide.decode.spans import SpanRunner
+    from tide.layers.spans import SpanRunner
 
     model, base = _wrap()
     ids = prompt_ids()
@@ -757,8 +756,7 @@ def test_draft_tree_shares_prefixes_and_blocks_non_ancestors():
 def test_keep_of_tail_moves_the_kept_positions_in_order(static):
     from transformers import DynamicCache, StaticCache
 
-    from tide.decode.treedraft import keep_of_tail
-    from tide.models.compat import layer_length
+    from tide.models.compat import keep_of_tail, layer_length
 
     config = _wrap()[1].config
     cache = StaticCache(config=config, max_cache_len=16) if static else DynamicCache(config=config)

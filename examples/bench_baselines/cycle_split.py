@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from tide.decode import speculative
-from tide.decode.spans import SpanRunner
+from tide.layers.spans import SpanRunner
 from tide.models.architectures import ModelParts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -2,7 +2,7 @@
 
 Every call runs the base model's own `generate`. With no operating point it is the plain base model; otherwise
 generate prepares the call and hands decoding to one of Tide's loops (`decode/`, through `custom_generate`):
-exit mode's walk per step over an `ExitSession` (engine.py), or lossless mode's draft-verify cycles over a
+exit mode's walk per step over an `ExitSession` (exitsession.py), or lossless mode's draft-verify cycles over a
 `LosslessSession` (speculative.py). Each call's session lives in its own loop, so concurrent calls on one
 model, from threads or asyncio tasks, each run their own configuration and the base model is never changed
 per call. Exit-mode beam search alone runs transformers' beam loop, with the session active for that call's
@@ -22,11 +22,11 @@ from .config import TideConfig, TideGenerationConfig
 from .decode import exit_decode, generate_with_loop, lossless_decode
 from .decode.baseline import BaseSession
 from .decode.dispatch import activated, install
-from .decode.engine import ExitSession
-from .decode.spans import SpanRunner, compile_options, options_key
+from .decode.exitsession import ExitSession
 from .decode.speculative import LosslessSession, LosslessUnavailable
 from .decode.stats import GenerationStats
 from .heads.kernels import kernel_mode
+from .layers.spans import SpanRunner, compile_options, options_key
 from .models.compat import cache_layer_kinds, is_static_layer
 
 __all__ = ["generate_with_tide", "resolve_run_config", "attach_stats", "lossless_problem"]

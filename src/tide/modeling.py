@@ -3,7 +3,7 @@
 The wrapper does not fork the base model: `forward` is the base model's, unknown attributes are
 forwarded to it, and `generate` runs transformers' own generation loop on the base model, with Tide's
 decode step serving it only while a `tide_config` with an operating point is in force (`generation.py`).
-File and Hub I/O lives in `hub/repos.py`; the decode step in `decode/engine.py`.
+File and Hub I/O lives in `hub/repos.py`; the decode step in `decode/exitsession.py`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class TideForCausalLM(PreTrainedModel, GenerationMixin):
         )
         self.generation_config = base_model.generation_config
         self.last_stats = None
-        self.span_runners: dict = {}  # compile options -> decode.spans.SpanRunner: compiled runs of layers, kept
+        self.span_runners: dict = {}  # compile options -> layers.spans.SpanRunner: compiled runs of layers, kept
         self.static_caches = StaticCachePool()  # lent to compiled calls, the same across calls (decode/cachepool.py)
         # token ids [n] the full model predicted most in calibration, most frequent first (draftvocab.py); None: none
         self.draft_vocabulary: torch.Tensor | None = None

@@ -2,7 +2,7 @@
 
 `generate` still prepares the generation config, the logits processors, the stopping criteria, the cache and
 the prompt's inputs; the loop then decodes: `exits.exit_decode` (a walk with per-token exits per step) or
-`lossless.lossless_decode` (draft, verify, accept per cycle). `records.py` holds what passes between drafting
+`lossless.lossless_decode` (draft, verify, accept per cycle). `drafts.py` holds what passes between drafting
 and verification, `accept.py` the acceptance rules, `emit.py` what the loops hand back.
 """
 

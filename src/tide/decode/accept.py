@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .records import Verdict
+from .drafts import Verdict
 
 __all__ = ["among_certain_drafts", "certain_scores", "greedy_verdict", "sampling_verdict"]
 

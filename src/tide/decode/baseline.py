@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
-from .spans import options_key
+from ..layers.spans import options_key
 from .stats import GenerationStats
 
 __all__ = ["BaseSession", "compiled_forward", "compiled_static_decoder"]

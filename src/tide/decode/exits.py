@@ -2,7 +2,7 @@
 
 The prompt runs as transformers prepares it (`prepare_inputs_for_generation`) through the session's forward
 (the base model's own forward, or a prefill walk with `prefill_exit`); every later step feeds the last tokens
-to the session's decode step (`engine.ExitSession`) with the attention mask and positions grown by one. Logits
+to the session's decode step (`exitsession.ExitSession`) with the attention mask and positions grown by one. Logits
 processors, sampling, padding of finished rows, stopping criteria and streamers are served as transformers'
 sampling loop serves them. Greedy and sampling; beams go through transformers' beam search (`generation.py`).
 """

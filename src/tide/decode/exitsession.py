@@ -23,8 +23,8 @@ from ..layers.calls import additive_masks, capture_layer_calls, map_calls
 from ..layers.kvfill import fill_kv
 from ..layers.recompute import RecomputeState
 from ..layers.rowsplit import RowSplitCache, can_slice, sliced_call
+from ..layers.spans import SpanRunner
 from .dispatch import base_forward
-from .spans import SpanRunner
 from .stats import GenerationStats
 
 __all__ = ["ExitSession", "walk_layers", "WalkResult", "PropagateSteps", "BACKBONE_KEYS"]

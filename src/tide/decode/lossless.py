@@ -17,10 +17,10 @@ import torch
 
 from ..models.compat import crop_cache
 from .accept import greedy_verdict, sampling_verdict
+from .drafts import Draft, Verdict
 from .emit import Emitted
 from .fused import fused_chain_for
 from .processors import process
-from .records import Draft, Verdict
 
 __all__ = ["lossless_decode"]
 

@@ -23,17 +23,17 @@ import time
 import torch
 
 from ..layers.args import LayerArgs, grown_mask, new_positions
-from ..layers.calls import capture_outputs
+from ..layers.calls import capture_outputs, positions_of
 from ..layers.fewrows import few_row_linears
+from ..layers.spans import SpanRunner
 from ..models.compat import crop_layer, grouped_query_attention_in_place, layer_length, unrecoverable_sliding_layers
 from .accept import certain_scores
 from .dispatch import base_forward
+from .drafts import Draft
 from .ngram import NgramLookup
 from .processors import process
-from .records import Draft
-from .spans import SpanRunner
 from .stats import GenerationStats
-from .treedraft import TreeDrafter, positions_of
+from .treedraft import TreeDrafter
 
 __all__ = ["LosslessSession", "ChainDrafter", "LosslessUnavailable", "check_rollback", "next_cap"]
 

@@ -51,7 +51,13 @@ import time
 import torch
 
 from ..layers.args import new_positions
-from ..layers.calls import LayerCall, additive_mask, additive_masks, capture_layer_calls, map_calls
+from ..layers.calls import (
+    additive_mask,
+    additive_masks,
+    capture_layer_calls,
+    tree_mask_calls,
+    without_first_position,
+)
 from ..layers.fewrows import few_row_linears
 from ..models.compat import (
     LengthView,
@@ -59,15 +65,15 @@ from ..models.compat import (
     crop_layer,
     grouped_query_attention_in_place,
     is_static_layer,
+    keep_path,
     layer_length,
     plain_dynamic_layers,
 )
 from .accept import among_certain_drafts, certain_scores
+from .drafts import Draft, Verdict
 from .processors import process
-from .records import Draft, Verdict
 
-__all__ = ["DraftTree", "TreeDrafter", "keep_of_tail", "keep_path", "positions_of", "tree_mask_calls",
-           "without_first_position"]
+__all__ = ["DraftTree", "TreeDrafter"]
 
 
 class DraftTree:
@@ -119,99 +125,6 @@ def _blocked(parents: tuple[int, ...]) -> torch.Tensor:
             sees[node] = sees[parents[node]]
         sees[node, node] = True
     return ~sees & torch.ones_like(sees).tril()
-
-
-def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor, start: int | None = None) -> list[LayerCall] | None:
-    """Copies of `calls` whose 4-D attention masks also block `blocked` [Q, Q] (query row, chunk key column).
-
-    The chunk's keys are the mask's columns `start..start+Q-1` (the cached positions before the chunk: a static
-    cache's masks span the whole preallocated cache), or its last Q columns where `start` is None. None when a
-    call carries no 4-D mask for Q queries."""
-    q = blocked.shape[0]
-
-    def patched(call: LayerCall) -> LayerCall | None:
-        args, kwargs, found = list(call.args), dict(call.kwargs), False
-        for where, value in [*enumerate(args), *kwargs.items()]:
-            if not (isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-2] == q):
-                continue
-            first = value.shape[-1] - q if start is None else start
-            if first < 0 or first + q > value.shape[-1]:
-                continue
-            mask = value.clone()
-            chunk = mask[..., first:first + q]
-            if mask.dtype == torch.bool:
-                chunk.masked_fill_(blocked.to(mask.device), False)
-            else:
-                chunk.masked_fill_(blocked.to(mask.device), torch.finfo(mask.dtype).min)
-            if isinstance(where, int):
-                args[where] = mask
-            else:
-                kwargs[where] = mask
-            found = True
-        return LayerCall(tuple(args), kwargs) if found else None
-
-    return map_calls(calls, patched)
-
-
-def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | None:
-    """The calls for a chunk of `q` positions turned into calls for its last `q - 1` positions (same keys)."""
-    return positions_of(calls, q, 1, q - 1)
-
-
-def positions_of(calls: list[LayerCall], q: int, first: int, count: int) -> list[LayerCall] | None:
-    """The calls for a chunk of `q` positions turned into calls for its positions first..first+count-1 (same keys).
-
-    Per-position arguments keep those queries: the hidden states and rotary tables [B, q, ...] (3-D), position ids
-    [B, q], cache positions [q], and 4-D masks [B, h, q, K] (rows). None when a tensor has a dimension of size q
-    anywhere else, which this cannot place."""
-
-    def cut(value):
-        if isinstance(value, (tuple, list)):
-            parts = [cut(v) for v in value]
-            return _UNPLACED if any(p is _UNPLACED for p in parts) else type(value)(parts)
-        if not isinstance(value, torch.Tensor) or q not in value.shape:
-            return value
-        if value.dim() == 4 and value.shape[-2] == q and q not in (value.shape[0], value.shape[1], value.shape[-1]):
-            return value.narrow(-2, first, count)
-        if value.dim() in (2, 3) and value.shape[1] == q and q not in (value.shape[0], *value.shape[2:]):
-            return value.narrow(1, first, count)
-        if value.dim() == 1:
-            return value.narrow(0, first, count)
-        return _UNPLACED
-
-    def sliced(call: LayerCall) -> LayerCall | None:
-        args = [cut(v) for v in call.args]
-        kwargs = {name: cut(v) for name, v in call.kwargs.items()}
-        return None if any(v is _UNPLACED for v in [*args, *kwargs.values()]) else LayerCall(tuple(args), kwargs)
-
-    return map_calls(calls, sliced)
-
-
-_UNPLACED = object()
-
-
-def keep_path(cache, num_layers: int, tail: int, keep: list[int]) -> None:
-    """`keep_of_tail` on every layer; where the kept positions are already the tail's first (a path of first
-    children), one crop of the whole cache."""
-    if keep == list(range(len(keep))):
-        crop_cache(cache, tail - len(keep))
-        return
-    for layer in range(num_layers):
-        keep_of_tail(cache, layer, tail, keep)
-
-
-def keep_of_tail(cache, layer: int, tail: int, keep: list[int]) -> None:
-    """Of the newest `tail` positions of cache layer `layer`, keep those at indices `keep` (ascending) among
-    them, moved to the front of the tail in that order, and drop the rest. Plain `DynamicLayer`s and
-    full-attention static layers only (a static layer only moves its length back)."""
-    entry = cache.layers[layer]
-    if keep != list(range(len(keep))):
-        end = layer_length(cache, layer) - tail
-        index = torch.tensor(keep, device=entry.keys.device) + end
-        entry.keys[..., end:end + len(keep), :] = entry.keys.index_select(-2, index)  # (a gather: a copy)
-        entry.values[..., end:end + len(keep), :] = entry.values.index_select(-2, index)
-    if tail > len(keep):
-        crop_layer(cache, layer, len(keep) - tail)
 
 
 class TreeDrafter:

@@ -7,8 +7,10 @@ with a cache proxy whose `update()` stores K/V and stops the layer there: every 
 norm, k/v projections, k-norm and rotary fill the cache, and attention, o_proj and the MLP never run (nor
 whatever `kvprobe` found not to reach the K/V: a query projection, a fused projection's query rows; without
 a probe, the table's `query_proj`). Recording and query skipping are scoped to the caller's
-context (`contextvars`), so concurrent forwards on the same model are unaffected. Nothing here decides
-anything.
+context (`contextvars`), so concurrent forwards on the same model are unaffected. `map_calls` and the transforms
+built on it turn calls into others: boolean masks made additive (`additive_masks`), a tree's non-ancestors blocked
+(`tree_mask_calls`, for tree drafts), a chunk's calls cut to some of its positions (`positions_of`). Nothing here
+decides anything.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 from ..models.architectures import ModelParts
 
 __all__ = ["LayerCall", "PartialRows", "INNER_FORWARD", "call_own", "install_forward", "capture_layer_calls",
-           "capture_outputs", "write_kv_only", "run_to_cache_write", "additive_mask", "additive_masks", "map_calls"]
+           "capture_outputs", "write_kv_only", "run_to_cache_write", "additive_mask", "additive_masks", "map_calls",
+           "tree_mask_calls", "without_first_position", "positions_of"]
 
 
 @dataclass
@@ -295,6 +298,75 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     width = -(-keys // 16) * 16 if mask.is_cuda else keys
     additive = torch.zeros(*mask.shape[:-1], width, dtype=dtype, device=mask.device)[..., :keys]
     return additive.masked_fill_(mask.logical_not(), float("-inf"))
+
+
+def tree_mask_calls(calls: list[LayerCall], blocked: torch.Tensor, start: int | None = None) -> list[LayerCall] | None:
+    """Copies of `calls` whose 4-D attention masks also block `blocked` [Q, Q] (query row, chunk key column).
+
+    The chunk's keys are the mask's columns `start..start+Q-1` (the cached positions before the chunk: a static
+    cache's masks span the whole preallocated cache), or its last Q columns where `start` is None. None when a
+    call carries no 4-D mask for Q queries."""
+    q = blocked.shape[0]
+
+    def patched(call: LayerCall) -> LayerCall | None:
+        args, kwargs, found = list(call.args), dict(call.kwargs), False
+        for where, value in [*enumerate(args), *kwargs.items()]:
+            if not (isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-2] == q):
+                continue
+            first = value.shape[-1] - q if start is None else start
+            if first < 0 or first + q > value.shape[-1]:
+                continue
+            mask = value.clone()
+            chunk = mask[..., first:first + q]
+            if mask.dtype == torch.bool:
+                chunk.masked_fill_(blocked.to(mask.device), False)
+            else:
+                chunk.masked_fill_(blocked.to(mask.device), torch.finfo(mask.dtype).min)
+            if isinstance(where, int):
+                args[where] = mask
+            else:
+                kwargs[where] = mask
+            found = True
+        return LayerCall(tuple(args), kwargs) if found else None
+
+    return map_calls(calls, patched)
+
+
+def without_first_position(calls: list[LayerCall], q: int) -> list[LayerCall] | None:
+    """The calls for a chunk of `q` positions turned into calls for its last `q - 1` positions (same keys)."""
+    return positions_of(calls, q, 1, q - 1)
+
+
+def positions_of(calls: list[LayerCall], q: int, first: int, count: int) -> list[LayerCall] | None:
+    """The calls for a chunk of `q` positions turned into calls for its positions first..first+count-1 (same keys).
+
+    Per-position arguments keep those queries: the hidden states and rotary tables [B, q, ...] (3-D), position ids
+    [B, q], cache positions [q], and 4-D masks [B, h, q, K] (rows). None when a tensor has a dimension of size q
+    anywhere else, which this cannot place."""
+
+    def cut(value):
+        if isinstance(value, (tuple, list)):
+            parts = [cut(v) for v in value]
+            return _UNPLACED if any(p is _UNPLACED for p in parts) else type(value)(parts)
+        if not isinstance(value, torch.Tensor) or q not in value.shape:
+            return value
+        if value.dim() == 4 and value.shape[-2] == q and q not in (value.shape[0], value.shape[1], value.shape[-1]):
+            return value.narrow(-2, first, count)
+        if value.dim() in (2, 3) and value.shape[1] == q and q not in (value.shape[0], *value.shape[2:]):
+            return value.narrow(1, first, count)
+        if value.dim() == 1:
+            return value.narrow(0, first, count)
+        return _UNPLACED
+
+    def sliced(call: LayerCall) -> LayerCall | None:
+        args = [cut(v) for v in call.args]
+        kwargs = {name: cut(v) for name, v in call.kwargs.items()}
+        return None if any(v is _UNPLACED for v in [*args, *kwargs.values()]) else LayerCall(tuple(args), kwargs)
+
+    return map_calls(calls, sliced)
+
+
+_UNPLACED = object()
 
 
 @contextmanager

@@ -4,7 +4,7 @@
   `tokenizer` argument before it builds the stop-string criterion, so Tide builds that criterion itself.
 - Cache layer classes (`cache_layer_kinds`): which layers hold recurrent state or reuse another layer's K/V.
 - Cache internals: a layer's `keys`/`values` tensors (which tree drafts compact in place on a plain
-  `DynamicLayer`), `crop`, `get_seq_length`; the cache's `is_sliding`,
+  `DynamicLayer`: `keep_path`, `keep_of_tail`), `crop`, `get_seq_length`; the cache's `is_sliding`,
   `get_mask_sizes` and `get_query_offset`, which `LengthView` answers for a chunk of positions.
 - `use_gqa_in_sdpa` in transformers' SDPA attention, which decides whether grouped-query K/V heads are copied
   per query group (`repeat_kv`) before attention; `grouped_query_attention_in_place` answers it for Tide's
@@ -29,7 +29,7 @@ from transformers import Cache, DynamicCache
 from transformers.integrations import sdpa_attention
 
 __all__ = ["stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "layer_length",
-           "crop_cache", "plain_dynamic_layers", "is_static_layer", "keep_one_of_tail",
+           "crop_cache", "keep_path", "keep_of_tail", "plain_dynamic_layers", "is_static_layer", "keep_one_of_tail",
            "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of",
            "grouped_query_attention_in_place", "custom_generate_repo", "check"]
 
@@ -105,6 +105,30 @@ def crop_cache(cache, drop: int) -> None:
         return
     for i in range(len(cache.layers)):
         crop_layer(cache, i, -drop)
+
+
+def keep_path(cache, num_layers: int, tail: int, keep: list[int]) -> None:
+    """`keep_of_tail` on every layer; where the kept positions are already the tail's first (a path of first
+    children), one crop of the whole cache."""
+    if keep == list(range(len(keep))):
+        crop_cache(cache, tail - len(keep))
+        return
+    for layer in range(num_layers):
+        keep_of_tail(cache, layer, tail, keep)
+
+
+def keep_of_tail(cache, layer: int, tail: int, keep: list[int]) -> None:
+    """Of the newest `tail` positions of cache layer `layer`, keep those at indices `keep` (ascending) among
+    them, moved to the front of the tail in that order, and drop the rest. Plain `DynamicLayer`s and
+    full-attention static layers only (a static layer only moves its length back)."""
+    entry = cache.layers[layer]
+    if keep != list(range(len(keep))):
+        end = layer_length(cache, layer) - tail
+        index = torch.tensor(keep, device=entry.keys.device) + end
+        entry.keys[..., end:end + len(keep), :] = entry.keys.index_select(-2, index)  # (a gather: a copy)
+        entry.values[..., end:end + len(keep), :] = entry.values.index_select(-2, index)
+    if tail > len(keep):
+        crop_layer(cache, layer, len(keep) - tail)
 
 
 def plain_dynamic_layers(cache) -> bool:
