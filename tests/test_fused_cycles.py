@@ -10,6 +10,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 import tide.decode.lossless
 from tide.decode import fused
+from tide.decode.accept import sampling_verdict_on_device
 from tide.layers.spans import SpanRunner
 from generation_helpers import chi_square, chi_square_limit
 from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
@@ -196,9 +197,9 @@ def test_a_compiled_call_drafts_the_fused_chain_unless_it_names_a_tree(warm):
 
 
 def test_the_sampled_verdict_draws_from_the_full_model():
-    """The speculative-sampling rule as the graph runs it (`fused._sampled_verdict`), against fixed distributions:
-    the first emitted token is distributed as the full model's first row, and the second, after an accepted first
-    draft, as its second row (chi-square, 4,000 draws of drafts from their own distributions)."""
+    """The speculative-sampling rule as the graph runs it (`accept.sampling_verdict_on_device`), against fixed
+    distributions: the first emitted token is distributed as the full model's first row, and the second, after an
+    accepted first draft, as its second row (chi-square, 4,000 draws of drafts from their own distributions)."""
     torch.manual_seed(0)
     vocab, runs = 6, 4000
     p, q = torch.rand(3, vocab), torch.rand(2, vocab)
@@ -207,7 +208,7 @@ def test_the_sampled_verdict_draws_from_the_full_model():
     first, second = Counter(), Counter()
     for _ in range(runs):
         drafts = torch.multinomial(q, 1)[:, 0]  # [2]
-        tokens, accepted = fused._sampled_verdict(p, drafts, q[None])
+        tokens, accepted = sampling_verdict_on_device(p, drafts, q[None])
         tokens, accepted = tokens[0].tolist(), int(accepted)
         first[tokens[0]] += 1
         if accepted >= 1:

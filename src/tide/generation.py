@@ -87,7 +87,8 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     length = _static_cache_length(model, args, kwargs) if compiled else None
     if length is None:
         return _generate(model, tide_config, run, compiled, args, kwargs)
-    length += (generation.max_draft or 0) + 1  # room for a whole draft after the last token (`decode/fused.py`)
+    if run is not None and run.mode != "exit":  # lossless can run: room for a whole draft after the last token
+        length += (generation.max_draft or 0) + 1  # (`decode/fused.py`)
     rows = _inputs(args, kwargs).shape[0] * (_option(model, kwargs, "num_return_sequences") or 1)
     with model.static_caches.lend(model.base.config, length, rows, next(model.base.parameters())) as cache:
         return _generate(model, tide_config, run, compiled, args, {**kwargs, "past_key_values": cache})

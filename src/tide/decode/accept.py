@@ -3,9 +3,10 @@
 Greedy: the longest prefix of the draft that equals the full model's argmax, then the full model's next token.
 Sampling: the speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023): drafted token i is kept with
 probability min(1, p_i / q_i), and at the first rejection the next token is drawn from the normalised residual
-max(p - q, 0); after a fully accepted draft it is drawn from p. The output is distributed exactly as the full
-model's own samples. Several drafts for one position (a tree's children), each certain of its token: the
-multi-draft rule (SpecInfer; EAGLE's recursive rejection sampling) for point masses, `among_certain_drafts`.
+max(p - q, 0); after a fully accepted draft it is drawn from p (`sampling_verdict_on_device`: the same rule with
+its draws on the device, no host read). The output is distributed exactly as the full model's own samples.
+Several drafts for one position (a tree's children), each certain of its token: the multi-draft rule
+(SpecInfer; EAGLE's recursive rejection sampling) for point masses, `among_certain_drafts`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from .drafts import Verdict
 
-__all__ = ["among_certain_drafts", "certain_scores", "greedy_verdict", "sampling_verdict"]
+__all__ = ["among_certain_drafts", "certain_scores", "draw", "greedy_verdict", "sampling_verdict",
+           "sampling_verdict_on_device"]
 
 
 def greedy_verdict(drafted: torch.Tensor, scores: torch.Tensor) -> Verdict:
@@ -47,6 +49,36 @@ def sampling_verdict(drafted: torch.Tensor, draft_scores: torch.Tensor | None, s
         nxt = p[accepted]
     last = torch.multinomial(nxt, 1)  # [1]
     return Verdict(torch.cat([tokens[:accepted], last])[None], accepted)
+
+
+def sampling_verdict_on_device(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Tensor | None,
+                               counts: torch.Tensor | None = None):
+    """The rule of `sampling_verdict` with no host read (what a compiled cycle runs, `fused.py`). p: [k + 1, V]
+    the full model's distributions; drafts [k]; drawn_from: [1, k, V] (None when k = 0). Draft i is kept with
+    probability min(1, p_i / q_i); after the first rejection, at a, the next token is drawn from max(p_a - q_a, 0)
+    (from p_a where that is all zero, as `sampling_verdict`), after k accepted drafts from p_k -> (tokens
+    [1, k + 1]: the drafts with the drawn token at a; a []). `counts` [k] bool: the drafts that count (padding
+    does not: its q is zero, never kept)."""
+    width = drafts.shape[0]
+    q = drawn_from[0] if counts is None else drawn_from[0] * counts[:, None]
+    q = torch.cat([q, p.new_zeros(1, p.shape[1])]) if width else p.new_zeros(1, p.shape[1])
+    index = torch.arange(width, device=p.device)
+    kept = torch.rand(width, device=p.device) * q[index, drafts] <= p[index, drafts]  # u <= p / q (q > 0 there)
+    kept = kept if counts is None else kept & counts
+    accepted = kept.long().cumprod(0).sum()
+    at = accepted.view(1)
+    target, drafted = p.index_select(0, at), q.index_select(0, at)
+    residual = (target - drafted).clamp(min=0)
+    residual = torch.where(residual.sum() > 0, residual, target)
+    last = draw(residual)[0]  # [1]
+    tokens = torch.where(torch.arange(width + 1, device=p.device) == accepted, last, torch.cat([drafts, last]))
+    return tokens[None], accepted
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """A token drawn from each row of `probs` [n, V] (not necessarily normalised) -> [n, 1]: the exponential race,
+    argmax of p_i / E_i with E_i ~ Exp(1), picks i with probability p_i / sum(p) (one kernel, no host read)."""
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1, keepdim=True)
 
 
 def certain_scores(drafted: torch.Tensor, width: int) -> torch.Tensor:

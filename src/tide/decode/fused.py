@@ -45,7 +45,9 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from ..layers.spans import dense
 from ..models.compat import crop_cache, is_static_layer
+from .accept import draw, sampling_verdict_on_device
 from .emit import Emitted
 from .ngram import NgramLookup
 from .speculative import next_cap
@@ -93,7 +95,7 @@ def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype, w
                 token = logits.argmax(-1, keepdim=True)
             else:
                 drawn_from.append(warp(logits.float()).softmax(-1))
-                token = _draw(drawn_from[-1])
+                token = draw(drawn_from[-1])
             drafts.append(token)
     drafts = torch.cat(drafts, 1) if drafts else token.new_zeros(1, 0)
     return torch.cat(states, 1), drafts, torch.stack(drawn_from, 1) if drawn_from else None
@@ -112,12 +114,6 @@ def _given(shallow, cache, ids, keys: int, dtype, warp):
 
 def _certain(drafts: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(drafts, vocab).float()
-
-
-def _draw(probs: torch.Tensor) -> torch.Tensor:
-    """A token drawn from each row of `probs` [n, V] (not necessarily normalised) -> [n, 1]: the exponential race,
-    argmax of p_i / E_i with E_i ~ Exp(1), picks i with probability p_i / sum(p) (one kernel, no host read)."""
-    return (probs / torch.empty_like(probs).exponential_()).argmax(-1, keepdim=True)
 
 
 def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, first_deep: int, suppress, warp,
@@ -146,34 +142,12 @@ def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, 
         tokens = logits.argmax(-1)  # [1, k + 1]
         accepted = ((drafts == tokens[:, :width]) & counts).long().cumprod(-1).sum()
     else:
-        tokens, accepted = _sampled_verdict(warp(logits[0].float()).softmax(-1), drafts[0], drawn_from, counts)
+        tokens, accepted = sampling_verdict_on_device(warp(logits[0].float()).softmax(-1), drafts[0], drawn_from,
+                                                      counts)
     context = normed[0].index_select(0, accepted.view(1))
     for layer in cache.layers:
         layer.cumulative_length.sub_(width - accepted)
     return tokens, accepted, context
-
-
-def _sampled_verdict(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Tensor | None,
-                     counts: torch.Tensor | None = None):
-    """The speculative-sampling rule on the device. p: [k + 1, V] the full model's distributions; drafts [k];
-    drawn_from: [1, k, V] (None when k = 0). Draft i is kept with probability min(1, p_i / q_i); after the first
-    rejection, at a, the next token is drawn from max(p_a - q_a, 0) (from p_a where that is all zero, as
-    `accept.sampling_verdict`), after k accepted drafts from p_k -> (tokens [1, k + 1]: the drafts with the drawn
-    token at a; a []). `counts` [k] bool: the drafts that count (padding does not: its q is zero, never kept)."""
-    width = drafts.shape[0]
-    q = drawn_from[0] if counts is None else drawn_from[0] * counts[:, None]
-    q = torch.cat([q, p.new_zeros(1, p.shape[1])]) if width else p.new_zeros(1, p.shape[1])
-    index = torch.arange(width, device=p.device)
-    kept = torch.rand(width, device=p.device) * q[index, drafts] <= p[index, drafts]  # u <= p / q (q > 0 there)
-    kept = kept if counts is None else kept & counts
-    accepted = kept.long().cumprod(0).sum()
-    at = accepted.view(1)
-    target, drafted = p.index_select(0, at), q.index_select(0, at)
-    residual = (target - drafted).clamp(min=0)
-    residual = torch.where(residual.sum() > 0, residual, target)
-    last = _draw(residual)[0]  # [1]
-    tokens = torch.where(torch.arange(width + 1, device=p.device) == accepted, last, torch.cat([drafts, last]))
-    return tokens[None], accepted
 
 
 def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, keys: int, dtype,
@@ -261,7 +235,7 @@ class FusedChain:
         session, cache, stats = self.session, self.cache, self.session.stats
         stops = _Stops(stopping_criteria, generation_config, input_ids.device)
         tokens, context = input_ids[0].tolist(), session.context
-        token = _dense(input_ids[:, -1:])  # (laid out afresh, as every later token: one graph)
+        token = dense(input_ids[:, -1:])  # (laid out afresh, as every later token: one graph)
         cached = len(tokens) - 1  # the cache's length, followed here (reading the device's would be a sync)
         dtype = next(session.parts.layers[0].parameters()).dtype
         if self.ngrams:
@@ -324,6 +298,7 @@ class _Processors:
     def __init__(self, length: int, eos: torch.Tensor, warpers: tuple, sample: bool):
         self.length, self.eos = length, eos  # eos: [V] bool
         self.warp = _Warp(warpers, eos.shape[0]) if sample else None
+        self._past_minimum: dict[int, tuple] = {}  # width -> what `suppress` gives once no position is under it
 
     @classmethod
     def of(cls, logits_processor, vocab: int, device, sample: bool) -> _Processors | None:
@@ -344,8 +319,13 @@ class _Processors:
 
     def suppress(self, length: int, width: int):
         """For a cycle whose first position follows a sequence of `length` tokens: ([width + 1] bool, the tokens):
-        where the tokens' scores are -inf (all False once no position is under the minimum: one graph either way)."""
+        where the tokens' scores are -inf (all False once no position is under the minimum: one graph either way;
+        made once per width then, not every cycle)."""
+        if length >= self.length and width in self._past_minimum:
+            return self._past_minimum[width]
         where = torch.tensor([length + i < self.length for i in range(width + 1)], device=self.eos.device)
+        if length >= self.length:
+            self._past_minimum[width] = where, self.eos
         return where, self.eos
 
 
@@ -386,9 +366,3 @@ class _Stops:
                 if bool(self.criteria(sequence, None).any()):
                     return i + 1, True
         return len(new), False
-
-
-def _dense(value):
-    """`value` laid out afresh (offset 0, contiguous strides): a row or slice of another tensor would be guarded on
-    its strides and make a graph of its own."""
-    return None if value is None else value.clone(memory_format=torch.contiguous_format)

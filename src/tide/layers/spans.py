@@ -20,7 +20,7 @@ import torch
 
 from ..models.architectures import ModelParts
 
-__all__ = ["SpanRunner", "compile_options", "options_key"]
+__all__ = ["SpanRunner", "compile_options", "dense", "options_key"]
 
 
 def _run_span(layers, returns_tuple: bool, hidden, args, kwargs):
@@ -112,7 +112,7 @@ class SpanRunner:
             return hidden, then(hidden[:, -1], context)
         fn = self._function(_run_span_then, (start, stop, "then"), f"tide_layers_{start}_to_{stop - 1}_and_draft")
         return self._own(fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, hidden,
-                            _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs), then, _dense(context)))
+                            _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs), then, dense(context)))
 
     def run_chain(self, start: int, stop: int, hidden: torch.Tensor, steps: list, embed, positional, then, context):
         """A greedy chain of `len(steps)` drafts in one compiled call: each step runs layers start..stop-1 on its
@@ -126,7 +126,7 @@ class SpanRunner:
         return self._own(fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, embed,
                             _at_offset_zero(positional), hidden,
                             [(_at_offset_zero(args), _at_offset_zero(kwargs)) for args, kwargs in steps], then,
-                            _dense(context)))
+                            dense(context)))
 
     def graph(self, key, function, name: str, *args):
         """`function(*args)` compiled (one graph per `key`; `function`'s own Python decides what it runs)."""
@@ -173,7 +173,8 @@ def _copied(value):
     return value.clone() if isinstance(value, torch.Tensor) else tuple(_copied(v) for v in value)
 
 
-def _dense(context):
-    """A draft's context row [B, H] laid out afresh: a row of the verified states has their offset and strides, which
-    would recompile a graph made for another."""
-    return None if context is None else context.clone(memory_format=torch.contiguous_format)
+def dense(value):
+    """`value` (a tensor, or None) laid out afresh, at offset 0 with contiguous strides: a row or slice of another
+    tensor (a draft's context, a row of the verified states) would be guarded on its offset and strides and
+    recompile a graph made for another."""
+    return None if value is None else value.clone(memory_format=torch.contiguous_format)
