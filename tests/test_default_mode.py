@@ -271,6 +271,59 @@ def test_calibration_compiles_only_when_asked(monkeypatch):
     assert model.config.calibration["compiled_timing"] is None and model.config.generation_config.compiled_modes
 
 
+@pytest.mark.parametrize("chain_speed", [0.97, 1.15])
+def test_a_greedy_chain_that_times_faster_compiled_is_what_compiled_calls_draft(monkeypatch, chain_speed):
+    """Where no mode pays eagerly, calibration with compiled_trials still times greedy chains compiled against the
+    compiled base (from the draft layer of the best-timed scheme); one that is faster becomes `compiled_chain`,
+    which calls with compile=True then draft (one graph a cycle), token for token the base model's output. A call
+    that names a draft option runs what it names; an eager call runs the repo's default."""
+    timed = []
+
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+        timed.append((baseline, dict(tide_config)))
+        if baseline == "compiled":  # the chain of one draft pays, the chain of two does not
+            return chain_speed if tide_config.get("max_draft") == 1 else 0.9
+        return 0.9
+
+    model = _calibrate_timed_by(monkeypatch, fake_speedup, compiled_trials=True)
+    cal = model.config.calibration
+    compiled = [cfg for baseline, cfg in timed if baseline == "compiled"]
+    assert list(dict.fromkeys(c["max_draft"] for c in compiled)) == [1, 2]
+    assert all(c["draft_topk"] == 1 for c in compiled)
+    assert [c["chain"]["max_draft"] for c in cal["compiled_chains"]] == [1, 2]
+    chain = model.config.generation_config.compiled_chain
+    assert (chain is not None) == (chain_speed > 1.02)
+    assert "chains compiled: " in calibration.calibration_table(model.config)
+    ids = _ids()
+    from transformers import CompileConfig
+    options = dict(compile_config=CompileConfig(backend="eager"), **GREEDY)
+    out = model.generate(ids, tide_config={"compile": True}, **options)
+    assert torch.equal(out, model.base.generate(ids, **GREEDY))
+    if chain is None:
+        assert model.last_stats.mode == "base (compiled)"
+        return
+    assert chain["max_draft"] == 1 and chain["draft_layer"] in model.checkpoints
+    stats = model.last_stats
+    assert stats.mode == "lossless" and stats.fused_cycles > 0 and stats.drafted <= stats.fused_cycles  # 1 a cycle
+    from tide.generation import _with_compiled_chain
+    assert _with_compiled_chain(model, {"compile": True, "max_draft": 2}) == {"compile": True, "max_draft": 2}
+    assert _with_compiled_chain(model, {"compile": True})["max_draft"] == 1
+    model.generate(ids, **GREEDY)
+    assert model.last_stats is None or model.last_stats.fused_cycles == 0  # eager: the repo's default
+    saved = tide.TideConfig.from_dict(model.config.to_dict())
+    assert saved.generation_config.compiled_chain == chain
+
+
+def test_compiled_chain_is_checked():
+    with pytest.raises(ValueError, match="compiled_chain must be None or a dict with draft_layer"):
+        tide.TideGenerationConfig(compiled_chain={"max_draft": 2})
+    with pytest.raises(ValueError, match="max_draft must be an integer"):
+        tide.TideGenerationConfig(compiled_chain={"draft_layer": 1, "max_draft": -1})
+    model = _model()
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        model.generate(_ids(), tide_config={"compiled_chain": {"draft_layer": 2}}, **GREEDY)
+
+
 def test_no_compiled_timing_where_nothing_is_kept(monkeypatch):
     model = _calibrate(monkeypatch, 0.9, 0.95)
     assert model.config.calibration["compiled_timing"] is None

@@ -142,6 +142,9 @@ def main(argv=None):
     cal.add_argument("--minibatch", type=int, default=256)
     cal.add_argument("--negatives", type=int, help="the candidate loss's shared negatives (tide.calibration.headloss)")
     cal.add_argument("--whole-vocabulary", action="store_true", help="train the heads over the whole vocabulary")
+    cal.add_argument("--compiled-trials", action="store_true", help="also time the default mode and greedy chains "
+                     "compiled against the compiled static-cache base (what compile=True calls then run)")
+    cal.add_argument("--no-timing-budget", action="store_true", help="time every trial (timing_budget_s=None)")
     cal.add_argument("--heads-only", action="store_true", help="train and score the heads only: no costs, no check "
                      "through the decode step, no timing trials")
     acc = sub.add_parser("accept", help="exit and draft heads' agreement with the full model on held-out text")
@@ -169,7 +172,9 @@ def main(argv=None):
             headloss.NEGATIVES = args.negatives
         if args.whole_vocabulary:
             trainer.uses_candidates = lambda vocab_size, readable: False
-        options = dict(head_steps=args.head_steps, minibatch=args.minibatch)
+        options = dict(head_steps=args.head_steps, minibatch=args.minibatch, compiled_trials=args.compiled_trials)
+        if args.no_timing_budget:
+            options["timing_budget_s"] = None
         if args.heads_only:
             options.update(measure_costs=False, validation_tokens=0, draft_trials=0)
         config = {"checkpoint_layers": args.checkpoint_layers} if args.checkpoint_layers else {}

@@ -33,7 +33,10 @@ FEW_ROW_LAYOUTS = ("auto", "plain", "transposed", "packed")
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "batch_exits",
                      "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "head_drafts",
-                     "compile", "compiled_modes", "row_skipping", "kernels", "kv_fill", "few_row_layout")
+                     "compile", "compiled_modes", "compiled_chain", "row_skipping", "kernels", "kv_fill",
+                     "few_row_layout")
+# The fields of `TideGenerationConfig.compiled_chain`: a greedy draft chain, what a compiled call drafts.
+CHAIN_FIELDS = ("draft_layer", "max_draft", "draft_vocab_size", "draft_ngram")
 # Of those, the engine's switches: how Tide computes, never what (the same tokens, up to float rounding). For
 # comparisons and diagnosis; a call's values are in its stats (`GenerationStats.switches`).
 SWITCHES = ("row_skipping", "kernels", "kv_fill", "few_row_layout")
@@ -107,6 +110,12 @@ class TideGenerationConfig:
             timed no faster than the base model's own compiled static-cache decode, which such calls then run
             instead (the baseline a compiled call is measured by). A call that sets `mode`, thresholds or draft
             options runs them regardless.
+        compiled_chain (`dict`, *optional*):
+            With `compile=True`: lossless mode drafting this greedy chain (`{"draft_layer": 3, "max_draft": 1,
+            "draft_vocab_size": 1536, "draft_ngram": 0}`), each cycle one compiled graph (`tide.decode.fused`).
+            Calibration with `compiled_trials` sets it where such a chain timed faster than both the base model's
+            compiled static-cache decode and the default mode compiled; a compiled call that sets no mode,
+            thresholds, exit or draft option then runs it.
         row_skipping (`bool`, *optional*, defaults to `True`):
             Exit mode on a batch, `kv_strategy="propagate"`: a row that exits leaves the running batch (its later
             layers' K/V filled at once from its state). `False`: exited rows ride along until every row has left,
@@ -130,14 +139,15 @@ class TideGenerationConfig:
                  kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False,
                  batch_exits: bool = True, max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1,
                  draft_vocab_size: int = 0, draft_ngram: int = 0, head_drafts: bool = True, compile: bool = False,
-                 compiled_modes: bool = True, row_skipping: bool = True, kernels: str = "auto",
-                 kv_fill: str = "auto", few_row_layout: str = "auto"):
+                 compiled_modes: bool = True, compiled_chain: dict | None = None, row_skipping: bool = True,
+                 kernels: str = "auto", kv_fill: str = "auto", few_row_layout: str = "auto"):
         self.exit_threshold, self.min_layers = exit_threshold, min_layers
         self.kv_strategy, self.mode = kv_strategy, mode
         self.prefill_exit, self.batch_exits = prefill_exit, batch_exits
         self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
         self.draft_vocab_size, self.compile, self.compiled_modes = draft_vocab_size, compile, compiled_modes
         self.draft_ngram, self.head_drafts = draft_ngram, head_drafts
+        self.compiled_chain = None if compiled_chain is None else dict(compiled_chain)
         self.row_skipping, self.kernels, self.kv_fill = row_skipping, kernels, kv_fill
         self.few_row_layout = few_row_layout
         self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
@@ -210,8 +220,17 @@ class TideGenerationConfig:
                                  f"got {self.exit_threshold}.")
         for key, value in (self.thresholds or {}).items():
             _check_number(f"thresholds[{key!r}]", value, owner="tide_config")
+        chain = self.compiled_chain
+        if chain is not None:
+            if not isinstance(chain, dict) or set(chain) - set(CHAIN_FIELDS) or "draft_layer" not in chain:
+                raise ValueError(f"tide_config.compiled_chain must be None or a dict with draft_layer and any of "
+                                 f"{list(CHAIN_FIELDS[1:])}, got {chain!r}.")
+            TideGenerationConfig(**chain, mode="lossless")  # each field checked as the call's own would be
         if checkpoints is None:
             return
+        if chain is not None and chain["draft_layer"] not in checkpoints:
+            raise ValueError(f"tide_config.compiled_chain drafts from layer {chain['draft_layer']}, which is not a "
+                             f"checkpoint: pick one of {checkpoints}.")
         _check_threshold_keys("tide_config.thresholds", self.thresholds, checkpoints)
         if self.draft_layer is not None and self.draft_layer not in checkpoints:
             raise ValueError(

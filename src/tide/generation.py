@@ -37,6 +37,7 @@ _OWN_THRESHOLDS = {"exit_threshold", "thresholds"}  # a call that sets one exits
 # A compiled call that sets one of these runs Tide's mode even where calibration timed it slower than the base
 # model's compiled decode (`compiled_modes=False`).
 _ASKS_A_MODE = _OWN_THRESHOLDS | {"mode", "max_draft", "draft_layer", "draft_topk"}
+_DRAFT_OPTIONS = {"max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "head_drafts"}
 _OWN_SCHEME = {"draft_topk"}  # a compiled call that sets it drafts that way, not the fused chain
 _NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", "prompt_lookup_num_tokens", "output_hidden_states",
                       "output_attentions")
@@ -81,6 +82,7 @@ def _given_fields(tide_config) -> set:
 
 def generate_with_tide(model, tide_config, *args, **kwargs):
     model.last_stats = None
+    tide_config = _with_compiled_chain(model, tide_config)
     run = resolve_run_config(model, tide_config)
     generation = model.config.resolve_generation(tide_config) if tide_config is not False else None
     compiled = generation is not None and generation.compile
@@ -92,6 +94,22 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     rows = _inputs(args, kwargs).shape[0] * (_option(model, kwargs, "num_return_sequences") or 1)
     with model.static_caches.lend(model.base.config, length, rows, next(model.base.parameters())) as cache:
         return _generate(model, tide_config, run, compiled, args, {**kwargs, "past_key_values": cache})
+
+
+def _with_compiled_chain(model, tide_config):
+    """The call's `tide_config`, drafting the repo's `compiled_chain` where the call compiles and names no mode,
+    thresholds, exit or draft option (calibration timed that chain faster than the base model's compiled decode
+    and the default mode compiled)."""
+    if tide_config is False or isinstance(tide_config, TideConfig):
+        return tide_config
+    generation = model.config.resolve_generation(tide_config)
+    given = _given_fields(tide_config)
+    if not (generation.compile and generation.compiled_chain)\
+            or (_ASKS_A_MODE | _EXIT_OPTIONS | _DRAFT_OPTIONS) & given:
+        return tide_config
+    call = tide_config if isinstance(tide_config, dict) else {k: getattr(tide_config, k) for k in given}
+    return {**call, "mode": "auto", "draft_topk": 1, "head_drafts": True, "draft_vocab_size": 0, "draft_ngram": 0,
+            **generation.compiled_chain}
 
 
 def _static_cache_length(model, args, kwargs) -> int | None:

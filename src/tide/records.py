@@ -235,13 +235,15 @@ class CalibrationRecord(_Record):
     draft_selection: DraftSelection | None = None
     exit_timing: ExitTiming | None = None
     compiled_timing: Timing | None = None  # the default mode compiled against the compiled base decode
+    # greedy chains compiled against the compiled base decode: [{"chain": {...}, "measured", "timings", "active"}]
+    compiled_chains: list[dict] | None = None
     decode_validation: Validation | None = None
     phase_seconds: dict[str, float] | None = None  # {phase: seconds} on the main process
     work_per_rank: dict | None = None  # {"processes": n, phase: {"texts"/"tokens"/...: [per process]}}
     phase_seconds_per_rank: dict[str, list[float]] | None = None  # several processes only
     timing_budget: TimingBudget | None = None  # with `timing_budget_s` only
 
-    OMIT_IF_NONE = ("phase_seconds_per_rank", "timing_budget")
+    OMIT_IF_NONE = ("phase_seconds_per_rank", "timing_budget", "compiled_chains")
 
     def to_dict(self) -> dict:
         out = super().to_dict()

@@ -31,7 +31,7 @@ __all__ = ["build_record"]
 
 def build_record(ctx: Context, dataset: str, *, texts: Texts, trainer, held: Heldout, held_local: tuple[int, int],
                  costs, point: OperatingPoint, draft_selection: DraftSelection | None,
-                 compiled_timing: Timing | None) -> CalibrationRecord:
+                 compiled_timing: Timing | None, compiled_chains: list[dict] | None = None) -> CalibrationRecord:
     """What the calibration found, as saved in the config (`TideConfig.calibration`): `dataset` is the data in
     words, `trainer` the training phase's (its tokens and head-step rows), `held_local` this process's held-out
     (texts, tokens)."""
@@ -46,6 +46,7 @@ def build_record(ctx: Context, dataset: str, *, texts: Texts, trainer, held: Hel
     record.draft_selection = draft_selection
     record.exit_timing = as_record(point.exit_timing, ExitTiming)
     record.compiled_timing = compiled_timing
+    record.compiled_chains = compiled_chains
     record.decode_validation = as_record(point.validation, Validation)
     record.phase_seconds = phases.rounded()
     record.work_per_rank = _work_per_rank(procs, (len(texts.train_texts), trainer.train_tokens), held_local,

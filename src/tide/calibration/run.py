@@ -62,10 +62,10 @@ def calibrate(
     measured = cost_measurement(ctx, texts)
     point = choose_thresholds(ctx, held, measured, len(texts.all_held))
     draft_selection = choose_drafts(ctx, held, measured.costs, ranked, texts.all_held, point)
-    compiled_timing = time_default_compiled(ctx, measured.prompts)
+    compiled_timing, compiled_chains = time_default_compiled(ctx, measured.prompts, draft_selection)
     record = build_record(ctx, data_name(dataset, prompts), texts=texts, trainer=trainer, held=held,
                           held_local=held_local, costs=measured.costs, point=point, draft_selection=draft_selection,
-                          compiled_timing=compiled_timing)
+                          compiled_timing=compiled_timing, compiled_chains=compiled_chains)
     tide.config.calibration = record.to_dict()
     return tide
 

@@ -1,7 +1,8 @@
 """Calibration's timing-trial phases, after the thresholds (`trials` holds the trials themselves): the drafting
 schemes estimated best, timed against the base model, and lossless mode made the default where it timed faster
 than exit mode (`choose_drafts`); then the default mode timed compiled against the base model's compiled decode
-(`time_default_compiled`). Each sets the generation defaults of the repo it decides."""
+(`time_default_compiled`), and greedy draft chains compiled, each cycle one graph (`compiled_chains`). Each sets the
+generation defaults of the repo it decides."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from .operating import OperatingPoint
 from .phases import Context
 from .trials import NGRAM, NGRAM_DEPTH, choose_draft, lossless_config, time_compiled, timed_schemes
 
-__all__ = ["choose_drafts", "time_default_compiled"]
+__all__ = ["choose_drafts", "time_default_compiled", "compiled_chains", "COMPILED_CHAIN_DRAFTS"]
+
+# The chains timed compiled (`compiled_chains`): their lengths, the second with n-gram drafts. A compiled chain
+# cycle is one graph, so its cost beyond a base step is the verification's width; on SmolLM2-135M (draft layer 3
+# of 30, chat text) a chain of one draft timed x1.15 of the compiled base and a chain of two with n-gram drafts
+# x1.14; on the shipped model's quotes the chain of two with n-grams timed best (docs/benchmarks.md).
+COMPILED_CHAIN_DRAFTS = ((1, 0), (2, NGRAM))
 
 
 def choose_drafts(ctx: Context, held: Heldout, costs, ranked: torch.Tensor | None, held_texts: list[str],
@@ -61,20 +68,46 @@ def choose_drafts(ctx: Context, held: Heldout, costs, ranked: torch.Tensor | Non
     return draft_selection
 
 
-def time_default_compiled(ctx: Context, prompts: list | None) -> Timing | None:
-    """Time the default mode compiled against the base model's compiled decode (`compiled_modes`), with
-    `compiled_trials`; None where not timed."""
-    default = _default_run(ctx.cfg) if prompts is not None and ctx.opts.compiled_trials else None
-    if default is None:
-        return None
+def time_default_compiled(ctx: Context, prompts: list | None,
+                          selection: DraftSelection | None = None) -> tuple[Timing | None, list[dict] | None]:
+    """With `compiled_trials`: time the default mode compiled against the base model's compiled decode
+    (`compiled_modes`), then the greedy chains of `compiled_chains(selection)`; the fastest chain that was kept
+    and timed faster than the default mode compiled becomes the repo's `compiled_chain`. (The default mode's
+    timing or None, the chains' timings or None.)"""
+    if prompts is None or not ctx.opts.compiled_trials:
+        return None, None
+    default, compiled_timing = _default_run(ctx.cfg), None
     with ctx.phases("timing trials"):
-        timing = ctx.procs.on_main(lambda: time_compiled(ctx.tide, prompts, default)
-                                   if ctx.budget.allows("the default mode compiled") else None)
-    if timing is None:
-        return None
-    compiled_timing = Timing.from_dict(timing)
-    ctx.cfg.set_generation_defaults(compiled_modes=compiled_timing.active)
-    return compiled_timing
+        if default is not None:
+            timing = ctx.procs.on_main(lambda: time_compiled(ctx.tide, prompts, default)
+                                       if ctx.budget.allows("the default mode compiled") else None)
+            compiled_timing = Timing.from_dict(timing) if timing is not None else None
+        chains = []
+        for chain in compiled_chains(selection):
+            config = {"mode": "lossless", "draft_topk": 1, **chain}
+            timing = ctx.procs.on_main(lambda config=config: time_compiled(ctx.tide, prompts, config)
+                                       if ctx.budget.allows(f"the chain {config} compiled") else None)
+            if timing is not None:
+                chains.append({"chain": chain, **timing})
+    if compiled_timing is not None:
+        ctx.cfg.set_generation_defaults(compiled_modes=compiled_timing.active)
+    bar = compiled_timing.measured if compiled_timing is not None and compiled_timing.active else 0.0
+    kept = [c for c in chains if c["active"] and c["measured"] > bar]
+    if kept:
+        ctx.cfg.set_generation_defaults(compiled_chain=max(kept, key=lambda c: c["measured"])["chain"])
+    return compiled_timing, chains or None
+
+
+def compiled_chains(selection: DraftSelection | None) -> list[dict]:
+    """The greedy chains calibration times compiled: from the draft layer and vocabulary of the scheme that
+    timed fastest eagerly (kept or not), one chain per `COMPILED_CHAIN_DRAFTS` (its length, its n-gram drafts).
+    None where no scheme was timed."""
+    timed = [t for t in (selection.trials if selection else []) if t.draft_layer is not None and t.measured]
+    if not timed:
+        return []
+    best = max(timed, key=lambda t: t.measured)
+    return [{"draft_layer": best.draft_layer, "max_draft": drafts, "draft_vocab_size": best.draft_vocab_size or 0,
+             "draft_ngram": ngram} for drafts, ngram in COMPILED_CHAIN_DRAFTS]
 
 
 def _default_run(cfg: TideConfig) -> dict | None:

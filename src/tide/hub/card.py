@@ -13,8 +13,8 @@ from ..config import TideConfig
 from ..records import CalibrationRecord
 
 __all__ = ["model_card", "calibration_table", "draft_scheme_text", "timings_text", "exit_timing_text",
-           "compiled_timing_text", "phases_text", "work_text", "budget_text", "batches_text", "verify_extras_text",
-           "loop_extras_text"]
+           "compiled_timing_text", "compiled_chains_text", "phases_text", "work_text", "budget_text", "batches_text",
+           "verify_extras_text", "loop_extras_text"]
 
 # What a verification over 4 and 8 positions adds: the two points repos calibrated before the others hold.
 _OLDER_VERIFY_POINTS = (4, 8)
@@ -78,6 +78,14 @@ def compiled_timing_text(timing) -> str:
     if timing["active"]:
         return text + "; calls with compile=True run it compiled"
     return text + "; not faster by calibration's margin, so calls with compile=True run that decode"
+
+
+def compiled_chains_text(chains: list, chosen: dict | None) -> str:
+    """Calibration's timings of greedy chains compiled (`compiled_chains` of the calibration record), in words."""
+    parts = [f"{', '.join(f'{k}={v}' for k, v in c['chain'].items())}: {timings_text(c)}" for c in chains]
+    verdict = (f"calls with compile=True draft the chain {chosen}" if chosen
+               else "none faster by calibration's margin")
+    return "; ".join(parts) + f" against the base model's compiled static-cache decode; {verdict}"
 
 
 def phases_text(seconds: dict) -> str:
@@ -188,6 +196,9 @@ def calibration_table(config: TideConfig) -> str:
                                          if generation.mode == "auto" else "exit"))
     if cal.compiled_timing:
         lines.append(f"default mode compiled: {compiled_timing_text(cal.compiled_timing)}")
+    if cal.compiled_chains:
+        lines.append("chains compiled: " + compiled_chains_text(cal.compiled_chains,
+                                                               config.generation_config.compiled_chain))
     if cal.phase_seconds:
         lines.append(f"calibration took {phases_text(cal.phase_seconds)}")
     if cal.processes > 1:
@@ -311,6 +322,9 @@ def _calibration_lines(config: TideConfig, cal: CalibrationRecord) -> list[str]:
     if cal.compiled_timing:
         lines.append(f"The default mode compiled (`tide_config={{\"compile\": True}}`), at calibration: "
                      f"{compiled_timing_text(cal.compiled_timing)}.")
+    if cal.compiled_chains:
+        lines.append("Greedy chains compiled, each cycle one graph, at calibration: "
+                     f"{compiled_chains_text(cal.compiled_chains, generation.compiled_chain)}.")
     return lines
 
 
