@@ -254,12 +254,14 @@ class FusedChain:
                 continuation, given, valid = [], None, None
                 width = max(0, min(session.cap, room))
             kind = (width, self.processors.warp is not None, given is not None)  # one graph each
+            graph_start = time.perf_counter()
             read, token, context = self.session.spans.graph(
                 ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2],
                 self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
                 context, width, self.keys, dtype, session.draft_layer + 1, self.processors.suppress(len(tokens), width),
                 self.processors.warp, given, valid)
             read = read.tolist()  # the cycle's one host read
+            stats.fused_graph_s += time.perf_counter() - graph_start
             accepted, new = read[0], read[1: read[0] + 2]
             kept, done = stops.emitted(tokens, new)
             tokens += new[:kept]

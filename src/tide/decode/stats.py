@@ -42,6 +42,7 @@ class GenerationStats:
     arg_windows_off: str | None = None
     # compiled greedy chains (`decode/fused.py`): cycles run as one graph and one host read each
     fused_cycles: int = 0
+    fused_graph_s: float = 0.0  # of `decode_time_s`: inside those graphs (their launch, guards and host read too)
     # the engine switches the call ran with (`TideGenerationConfig.switches`: row_skipping, kernels, kv_fill,
     # few_row_layout); empty where the base model's own decode ran
     switches: dict = field(default_factory=dict)
@@ -82,6 +83,12 @@ class GenerationStats:
         return self.decode_tokens / self.decode_time_s if self.decode_time_s else float("nan")
 
     @property
+    def fused_host_share(self) -> float:
+        """Of the fused cycles' decode time, the share spent outside their graphs (drafting n-grams, stopping
+        criteria, the streamer, stats): the host's work a cycle."""
+        return 1.0 - self.fused_graph_s / self.decode_time_s if self.decode_time_s else float("nan")
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else float("nan")
 
@@ -111,7 +118,8 @@ class GenerationStats:
                 ("layer passes per token", f"{self.layer_passes_per_token:.2f} (the base model: {self.num_layers})"),
             ]
             if self.fused_cycles:
-                rows.append(("fused cycles", f"{self.fused_cycles} (one compiled graph and one host read each)"))
+                rows.append(("fused cycles", f"{self.fused_cycles} (one compiled graph and one host read each; "
+                             f"{self.fused_host_share:.0%} of the decode time outside the graphs)"))
         else:
             rows += [
                 ("mean layers per token", f"{self.mean_layers:.2f} of {self.num_layers}"),
