@@ -47,9 +47,9 @@ PROBED = {
     "gpt_bigcode": (dict(vocab_size=128, n_embd=32, n_layer=6, n_head=4, n_positions=256), True),  # multi-query
     "persimmon": (dict(_SMALL), True),  # LayerNorm k-norm, partial rotary, fused qkv
     "starcoder2": (dict(_SMALL, num_key_value_heads=2), True),
-    "gptj": (dict(vocab_size=128, n_embd=32, n_layer=6, n_head=4, rotary_dim=4, n_positions=256), False),  # rotary
-    # on interleaved pairs
-    "olmo2": (dict(_SMALL, num_key_value_heads=2), False),  # a k-norm over all heads at once
+    # rotary on adjacent pairs from a table of sin and cos per position kept by the attention
+    "gptj": (dict(vocab_size=128, n_embd=32, n_layer=6, n_head=4, rotary_dim=4, n_positions=256), True),
+    "olmo2": (dict(_SMALL, num_key_value_heads=2), True),  # a k-norm over all heads at once
 }
 
 
@@ -128,9 +128,11 @@ def test_batched_fill_of_other_configurations(family, overrides, batched):
 
 
 def test_a_stack_that_does_not_reproduce_the_layers_is_not_used(monkeypatch):
-    """The stack is checked against what each layer's own code wrote in the probe: here its rotary is wrong (a
-    family whose keys were rotated another way), and every layer fills through its own code."""
-    monkeypatch.setattr(kvfill, "_rotated", lambda keys, cos, sin: keys)
+    """The stack is checked against what each layer's own code wrote in the probe: here the only rotary it knows is
+    wrong (a family whose keys were rotated another way), and every layer fills through its own code."""
+    from tide.layers.kvforms import Rotary
+
+    monkeypatch.setattr(kvfill, "ROTARY_FORMS", (Rotary(adjacent=True),))
     _, parts, cache, calls = _decode_step("llama")
     kvfill.clear_stacks()
     hidden = torch.randn_like(calls[0].hidden)
@@ -266,30 +268,39 @@ def test_forced_exit_generation_is_the_same_batched_and_layerwise(family, rows):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-# Families outside the table whose skipped layers still fill layer by layer, through their own attention code: the
-# query projection is called there and returns zeros (no matmul), and its norm and rotary run on those zeros. Why
-# the batched fill does not reproduce their keys (checked against the layers' own code, `_Stack.matches`):
-LAYERWISE = {
-    "olmo2": "a k-norm over all heads at once", "olmo3": "a k-norm over all heads at once",
-    "olmoe": "a k-norm over all heads at once", "cohere": "rotary on interleaved pairs",
-    "cohere2": "rotary on interleaved pairs, full layers without rotary",
-    "gptj": "rotary computed inside the attention",
-    "smollm3": "layers without rotary among rotary ones", "exaone4": "full layers without rotary, a k-norm",
-    "ernie4_5": "rotary on interleaved pairs", "nanochat": "rotary with the opposite sign, the k-norm after it",
+# Families outside the table whose layers once filled layer by layer (their query projection called, returning zeros):
+# the stack now reproduces their keys, recognised by what the layers compute and checked against their own code.
+# family -> how the keys are rotated, as `fill_path` reports it
+BATCHED = {
+    "olmo": "pairs (i, i + d/2)",  # a parameter-free LayerNorm that keeps no eps
+    "olmo2": "pairs (i, i + d/2); k-norm over all heads",  # no input norm, a k-norm before the head split
+    "olmo3": "pairs (i, i + d/2); k-norm over all heads",  # also sliding and full layers
+    "olmoe": "pairs (i, i + d/2); k-norm over all heads",
+    "cohere": "adjacent pairs",  # LayerNorm without bias, parallel blocks
+    "cohere2": "adjacent pairs; 1 of 4 layers without rotary",  # full layers have no rotary
+    "gptj": "adjacent pairs, cos/sin halved; sin and cos from the attention's position table",  # partial rotary
+    "smollm3": "pairs (i, i + d/2); 1 of 4 layers without rotary",  # NoPE layers
+    "nemotron": "pairs (i, i + d/2)",  # LayerNorm with 1 + w, partial rotary
+    "exaone4": "pairs (i, i + d/2); k-norm over each head; 1 of 4 layers without rotary",
+    "ernie4_5": "adjacent pairs, cos/sin halved",
+    "nanochat": "pairs (i, i + d/2), sin negated; k-norm over each head",  # weightless norms
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "olmo", *sorted(LAYERWISE)])
-def test_skipped_layers_call_only_their_kv_linears(family):
-    """Forward hooks on every linear of the skipped layers during forced-exit decode steps (checkpoints every other
-    layer): batched families call none of them; the families in LAYERWISE call the query projection, and it
-    computes nothing (zeros)."""
+def _forced_exit_linear_calls(family, **overrides):
+    """A tiny `family` model (checkpoints every other layer) generating with every decode token forced out at layer
+    1: {linear name: the max |output| of each call} over the skipped layers' linears in decode steps, its tokens and
+    the reference's (the base model's own forward, hooked), and the model."""
     from tide.layers.kvprobe import is_linear
     from tide.models import tiny
+    from tide.tools.support_matrix import reference_forced_exit
 
-    base = tiny.tiny_model(family)
+    base = tiny.tiny_model(family, **overrides)
+    _perturb_norms(base)
     model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
-    kv_plan(model.parts)
+    kv_plan(model.parts)  # the probe runs the layers once per model, on its own inputs
+    ids = torch.randint(4, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    expected = reference_forced_exit(base, model.parts, ids, 1, 6, suppress=[base.generation_config.eos_token_id])
     decoding, calls = [], {}
 
     def count(name, out):
@@ -300,15 +311,35 @@ def test_skipped_layers_call_only_their_kv_linears(family):
              for j in range(2, model.parts.num_layers)
              for name, m in model.parts.layers[j].named_modules() if is_linear(m)]
     try:
-        model.generate(torch.randint(4, 100, (1, 7), generator=torch.Generator().manual_seed(0)), do_sample=False,
-                       max_new_tokens=6, min_new_tokens=6, pad_token_id=0, tide_config={"exit_threshold": -1.0},
-                       logits_processor=LogitsProcessorList([MarkDecodeSteps(decoding)]))
+        out = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=0,
+                             tide_config={"exit_threshold": -1.0},
+                             logits_processor=LogitsProcessorList([MarkDecodeSteps(decoding)]))
     finally:
         for h in hooks:
             h.remove()
     assert model.last_stats.exits == {"1": 5}
-    if family not in LAYERWISE:
-        assert calls == {}, calls
-    else:
-        assert {"k_proj", "v_proj"} <= set(calls) and set(calls) <= {"q_proj", "k_proj", "v_proj"}, calls
-        assert max(calls.get("q_proj", [0.0])) == 0.0  # called by the layer's code, computed nothing
+    return calls, out, expected, model
+
+
+@pytest.mark.parametrize("family", sorted(BATCHED))
+def test_skipped_layers_call_no_linear_in_decode_steps(family):
+    """Forward hooks on every linear of the skipped layers during forced-exit decode steps: none is called (the
+    batched fill computes their K/V from stacked weights), and the tokens are the reference's."""
+    calls, out, expected, model = _forced_exit_linear_calls(family)
+    assert kvfill.fill_path(model.parts) == f"batched (rotary on {BATCHED[family]})"
+    assert calls == {}, calls
+    assert torch.equal(out, expected)
+
+
+def test_a_layer_the_stack_does_not_reproduce_fills_layer_by_layer_without_its_query(monkeypatch):
+    """Where no known rotary convention reproduces a layer's keys (here only Llama's is known, and Cohere rotates
+    adjacent pairs), `fill_path` says so, and the skipped layers run their own code to the cache write: the query
+    projection is called there but computes nothing (zeros), and the tokens are still the reference's."""
+    from tide.layers.kvforms import Rotary
+
+    monkeypatch.setattr(kvfill, "ROTARY_FORMS", (Rotary(),))
+    calls, out, expected, model = _forced_exit_linear_calls("cohere")
+    assert kvfill.fill_path(model.parts).startswith("layer by layer: layer 0: no rotary convention Tide knows")
+    assert set(calls) == {"q_proj", "k_proj", "v_proj"}, calls
+    assert max(calls["q_proj"]) == 0.0 and min(calls["k_proj"]) > 0.0
+    assert torch.equal(out, expected)

@@ -54,6 +54,7 @@ OVERRIDES: dict[str, dict] = {
     "gemma3_text": dict(sliding_window_pattern=2),
     "phi3": dict(pad_token_id=0),
     "deepseek_v2": dict(num_experts_per_tok=2),  # None by default, which the model cannot run
+    "nemotron": dict(num_key_value_heads=KV_HEADS),  # None by default, which its attention divides by
 }
 
 
