@@ -33,8 +33,7 @@ for mode in modes:
     train = mode == "train"
     steps = dict(head_steps=40, passes=2) if train else dict(head_steps=0, passes=0)
     trials = dict(measure_costs=False, draft_trials=0)
-    if mode == "share":  # each process pinned to a core of its own: the drafting schemes' timings are shared out
-        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", 0)) % os.cpu_count()})
+    if mode == "share":  # launched plainly, each process took cores of its own: the schemes' timings are shared out
         fixed_timing.install()
         tide.calibration.trials.measured_speedup = fake_speedup
         trials = dict(measure_costs=True, draft_trials=3, compiled_trials=False)
@@ -50,6 +49,9 @@ for mode in modes:
     selection = model.config.calibration["draft_selection"]
     same_selection = procs.sum([0.0 if procs.broadcast(selection) == selection else 1.0])[0] == 0.0
     timed_per_rank = [int(n[0]) for n in procs.per_rank([len(timed)])]
+    cores = [None] * procs.world
+    if procs.world > 1:
+        torch.distributed.all_gather_object(cores, sorted(os.sched_getaffinity(0)))
     timed.clear()
     if procs.is_main:
         cal = model.config.calibration
@@ -60,7 +62,8 @@ for mode in modes:
                        "decode_validation": cal["decode_validation"], "work_per_rank": cal["work_per_rank"],
                        "phase_seconds_per_rank": cal.get("phase_seconds_per_rank"),
                        "draft_selection": cal["draft_selection"], "cpus": os.cpu_count(),
-                       "timed_per_rank": timed_per_rank, "same_selection_on_every_process": same_selection,
+                       "timed_per_rank": timed_per_rank, "cores_per_rank": cores,
+                       "same_selection_on_every_process": same_selection,
                        "table": calibration_table(model.config)}, f)
 if torch.distributed.is_initialized():  # leave together: a process that exits while another is still in a
     torch.distributed.barrier()  # collective can abort ("terminate called without an active exception")

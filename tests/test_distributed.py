@@ -107,11 +107,14 @@ def test_each_process_does_a_share_of_every_data_phase(launches):
 
 
 def test_processes_on_cores_of_their_own_share_the_timing_trials(launches):
-    """Pinned to a core each, the two processes time the drafting schemes between them (the same schemes one
-    process times alone), and every process keeps the same selection as one process."""
+    """Launched plainly (no affinity set), the two processes each take cores of their own (calibration's
+    `pin_cores` default), time the drafting schemes between them (the same schemes one process times alone),
+    and every process keeps the same selection as one process."""
     one, two = _run(1, "share", launches), _run(2, "share", launches)
     if two["cpus"] < 2:
         pytest.skip("one core: the processes share it, and the main process times alone")
+    first, second = (set(c) for c in two["cores_per_rank"])
+    assert first and second and not first & second, two["cores_per_rank"]
     assert one["draft_selection"]["trials"], "no drafting scheme was timed"
     assert two["same_selection_on_every_process"]
     assert two["draft_selection"]["chosen"] == one["draft_selection"]["chosen"]

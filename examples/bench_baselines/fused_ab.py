@@ -49,11 +49,13 @@ for k, v in med.items():
     accepted = accepted_per_cycle(rows[k], prompts[:2], model) if "chain" in k or "scheme" in k else None
     res[k] = {"ms_per_token": statistics.median(v) / n * 1e3, "identical": same[k], "accepted_per_cycle": accepted,
               "fused_cycles": model.last_stats.fused_cycles if accepted is not None else None,
+              "host_share": (model.last_stats.fused_host_share if accepted is not None and model.last_stats.fused_cycles
+                             else None),
               **{f"vs {b}": [statistics.median(r[b]), r[b][0], r[b][-1]] for b in r}}
     print(f"{k:32s} {res[k]['ms_per_token']:6.2f} ms/token  "
           f"vs generate x{statistics.median(r['generate']):.2f} "
           f"[{r['generate'][0]:.2f}-{r['generate'][-1]:.2f}]  "
           f"vs compiled x{statistics.median(r['static+compile']):.2f} "
           f"[{r['static+compile'][0]:.2f}-{r['static+compile'][-1]:.2f}]  identical {res[k]['identical']:.2f}"
-          f"  accepted/cycle {accepted}")
+          f"  accepted/cycle {accepted}" + (f"  host {res[k]['host_share']:.1%}" if res[k]["host_share"] else ""))
 json.dump({"model": model_dir, "text": text, "chain": chain, "rows": res}, open(sys.argv[4], "w"), indent=1)

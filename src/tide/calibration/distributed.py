@@ -24,13 +24,44 @@ class Processes:
         self.rank, self.world = rank, world
 
     @classmethod
-    def current(cls, device: torch.device) -> "Processes":
+    def current(cls, device: torch.device, pin_cores: bool = False) -> "Processes":
+        """The processes of this launch. With `pin_cores` (calibration's default), CPU processes of one machine
+        that may all run on the same cores each take a disjoint share of them (`pin_to_own_cores`)."""
         if not (dist.is_available() and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1)):
             return cls()
         from accelerate import PartialState
 
         state = PartialState(cpu=device.type == "cpu")
-        return cls(state.process_index, state.num_processes)
+        procs = cls(state.process_index, state.num_processes)
+        if pin_cores and device.type == "cpu" and procs.world > 1:
+            procs.pin_to_own_cores()
+        return procs
+
+    def pin_to_own_cores(self) -> list[int] | None:
+        """Give each CPU process of this machine its own share of the cores it may run on, and at most that many
+        threads; the cores it got, or None where nothing changed.
+
+        Processes that share cores contend for them, and each times the others' load in the timing trials, so
+        they time on the main process alone; with cores of their own they run side by side and share the trials
+        out (`own_devices`). Only processes on this host whose allowed cores are the same set are pinned (a
+        launcher or a user who gave them other sets is left alone), and only where there is at least one core
+        each: the cores in order, the k-th process of n taking the k-th of n equal runs."""
+        if not hasattr(os, "sched_getaffinity"):
+            return None
+        import socket
+
+        mine = (socket.gethostname(), sorted(os.sched_getaffinity(0)))
+        parts = [None] * self.world
+        dist.all_gather_object(parts, mine)
+        sharing = [rank for rank, part in enumerate(parts) if part == mine]
+        cores, n = mine[1], len(sharing)
+        if n < 2 or len(cores) < n:
+            return None
+        k = sharing.index(self.rank)
+        own = cores[k * len(cores) // n:(k + 1) * len(cores) // n]
+        os.sched_setaffinity(0, own)
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), len(own))))
+        return own
 
     @property
     def is_main(self) -> bool:

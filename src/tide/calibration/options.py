@@ -28,6 +28,9 @@ class CalibrationOptions:
     validation_tokens: int = 1024  # held-out tokens decoded through the decode step to check the target (0: skip)
     draft_trials: int = 3  # lossless drafting schemes timed against the base model (best estimates first; 0: skip)
     compiled_trials: bool = False  # also time the kept mode compiled against the base model's compiled decode
+    # several CPU processes on one machine (`accelerate launch --cpu`): each takes its own share of the cores
+    # (`distributed.Processes.pin_to_own_cores`); False leaves the launcher's affinity as it is
+    pin_cores: bool = True
     # cap on the timing trials' seconds, later trials cut: "auto" (a third of the other phases' seconds, at least
     # AUTO_TRIAL_FLOOR_S: a quarter of the calibration), a number, or None (no cap)
     timing_budget_s: float | str | None = "auto"

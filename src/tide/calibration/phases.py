@@ -105,7 +105,7 @@ class Context:
     def start(cls, tide: TideForCausalLM, tokenizer, opts: CalibrationOptions) -> "Context":
         """A new calibration of `tide`: its processes, a fresh phase clock and `opts.timing_budget_s`."""
         phases = PhaseTimes()
-        return cls(tide, tokenizer, opts, Processes.current(tide.base.device), phases,
+        return cls(tide, tokenizer, opts, Processes.current(tide.base.device, opts.pin_cores), phases,
                    TrialBudget(opts.timing_budget_s, phases))
 
     @property

@@ -86,7 +86,7 @@ def time_default_compiled(ctx: Context, prompts: list | None,
         for chain in compiled_chains(selection):
             config = {"mode": "lossless", "draft_topk": 1, **chain}
             timing = ctx.procs.on_main(lambda config=config: time_compiled(ctx.tide, prompts, config)
-                                       if ctx.budget.allows(f"the chain {config} compiled") else None)
+                                       if ctx.budget.allows(_chain_text(chain)) else None)
             if timing is not None:
                 chains.append({"chain": chain, **timing})
     if compiled_timing is not None:
@@ -96,6 +96,11 @@ def time_default_compiled(ctx: Context, prompts: list | None,
     if kept:
         ctx.cfg.set_generation_defaults(compiled_chain=max(kept, key=lambda c: c["measured"])["chain"])
     return compiled_timing, chains or None
+
+
+def _chain_text(chain: dict) -> str:
+    ngram = f" with n-gram drafts (draft_ngram={chain['draft_ngram']})" if chain["draft_ngram"] else ""
+    return f"a chain of {chain['max_draft']} from layer {chain['draft_layer']}{ngram}, compiled"
 
 
 def compiled_chains(selection: DraftSelection | None) -> list[dict]:

@@ -72,7 +72,8 @@ def cmd_calibrate(args) -> None:
     model = calibrate(base, tokenizer, dataset=args.dataset, prompts=prompts, config=config,
                            dataset_config=args.dataset_config, split=args.split, text_column=args.text_column,
                            num_samples=args.num_samples, max_length=args.max_length, batch_size=args.batch_size,
-                           timing_budget_s=args.timing_budget_s, compiled_trials=args.compiled_trials)
+                           timing_budget_s=args.timing_budget_s, compiled_trials=args.compiled_trials,
+                           pin_cores=not args.no_pin_cores)
     if not Processes.current(base.device).is_main:  # under `accelerate launch`: the main process writes
         return
     model.save_pretrained(args.out)
@@ -242,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "third of the other phases' time, at least 30 s; 'none': no cap)")
     p.add_argument("--compiled-trials", action="store_true",
                    help="also time the kept mode compiled (torch.compile) against the base model's compiled decode")
+    p.add_argument("--no-pin-cores", action="store_true",
+                   help="under `accelerate launch --cpu`, leave the processes' cores as launched (by default each "
+                        "process of one machine takes its own share of the cores)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("generate", help="generate text with early exit (or losslessly)")
