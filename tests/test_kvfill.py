@@ -284,6 +284,7 @@ BATCHED = {
     "exaone4": "pairs (i, i + d/2); k-norm over each head; 1 of 4 layers without rotary",
     "ernie4_5": "adjacent pairs, cos/sin halved",
     "nanochat": "pairs (i, i + d/2), sin negated; k-norm over each head",  # weightless norms
+    "gpt_oss": "pairs (i, i + d/2), cos/sin doubled",  # cos/sin of half a head, for both halves
 }
 
 
@@ -343,3 +344,19 @@ def test_a_layer_the_stack_does_not_reproduce_fills_layer_by_layer_without_its_q
     assert set(calls) == {"q_proj", "k_proj", "v_proj"}, calls
     assert max(calls["q_proj"]) == 0.0 and min(calls["k_proj"]) > 0.0
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("family, why", [
+    ("deepseek_v2", "layer 0: its keys (1, 16) and values (1, 4) (heads, head size) differ in shape"),  # latent
+    ("llama4_text", "layer 0: its calls' rotary is not a (cos, sin) pair (e.g. complex frequencies)"),
+    ("moshi", "layer 0: its calls carry no rotary (position_embeddings), and the stack does not reproduce its keys"),
+])
+def test_fill_path_says_why_a_model_fills_layer_by_layer(family, why):
+    from tide.models import tiny
+    from tide.tools.support_matrix import kv_fill_note
+
+    model = tide.TideForCausalLM.from_base(tiny.tiny_model(family), tide.TideConfig(checkpoint_layers=[1]))
+    assert kvfill.fill_path(model.parts).startswith(f"layer by layer: {why}")
+    assert kv_fill_note(model.parts).startswith(f"K/V of skipped layers filled layer by layer ({why}")
+    llama = tide.TideForCausalLM.from_base(tiny.tiny_model("llama"), tide.TideConfig(checkpoint_layers=[1]))
+    assert kv_fill_note(llama.parts) == ""

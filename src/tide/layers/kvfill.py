@@ -190,8 +190,8 @@ class _Stack:
     def _rotary(self, source, sin_first: bool):
         if source is None or source is _DIFFER:
             return source
-        if isinstance(source, torch.Tensor):  # position ids
-            return table_rotary(self.table, source, sin_first)
+        if isinstance(source, torch.Tensor) and not (source.is_floating_point() or source.is_complex()):
+            return table_rotary(self.table, source, sin_first)  # position ids, for the table
         return tuple(source) if isinstance(source, tuple) and len(source) == 2 else _DIFFER  # Llama 4: complex
 
     def rotary(self, calls: list[LayerCall], group: list[int]):
@@ -258,17 +258,16 @@ class _Stack:
             projected.append((i, row, keys, sample))
         k_orders = (False, True) if self.k_norm is not None and not self.k_norm_all else (False,)
         tables = (True, False) if self.table is not None else (True,)
-        furthest = 0
+        furthest, unrotated = 0, all(self._source(sample.call) is None for _, _, _, sample in projected)
         for form, k_after, sin_first in product(ROTARY_FORMS, k_orders, tables):
             rotated = {}
             for i, row, keys, sample in projected:
                 rotary = self._rotary(self._source(sample.call), sin_first)  # recorded where the probe ran
                 if rotary is _DIFFER:
-                    return f"layer {i}: its calls rotate keys in a way Tide does not apply"
+                    return f"layer {i}: its calls' rotary is not a (cos, sin) pair (e.g. complex frequencies)"
                 rotary = None if rotary is None else tuple(t.to(self.weight.device) for t in rotary)
                 flag = next((f for f in ((True, False) if rotary is not None else (False,))
-                             if self._close(self._keys(slice(row, row + 1), keys, rotary, form, k_after, [f]),
-                                            sample.keys)), None)
+                             if self._reproduces(row, keys, rotary, form, k_after, f, sample.keys)), None)
                 if flag is None:
                     furthest = max(furthest, i)
                     break
@@ -279,9 +278,19 @@ class _Stack:
                 self._rotated_mask = torch.tensor(self.rotated, device=self.weight.device)
                 self.table = self.table if any(self.rotated) else None
                 return None
+        if unrotated:
+            return (f"layer {furthest}: its calls carry no rotary (position_embeddings), and the stack does not "
+                    "reproduce its keys: they are rotated or transformed inside the attention")
         return (f"layer {furthest}: no rotary convention Tide knows reproduces its keys (pairs (i, i + d/2) or "
-                "adjacent pairs, either sign, cos/sin as given or halved; the k-norm before or after it; rotary on "
-                "or off per layer)")
+                "adjacent pairs, either sign, cos/sin as given, halved or doubled; the k-norm before or after it; "
+                "rotary on or off per layer)")
+
+    def _reproduces(self, row: int, keys: torch.Tensor, rotary, form: Rotary, k_after: bool, rotated: bool,
+                    own: torch.Tensor) -> bool:
+        try:
+            return self._close(self._keys(slice(row, row + 1), keys, rotary, form, k_after, [rotated]), own)
+        except ValueError:  # a convention that does not fit these heads
+            return False
 
     def _close(self, mine: torch.Tensor, own: torch.Tensor) -> bool:
         mine = mine.repeat_interleave(self.repeat, 2) if self.repeat > 1 else mine

@@ -10,7 +10,8 @@ stacked; `kvfill.fill_path` reports it.
 
 Rotary conventions, on the first d dims of each head (d: the width of the calls' cos/sin; the rest pass through):
 pairs (i, i + d/2) as in Llama, or adjacent pairs (2i, 2i + 1) as in GPT-J, Cohere and ERNIE 4.5; cos/sin used as
-given, or their first half with each entry repeated for a pair (ERNIE 4.5, GLM); sin's sign flipped (NanoChat).
+given, or their first half with each entry repeated for a pair (ERNIE 4.5, GLM), or of half the width, used for
+both halves (GPT-OSS); sin's sign flipped (NanoChat).
 Where the calls carry no `position_embeddings`, a table of sin and cos per position kept by the attention module
 (GPT-J's `embed_positions`, [positions, d]) gives them, read at the calls' `position_ids` (`table_rotary`).
 """
@@ -90,24 +91,31 @@ class Norm:
 @dataclass(frozen=True)
 class Rotary:
     """One rotary convention: `adjacent` pairs (2i, 2i + 1), else (i, i + d/2); `halved`: cos/sin's first half,
-    each entry repeated for its pair; `sign` of sin."""
+    each entry repeated for its pair; `doubled`: cos/sin of half a head's rotated width, used for both halves
+    (GPT-OSS); `sign` of sin."""
 
     adjacent: bool = False
     halved: bool = False
+    doubled: bool = False
     sign: float = 1.0
 
     @property
     def name(self) -> str:
         pairs = "adjacent pairs" if self.adjacent else "pairs (i, i + d/2)"
-        return pairs + (", cos/sin halved" if self.halved else "") + (", sin negated" if self.sign < 0 else "")
+        widths = ", cos/sin halved" if self.halved else ", cos/sin doubled" if self.doubled else ""
+        return pairs + widths + (", sin negated" if self.sign < 0 else "")
 
     def __call__(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`keys` [m, B, h, T, D] rotated on their first d dims by cos/sin [B, T, d] (fp32)."""
         cos, sin = (t.float()[None, :, None] for t in (cos, sin))  # [1, B, 1, T, d]
         if self.halved:
             cos, sin = (t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+        if self.doubled:
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         sin = sin if self.sign > 0 else -sin
         dims = cos.shape[-1]
+        if dims > keys.shape[-1] or dims % 2:
+            raise ValueError(f"a rotary of {dims} dims does not fit heads of {keys.shape[-1]}")
         part = keys if dims == keys.shape[-1] else keys[..., :dims]
         if self.adjacent:
             turned = torch.stack([-part[..., 1::2], part[..., 0::2]], dim=-1).flatten(-2)
@@ -118,8 +126,8 @@ class Rotary:
 
 
 # tried in this order against the probe's samples: the first every layer matches is used
-ROTARY_FORMS = (Rotary(), Rotary(adjacent=True), Rotary(adjacent=True, halved=True), Rotary(sign=-1.0),
-                Rotary(adjacent=True, sign=-1.0))
+ROTARY_FORMS = (Rotary(), Rotary(adjacent=True), Rotary(adjacent=True, halved=True), Rotary(doubled=True),
+                Rotary(sign=-1.0), Rotary(adjacent=True, sign=-1.0))
 
 
 def position_table(attention: nn.Module | None, head_dim: int) -> torch.Tensor | None:
@@ -165,10 +173,12 @@ class LayerKV:
     def of(cls, parts, index: int, plan) -> LayerKV:
         """Layer `index`'s K/V weights from its probe plan (`kvprobe.LayerPlan`); raises `Unfit` saying why not."""
         layer = parts.layers[index]
+        if plan.key_shape is None or plan.key_shape != plan.value_shape:
+            raise Unfit(f"its keys {plan.key_shape} and values {plan.value_shape} (heads, head size) differ in shape")
+        if not plan.key_rows or not plan.value_rows:
+            raise Unfit("the probe found no nn.Linear or Conv1D outputs that become its keys and values as they are")
         if plan.kv_input is None:
             raise Unfit("its K/V linears do not all read one module's output")
-        if not plan.key_rows or not plan.value_rows or plan.key_shape is None or plan.key_shape != plan.value_shape:
-            raise Unfit("the probe found no keys and values of one shape from nn.Linear or Conv1D outputs")
         heads, head_dim = plan.key_shape
         pieces = [_rows_of(layer.get_submodule(name), rows) for name, rows in plan.key_rows.items()]
         pieces += [_rows_of(layer.get_submodule(name), rows) for name, rows in plan.value_rows.items()]

@@ -35,13 +35,14 @@ from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor, Lo
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..config import TideConfig
+from ..layers.kvfill import fill_path
 from ..layers.kvprobe import is_linear, kv_plan
 from ..modeling import TideForCausalLM
 from ..models.architectures import refusal_reason, resolve
 from ..models.tiny import HIDDEN, NUM_LAYERS, VARIANTS, VOCAB, tiny_config, tiny_model
 
 __all__ = ["CHECKS", "MatrixResult", "check_model_type", "model_types", "run_matrix", "markdown_table",
-           "reference_forced_exit", "work_after_cache_write", "kv_reach", "only_kv_linears"]
+           "reference_forced_exit", "work_after_cache_write", "kv_reach", "only_kv_linears", "kv_fill_note"]
 
 CHECKS = ("exact", "forced_exit", "lossless", "batch")
 MAX_PARAMETERS = 3_000_000  # tiny configs above this (multimodal towers, fixed-size blocks) are not built
@@ -53,7 +54,7 @@ EXIT_LAYER = 1
 class MatrixResult:
     model_type: str
     status: str  # full | exit only | refused | untested | fails
-    reason: str = ""
+    reason: str = ""  # why not full; for a full row, a note (the K/V of skipped layers filled layer by layer)
     checks: dict[str, str] = field(default_factory=dict)  # check -> "pass" | "refused: ..." | "FAIL: ..."
     seconds: float = 0.0
 
@@ -241,7 +242,18 @@ def only_kv_linears(calls: dict, reach: dict, steps: int) -> list[str]:
     return problems
 
 
-def check_forced_exit(model, base) -> None:
+def kv_fill_note(parts) -> str:
+    """Empty where the batched K/V fill (`kvfill`) writes the skipped layers' cache; else why it cannot, and what the
+    layer-by-layer fill costs instead."""
+    path = fill_path(parts)
+    if not path.startswith("layer by layer"):
+        return ""
+    return (f"K/V of skipped layers filled layer by layer ({path.removeprefix('layer by layer: ')}): each skipped "
+            "layer's own code runs to its cache write, one partial layer call per skipped layer and token (the "
+            "query projection called, returning zeros, not computed), where the batched fill runs one matmul for all")
+
+
+def check_forced_exit(model, base) -> str:
     parts, ids = model.parts, _prompt()
     eos = base.generation_config.eos_token_id  # generate suppresses it (min_new_tokens); so does the reference
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -291,6 +303,7 @@ def check_forced_exit(model, base) -> None:
     problems = only_kv_linears(linears, reach, steps)
     if problems:
         raise AssertionError("a skipped layer computed more than its K/V: " + "; ".join(problems[:4]))
+    return kv_fill_note(parts)
 
 
 def check_lossless(model, base) -> None:
@@ -333,7 +346,7 @@ def _config_for(check: str, num_layers: int) -> TideConfig:
 def check_model_type(model_type: str) -> MatrixResult:
     """Build a tiny `model_type`, wrap it, and run the four checks (see the module docstring)."""
     start = time.perf_counter()
-    result = MatrixResult(model_type, "full")
+    result, notes = MatrixResult(model_type, "full"), []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -362,7 +375,7 @@ def check_model_type(model_type: str) -> MatrixResult:
                 result.status, result.reason = "fails", f"from_base crashed: {_first_line(err)}"
                 break
             try:
-                _RUNNERS[check](model, base)
+                notes.append(_RUNNERS[check](model, base))
                 result.checks[check] = "pass"
             except (ValueError, NotImplementedError) as err:
                 result.checks[check] = f"refused: {_first_line(err)}"
@@ -376,6 +389,8 @@ def check_model_type(model_type: str) -> MatrixResult:
         elif failed:
             result.status = "exit only"
         result.reason = "; ".join(f"{c}: {result.checks[c]}" for c in failed)
+        if result.status == "full":
+            result.reason = "; ".join(n for n in notes if n)
     return result
 
 
@@ -412,7 +427,10 @@ Status: **full** = all four pass; **refused** = `TideForCausalLM.from_base` rais
 (encoder-decoder models, recurrent or linear-attention state, sparse-attention indexer caches, models without a
 `DynamicCache`, or a structure the probe cannot find); **untested** = its tiny config does not build offline here
 (too large after shrinking, or the config class needs values the generic shrink cannot guess), so nothing is
-claimed; **fails** = a check failed (none at the time of writing: the test suite runs this matrix).
+claimed; **fails** = a check failed (none at the time of writing: the test suite runs this matrix). A full row's
+reason, where it has one, says that its skipped layers' K/V are filled layer by layer, and why the batched fill
+(one matmul with every skipped layer's K/V weights stacked, calling no module of those layers) does not reproduce
+them (`tide.layers.kvfill.fill_path`).
 
 """
 
