@@ -31,9 +31,11 @@ class KVProjections:
     off).
 
     What is stacked is found on the model itself: the K/V linears (separate or the K/V rows of a fused qkv) and
-    the input norm they read, by the probe (`kvprobe.kv_plan`); norms recognised by what they compute; rotary from
-    the layer calls' `position_embeddings` (none with alibi or learned positions). The stack is checked once
-    against what each layer's own code wrote in the probe; a model whose layers do not fit fills layer by layer.
+    the input norm they read, by the probe (`kvprobe.kv_plan`); norms and the rotary convention recognised by what
+    they compute (`layers/kvforms.py`); rotary from the layer calls' `position_embeddings` or the attention's table of
+    sin and cos per position (none with alibi or learned positions). The stack is checked once against what each
+    layer's own code wrote in the probe; a model whose layers do not fit fills layer by layer, and
+    `kvfill.fill_path(parts)` says why.
     """
 
     k_norm: str | None = None  # per-head norm on K before rotary, when not the attention's `k_norm`/`k_layernorm`
