@@ -46,6 +46,7 @@ class GenerationStats:
     # the engine switches the call ran with (`TideGenerationConfig.switches`: row_skipping, kernels, kv_fill,
     # few_row_layout); empty where the base model's own decode ran
     switches: dict = field(default_factory=dict)
+    plan: str | None = None  # why the call ran what it ran (`decode.plan.CallPlan.reason`)
 
     def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0) -> None:
         """Count one exit-mode decode step: where its tokens left and the layer work it ran."""
@@ -101,7 +102,8 @@ class GenerationStats:
 
     def summary(self) -> str:
         """A readable table of the run."""
-        rows = [
+        rows = [("plan", self.plan)] if self.plan else []
+        rows += [
             ("mode / kv strategy", f"{self.mode} / {self.kv_strategy}"),
             ("decode tokens", f"{self.decode_tokens} in {self.decode_steps} steps"),
         ]
