@@ -14,7 +14,8 @@ Every shortcut is checked against the backbone, never assumed: the embedding for
 slice of each request length (per cache type) against a fresh capture; what the checks found is kept per model.
 Where something does not hold (sliding-window layers at positions that reach their window, a backbone that
 transforms its embeddings, an argument whose axes cannot be told apart, a slice that differs), requests get a
-fresh capture each, as before. Nothing here decides anything.
+fresh capture each, as before. Nothing here decides anything. Which axes are positions, the cut and the checks of
+a slice: `argplans.py`.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache
 
 from ..models.architectures import ModelParts
 from ..models.compat import LengthView, has_sliding_layers, is_static_layer, sliding_window_of
+from .argplans import (AMBIGUOUS, Cut, apply_plan, call_arguments, mask_arguments, passes_full_masks, same_call,
+                       slicing_plan, visible_counts)
 from .calls import LayerCall, additive_masks, capture_layer_calls, map_calls
 
 __all__ = ["LayerArgs", "grown_mask", "new_positions"]
@@ -110,10 +112,10 @@ class LayerArgs:
         if key not in self.checked:
             fresh_hidden, fresh = self._fresh(input_ids, cache, attention_mask, position_ids, past,
                                               every_layer_at_past=True)
-            if not self._known["keeps_full_masks"] and _passes_full_masks(calls, fresh):
+            if not self._known["keeps_full_masks"] and passes_full_masks(calls, fresh):
                 self._known["keeps_full_masks"] = True  # the backbone passes a mask where the slice had None
                 hidden, calls = self._slice(input_ids, cache, past, length)
-            if not (torch.equal(hidden, fresh_hidden) and all(map(_same_call, calls, fresh))):
+            if not (torch.equal(hidden, fresh_hidden) and all(map(same_call, calls, fresh))):
                 self.off_reason = (f"a slice of the window's layer arguments differed from the backbone's "
                                    f"({length} tokens)")
                 return fresh_hidden, fresh
@@ -179,8 +181,8 @@ class LayerArgs:
         key_length = view.get_mask_sizes(width, 0)[0]
         plans = {}
         for call, other in {id(c): (c, o) for c, o in zip(calls, wider)}.values():
-            plan = _plan(_arguments(call), _arguments(other), width)
-            if plan is _AMBIGUOUS:
+            plan = slicing_plan(call_arguments(call), call_arguments(other), width)
+            if plan is AMBIGUOUS:
                 self.off_reason = "a layer argument's position axes cannot be told apart"
                 return
             plans[id(call)] = plan
@@ -189,9 +191,9 @@ class LayerArgs:
         self.window = _Window(_reference(cache), past, width, batch, attention_mask is not None, calls, plans,
                               key_length, positional)
         for call in calls:
-            for mask, plan in _masks(call, plans[id(call)]):
+            for mask, plan in mask_arguments(call, plans[id(call)]):
                 if id(mask) not in self.window.visible:
-                    self.window.visible[id(mask)] = _visible_counts(mask, plan)
+                    self.window.visible[id(mask)] = visible_counts(mask, plan)
 
     def _capture(self, input_ids, view, attention_mask, position_ids, past, width) -> list[LayerCall]:
         """The layer calls for `width` positions from `past`, on zero embeddings."""
@@ -237,9 +239,9 @@ class LayerArgs:
             hidden = hidden + w.positional[:, first:first + length]
 
         def one(call: LayerCall) -> LayerCall:
-            args, kwargs = _apply(_arguments(call),
+            args, kwargs = apply_plan(call_arguments(call),
                                   w.plans[id(call)],
-                                  _Cut(first, length, None if key_length == w.key_length else key_length, cache,
+                                  Cut(first, length, None if key_length == w.key_length else key_length, cache,
                                        w.visible,
                                        not getattr(cache, "is_compileable", False)
                                        and not self._known["keeps_full_masks"]))
@@ -248,167 +250,6 @@ class LayerArgs:
             return LayerCall((), {**kwargs, "hidden_states": hidden})
 
         return hidden, map_calls(w.calls, one)
-
-
-# ---------------------------------------------------------------------- plans: which axes are positions
-_AMBIGUOUS = object()
-
-
-@dataclass(frozen=True)
-class _TensorPlan:
-    query: int | None  # the axis over the window's positions
-    key: int | None  # the mask's key axis (the last), cut to the request's key length
-
-
-@dataclass
-class _Cut:
-    first: int  # the request's first position, relative to the window's start
-    length: int
-    key_length: int | None  # None: keys are not cut (a static cache's masks span the whole cache)
-    cache: object
-    visible: dict
-    none_when_full: bool  # a one-query mask that sees every key becomes None (not on compileable, static caches,
-    # whose backbone always passes the mask, so that compiled layers see one kind of argument, nor where the
-    # backbone was seen to pass such a mask: `LayerArgs` learns it from its first check)
-
-
-def _arguments(call: LayerCall):
-    """A call's arguments but its hidden state: (positional after the first, keywords)."""
-    return call.args[1:], {k: v for k, v in call.kwargs.items() if k != "hidden_states"}
-
-
-def _plan(value, wider, width: int):
-    """How to slice `value` (captured for `width` positions) given the same argument captured for width + 1: the
-    axes that grew by one are positional; with two, the first is the query axis and the last the key axis; with
-    one, it is the query axis if it has the window's width and is not a mask's last axis of another size."""
-    if isinstance(value, torch.Tensor):
-        if not isinstance(wider, torch.Tensor) or wider.dim() != value.dim():
-            return _AMBIGUOUS
-        grew = [a for a in range(value.dim()) if wider.shape[a] == value.shape[a] + 1]
-        if any(wider.shape[a] != value.shape[a] for a in range(value.dim()) if a not in grew):
-            return _AMBIGUOUS
-        if not grew:
-            return None
-        if len(grew) == 2 and grew[1] == value.dim() - 1 and value.shape[grew[0]] == width:
-            return _TensorPlan(grew[0], grew[1])
-        if len(grew) == 1 and value.shape[grew[0]] == width and not (grew[0] == value.dim() - 1 and value.dim() >= 3):
-            return _TensorPlan(grew[0], None)
-        if len(grew) == 1 and grew[0] == value.dim() - 1 and value.shape[grew[0]] != width:
-            return _TensorPlan(None, grew[0])  # keys only (e.g. alibi biases)
-        return _AMBIGUOUS
-    if isinstance(value, (tuple, list)):
-        if not isinstance(wider, (tuple, list)) or len(wider) != len(value):
-            return _AMBIGUOUS
-        plans = [_plan(v, w, width) for v, w in zip(value, wider)]
-        return _AMBIGUOUS if any(p is _AMBIGUOUS for p in plans) else (type(value), plans)
-    if isinstance(value, dict):
-        if not isinstance(wider, dict) or wider.keys() != value.keys():
-            return _AMBIGUOUS
-        plans = {k: _plan(v, wider[k], width) for k, v in value.items()}
-        return _AMBIGUOUS if any(p is _AMBIGUOUS for p in plans.values()) else (dict, plans)
-    return None
-
-
-def _apply(value, plan, cut: _Cut):
-    if isinstance(value, Cache):
-        return cut.cache
-    if plan is None:
-        return value
-    if isinstance(plan, _TensorPlan):
-        out = value
-        if plan.key is not None and cut.key_length is not None:
-            out = out.narrow(plan.key, 0, cut.key_length)
-        if plan.query is not None:
-            out = out.narrow(plan.query, cut.first, cut.length)
-            if plan.key is not None and cut.length == 1 and cut.none_when_full:
-                fewest, most = cut.visible[id(value)]
-                keys = out.shape[plan.key]
-                if fewest[cut.first] == most[cut.first] == keys:  # sees every key: what the backbone passes is None
-                    return None
-        return out
-    kind, plans = plan
-    if kind is dict:
-        return {k: _apply(v, plans[k], cut) for k, v in value.items()}
-    return kind(_apply(v, p, cut) for v, p in zip(value, plans))
-
-
-def _masks(call: LayerCall, plan) -> list[tuple[torch.Tensor, _TensorPlan]]:
-    """The arguments of `call` that have both a query and a key axis (attention masks)."""
-    found = []
-
-    def walk(value, plan):
-        if isinstance(plan, _TensorPlan):
-            if plan.query is not None and plan.key is not None:
-                found.append((value, plan))
-        elif plan is not None:
-            kind, plans = plan
-            items = zip(value.values(), plans.values()) if kind is dict else zip(value, plans)
-            for v, p in items:
-                walk(v, p)
-
-    walk(_arguments(call), plan)
-    return found
-
-
-def _visible_counts(mask: torch.Tensor, plan: _TensorPlan) -> tuple[list[int], list[int]]:
-    """For each query row of a mask (boolean, or additive with 0 where a key is seen): the fewest and the most
-    keys it sees over the other axes (one host sync per window)."""
-    seen = mask if mask.dtype == torch.bool else mask == 0
-    counts = seen.sum(plan.key).movedim(plan.query, -1)  # the key axis is the last, after the query axis
-    counts = counts.reshape(-1, counts.shape[-1])
-    return counts.amin(0).tolist(), counts.amax(0).tolist()
-
-
-def _same_call(a: LayerCall, b: LayerCall) -> bool:
-    return _same(_arguments(a), _arguments(b))
-
-
-def _same(a, b) -> bool:
-    """Does the slice's argument `a` serve the layer as the backbone's `b` does? A sliced mask that sees every key
-    stands for the backbone's None; a None stands only for None (a layer may add the mask unconditionally)."""
-    if isinstance(a, Cache) and isinstance(b, Cache):
-        return True
-    if b is None:
-        return a is None or (isinstance(a, torch.Tensor) and _sees_all(a))
-    if a is None:
-        return False
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and torch.equal(a, b))
-    if isinstance(a, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values without a plain equality
-        return a is b
-
-
-def _passes_full_masks(calls: list[LayerCall], fresh: list[LayerCall]) -> bool:
-    """The slice gave None where the backbone passed a mask that sees every key."""
-    found = []
-
-    def walk(a, b):
-        if a is None and isinstance(b, torch.Tensor):
-            found.append(_sees_all(b))
-        elif isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
-            for x, y in zip(a, b):
-                walk(x, y)
-        elif isinstance(a, dict) and isinstance(b, dict):
-            for k in a.keys() & b.keys():
-                walk(a[k], b[k])
-
-    for mine, theirs in zip(calls, fresh):
-        walk(_arguments(mine), _arguments(theirs))
-    return any(found)
-
-
-def _sees_all(mask: torch.Tensor) -> bool:
-    """A mask with one query row that sees every key (what the backbone would pass as None)."""
-    if mask.dim() < 2 or mask.shape[-2] != 1:
-        return False
-    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
 
 
 def _reference(cache):
