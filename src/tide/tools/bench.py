@@ -10,13 +10,11 @@ Writes a JSON of the results and a PNG plot of the quality/speed curve.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from ..calibration.measure import measure_costs
 from ..calibration.evaluate import oracle_depths, teacher_forced
@@ -25,9 +23,7 @@ from ..hub.card import (batches_text, draft_scheme_text, exit_timing_text, loop_
                         verify_extras_text)
 from ..decode.baseline import compiled_static_decoder
 from ..layers import fewrows
-from ..layers.calls import capture_layer_calls, write_kv_only
-from ..layers.kvfill import fill_kv, fused_available
-from ..layers.kvprobe import kv_plan
+from .benchkv import device_name, kv_cost_main, kv_fill_costs, kv_fill_costs_text
 
 __all__ = ["run_bench", "plot_bench", "kv_fill_costs", "kv_fill_costs_text"]
 
@@ -67,22 +63,6 @@ def _choice_text(choice: dict) -> str:
     return "; ".join(words)
 
 
-def device_name(device) -> str:
-    """The accelerator's or the CPU's own name, as the machine reports it."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name} ({torch.get_num_threads()} threads)"
-
-
 def _decode_seconds(fn, ids, new_tokens: int) -> float:
     start = time.perf_counter()
     fn(ids, 1)
@@ -105,32 +85,55 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     variants, chosen = _variants(model, sweep)
     token_lists = [tokenizer(t)["input_ids"][:max_eval_tokens] for t in heldout]
     prompt_ids = [tokenizer(p, return_tensors="pt")["input_ids"].to(base.device) for p in prompts]
-    gen_kwargs = dict(do_sample=False, pad_token_id=base.generation_config.pad_token_id or 0)
-
-    def run_config(cfg):
-        if cfg is None or "thresholds" not in cfg:
-            return cfg
-        return model.config.resolve_generation(cfg)
-
     compiled_decode = None
     if compiled_baseline:
         compiled_decode = compiled_static_decoder(base, max(p.shape[1] for p in prompt_ids) + new_tokens + 1)
         variants = {"base": None, COMPILED_BASE: None, **{k: v for k, v in variants.items() if k != "base"}}
+    results = {"machine": f"{device_name(base.device)}, torch {torch.__version__}",
+               "model": base.config.name_or_path or type(base).__name__, "num_layers": model.parts.num_layers,
+               "checkpoints": model.checkpoints, "exit_head": model.config.exit_head,
+               "draft_head": model.config.draft_head, "new_tokens": new_tokens,
+               "repeats": repeats, "variants": {}}
+    _measure(model, token_lists, results, progress)
+    times, extra, outputs = _time_variants(model, variants, _runner(model, compiled_decode), prompt_ids, new_tokens,
+                                           repeats, results, progress)
+    for name, cfg in variants.items():
+        row = _variant_row(model, cfg, times, name, extra[name], outputs, new_tokens * len(prompt_ids), token_lists)
+        if name in chosen:
+            row["calibration_choice"] = chosen[name]
+        results["variants"][name] = row
+        progress(_line(name, row) + (f"\n{'':32s}{_choice_text(chosen[name])}" if name in chosen else ""))
+    _defaults_and_batches(model, tokenizer, heldout, token_lists, batch_size, new_tokens, repeats, results, progress)
+    return results
+
+
+def _run_config(model, cfg):
+    """What a variant passes as `tide_config`: a target row's thresholds resolved against the repo's defaults."""
+    if cfg is None or "thresholds" not in cfg:
+        return cfg
+    return model.config.resolve_generation(cfg)
+
+
+def _runner(model, compiled_decode):
+    """`generate(cfg, name)`: a variant's decode function `fn(ids, new_tokens)`."""
+    base = model.base
+    gen_kwargs = dict(do_sample=False, pad_token_id=base.generation_config.pad_token_id or 0)
 
     def generate(cfg, name=None):
         if name == COMPILED_BASE:
             return compiled_decode
         if cfg is None:
             return lambda ids, n: base.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen_kwargs)
-        return lambda ids, n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, tide_config=run_config(cfg),
-                                             **gen_kwargs)
+        return lambda ids, n: model.generate(ids, max_new_tokens=n, min_new_tokens=n,
+                                             tide_config=_run_config(model, cfg), **gen_kwargs)
 
+    return generate
+
+
+def _measure(model, token_lists, results: dict, progress) -> None:
+    """The step's costs, the K/V fill's, the oracle bounds and the linears' layouts into `results`, and what
+    calibration timed and kept, reported."""
     num_layers = model.parts.num_layers
-    results = {"machine": f"{device_name(base.device)}, torch {torch.__version__}",
-               "model": base.config.name_or_path or type(base).__name__, "num_layers": num_layers,
-               "checkpoints": model.checkpoints, "exit_head": model.config.exit_head,
-               "draft_head": model.config.draft_head, "new_tokens": new_tokens,
-               "repeats": repeats, "variants": {}}
     with torch.inference_mode():
         costs = measure_costs(model)
         results["kv_fill"] = kv_fill_costs(model)
@@ -163,64 +166,81 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
              f"{model.config.exit_head} exit heads, x{oracle['lens']:.3f} through the logit lens "
              f"(x{oracle['lens_every_layer']:.3f} lens with every layer)")
 
+
+def _time_variants(model, variants: dict, generate, prompt_ids, new_tokens: int, repeats: int, results: dict,
+                   progress) -> tuple[dict, dict, dict]:
+    """(seconds per repeat, the last run's stats, the greedy outputs), each by variant: every variant timed once a
+    repeat, in an order that turns each repeat (the variant timed first in a repeat runs a little slower)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     extra: dict[str, dict] = {name: {} for name in variants}
     outputs: dict[str, list] = {}
     with torch.inference_mode():
-        if compiled_decode is not None:
+        if COMPILED_BASE in variants:
             start = time.perf_counter()
-            compiled_decode(prompt_ids[0], 2)
+            generate(None, COMPILED_BASE)(prompt_ids[0], 2)
             results["compile_s"] = time.perf_counter() - start
             progress(f"{COMPILED_BASE}: first call (compiling) {results['compile_s']:.1f} s")
         for name, cfg in variants.items():
             outputs[name] = [generate(cfg, name)(ids, new_tokens + 1)[0, ids.shape[1]:] for ids in prompt_ids]
         names = list(variants)
         for repeat in range(repeats):
-            # The order turns each repeat: the variant timed first in a repeat ran about 0.7% slower (measured
-            # with four variants that all ran the base model).
             for name in names[repeat % len(names):] + names[: repeat % len(names)]:
                 cfg = variants[name]
                 times[name].append(sum(_decode_seconds(generate(cfg, name), ids, new_tokens) for ids in prompt_ids))
                 if cfg is not None and model.last_stats is not None:
-                    s = model.last_stats
-                    layers = s.layer_passes_per_token if s.mode == "lossless" else s.mean_layers
-                    extra[name] = {"mean_layers": layers, "layer_passes_per_token": s.layer_passes_per_token}
-                    if s.mode == "lossless":
-                        extra[name].update(acceptance_rate=s.acceptance_rate, drafted=s.drafted, accepted=s.accepted,
-                                           verify_passes=s.verify_passes,
-                                           mean_draft=s.drafted / max(s.verify_passes, 1), draft_topk=s.draft_topk)
-    total_tokens = new_tokens * len(prompt_ids)
-    for name, cfg in variants.items():
-        tps = total_tokens / statistics.median(times[name])
-        # Each repeat times every variant once, interleaved: the ratio is the median of per-repeat ratios, and
-        # its range over the repeats shows the machine's noise (a variant that runs the base model is an A/A check).
-        ratios = [b / t for b, t in zip(times["base"], times[name])]
-        row = {"tide_config": cfg, "decode_tokens_per_s": tps, "ratio_to_base": statistics.median(ratios),
-               "ratio_range": [min(ratios), max(ratios)], **extra[name]}
-        if compiled_decode is not None:
-            compiled_ratios = [c / t for c, t in zip(times[COMPILED_BASE], times[name])]
-            row.update(ratio_to_compiled=statistics.median(compiled_ratios),
-                       ratio_to_compiled_range=[min(compiled_ratios), max(compiled_ratios)])
-        same = [bool(torch.equal(a, b)) for a, b in zip(outputs[name], outputs["base"])]
-        matched = sum(int((a == b).sum()) for a, b in zip(outputs[name], outputs["base"]))
-        row.update(greedy_identical=all(same), greedy_token_match=matched / sum(len(b) for b in outputs["base"]))
-        if cfg is not None and cfg.get("mode") == "lossless":
-            scheme = model.config.resolve_generation(cfg)
-            ran = extra[name].get("draft_topk", scheme.draft_topk)  # 1 where the tree fell back to a chain
-            row["draft"] = ({"draft_layer": scheme.resolve_draft_layer(model.checkpoints, model.parts.num_layers),
-                             "max_draft": scheme.max_draft, "draft_topk": ran,
-                             "draft_vocab_size": scheme.draft_vocab_size, "draft_ngram": scheme.draft_ngram,
-                             "head_drafts": scheme.head_drafts}
-                            if scheme.max_draft else None)  # None: base generate
-        if name != COMPILED_BASE and (cfg is None or cfg.get("mode") != "lossless"):
-            with torch.inference_mode():
-                q = teacher_forced(model, token_lists, run_config(cfg) if cfg is not None else {"exit_threshold": 1.0})
-            row.update(agreement=q.agreement, ppl=q.ppl_tide, ppl_base=q.ppl_base, ppl_delta=q.ppl_delta,
-                       eval_mean_layers=q.mean_layers, eval_tokens=q.tokens)
-        if name in chosen:
-            row["calibration_choice"] = chosen[name]
-        results["variants"][name] = row
-        progress(_line(name, row) + (f"\n{'':32s}{_choice_text(chosen[name])}" if name in chosen else ""))
+                    extra[name] = _stats_extra(model.last_stats)
+    return times, extra, outputs
+
+
+def _stats_extra(s) -> dict:
+    """What a variant's row takes from its last run's stats."""
+    layers = s.layer_passes_per_token if s.mode == "lossless" else s.mean_layers
+    extra = {"mean_layers": layers, "layer_passes_per_token": s.layer_passes_per_token}
+    if s.mode == "lossless":
+        extra.update(acceptance_rate=s.acceptance_rate, drafted=s.drafted, accepted=s.accepted,
+                     verify_passes=s.verify_passes, mean_draft=s.drafted / max(s.verify_passes, 1),
+                     draft_topk=s.draft_topk)
+    return extra
+
+
+def _variant_row(model, cfg, times: dict, name: str, extra: dict, outputs: dict, total_tokens: int,
+                 token_lists) -> dict:
+    """A variant's row: its speed against the baselines, its greedy output against the base model's, its draft
+    scheme (lossless) or its teacher-forced quality (the others)."""
+    tps = total_tokens / statistics.median(times[name])
+    # Each repeat times every variant once, interleaved: the ratio is the median of per-repeat ratios, and
+    # its range over the repeats shows the machine's noise (a variant that runs the base model is an A/A check).
+    ratios = [b / t for b, t in zip(times["base"], times[name])]
+    row = {"tide_config": cfg, "decode_tokens_per_s": tps, "ratio_to_base": statistics.median(ratios),
+           "ratio_range": [min(ratios), max(ratios)], **extra}
+    if COMPILED_BASE in times:
+        compiled_ratios = [c / t for c, t in zip(times[COMPILED_BASE], times[name])]
+        row.update(ratio_to_compiled=statistics.median(compiled_ratios),
+                   ratio_to_compiled_range=[min(compiled_ratios), max(compiled_ratios)])
+    same = [bool(torch.equal(a, b)) for a, b in zip(outputs[name], outputs["base"])]
+    matched = sum(int((a == b).sum()) for a, b in zip(outputs[name], outputs["base"]))
+    row.update(greedy_identical=all(same), greedy_token_match=matched / sum(len(b) for b in outputs["base"]))
+    if cfg is not None and cfg.get("mode") == "lossless":
+        scheme = model.config.resolve_generation(cfg)
+        ran = extra.get("draft_topk", scheme.draft_topk)  # 1 where the tree fell back to a chain
+        row["draft"] = ({"draft_layer": scheme.resolve_draft_layer(model.checkpoints, model.parts.num_layers),
+                         "max_draft": scheme.max_draft, "draft_topk": ran,
+                         "draft_vocab_size": scheme.draft_vocab_size, "draft_ngram": scheme.draft_ngram,
+                         "head_drafts": scheme.head_drafts}
+                        if scheme.max_draft else None)  # None: base generate
+    if name != COMPILED_BASE and (cfg is None or cfg.get("mode") != "lossless"):
+        with torch.inference_mode():
+            q = teacher_forced(model, token_lists, _run_config(model, cfg) if cfg is not None else
+                               {"exit_threshold": 1.0})
+        row.update(agreement=q.agreement, ppl=q.ppl_tide, ppl_base=q.ppl_base, ppl_delta=q.ppl_delta,
+                   eval_mean_layers=q.mean_layers, eval_tokens=q.tokens)
+    return row
+
+
+def _defaults_and_batches(model, tokenizer, heldout, token_lists, batch_size: int, new_tokens: int, repeats: int,
+                          results: dict, progress) -> None:
+    """What a plain call runs (the default mode, exits kept or not), a batch's throughput and prefill exits' effect
+    where exits are kept, into `results`."""
     exits_on = model.config.resolve_generation({"mode": "exit"}).has_operating_point
     timing = (model.config.calibration or {}).get("exit_timing")
     if model.config.thresholds and not exits_on:
@@ -243,7 +263,6 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
         progress("prefill_exit (first half of each text as the prompt): agreement "
                  f"{results['prefill_exit']['agreement_full_prefill']:.3f} with a full prefill, "
                  f"{results['prefill_exit']['agreement_prefill_exit']:.3f} with prompt tokens exiting too")
-    return results
 
 
 def batch_throughput(model, tokenizer, texts: list[str], batch_size: int, new_tokens: int, repeats: int,
@@ -345,115 +364,7 @@ def plot_bench(results: dict, path) -> None:
     plt.close(fig)
 
 
-@torch.no_grad()
-def kv_fill_costs(model, prompt_length: int = 32, repeats: int = 15) -> dict:
-    """A skipped layer's K/V for one decode token, as a fraction of a decoder layer's time (medians over
-    interleaved repeats, so every piece reads its weights from memory as in a real step), by each way Tide can
-    fill it: `batched` (`kvfill`'s one matmul over every layer's stacked K/V projections; None where the family
-    does not take it), `per_layer` (each layer's own code up to its cache write, computing only the outputs the
-    probe found to reach the K/V: `kvprobe`), and `per_layer_everything` (the same pass computing every linear
-    output before the cache write: the query projection, a fused projection's query rows; what that pass cost
-    before the probe). Each is the time to fill every layer, divided by the number of layers. Also the probe's
-    report (`kv_plan(...).report()`, its first layer)."""
-    parts, base = model.parts, model.base
-    device = next(parts.layers.parameters()).device
-    vocab = base.config.get_text_config().vocab_size
-    ids = torch.arange(3, prompt_length + 4, device=device).remainder(vocab)[None]
-    cache = DynamicCache(config=base.config)
-    base(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
-    calls = capture_layer_calls(parts, input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
-    hidden, layers = calls[0].hidden, list(range(parts.num_layers))
-    plan = kv_plan(parts)
-
-    def run_layers():
-        h = hidden
-        for i in layers:
-            h = calls[i].run(parts, i, h)
-        cache.crop(-1)
-
-    def fill(layerwise: bool):
-        fill_kv(parts, calls, layers, hidden, cache, layerwise=layerwise)
-        cache.crop(-1)
-
-    def everything():
-        for i in layers:
-            write_kv_only(calls[i], parts, i, hidden, cache, skips={})
-        cache.crop(-1)
-
-    pieces = {"layer": run_layers, "per_layer": lambda: fill(True), "per_layer_everything": everything}
-    if fused_available(parts, calls, layers, hidden):
-        pieces["batched"] = lambda: fill(False)
-    seconds = {name: [] for name in pieces}
-    for fn in pieces.values():  # warm-up
-        fn()
-    for _ in range(repeats):
-        for name, fn in pieces.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds[name].append(time.perf_counter() - start)
-    layer_s = statistics.median(seconds["layer"]) / len(layers)
-    out = {"layer_ms": layer_s * 1e3, "batched": None, "probe": plan.report().splitlines()[0] if plan.layers else "",
-           "probe_complete": plan.complete}
-    for name in pieces:
-        if name != "layer":
-            out[name] = statistics.median(seconds[name]) / len(layers) / layer_s
-    return out
-
-
-def kv_fill_costs_text(costs: dict) -> str:
-    batched = "" if costs["batched"] is None else f"batched {costs['batched']:.3f}, "
-    return (f"a skipped layer's K/V, as a fraction of a layer ({costs['layer_ms']:.2f} ms): {batched}"
-            f"per-layer K/V-only pass {costs['per_layer']:.3f} (computing every linear output before the cache "
-            f"write: {costs['per_layer_everything']:.3f}); probe: {costs['probe']}")
-
-
-def _kv_cost_main(argv: list[str] | None = None) -> int:
-    """`python -m tide.tools.bench TYPE [TYPE ...] --hidden 2048 --heads 32 --kv-heads 4`: the K/V cost of a skipped
-    layer on random-init models of these model types and shape (no download), one table row each."""
-    import argparse
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..config import TideConfig
-    from ..modeling import TideForCausalLM
-
-    parser = argparse.ArgumentParser(description=_kv_cost_main.__doc__.splitlines()[0])
-    parser.add_argument("model_types", nargs="+")
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args(argv)
-    print("| model type | shape | layer (ms) | batched fill | per-layer K/V-only pass | that pass computing "
-          "everything before the cache write |\n|---|---|---|---|---|---|")
-    for model_type in args.model_types:
-        torch.manual_seed(0)
-        config = AutoConfig.for_model(
-            model_type, hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-            intermediate_size=args.intermediate, num_hidden_layers=args.layers, vocab_size=args.vocab,
-            head_dim=args.hidden // args.heads,
-            max_position_embeddings=512, pad_token_id=0)
-        base = AutoModelForCausalLM.from_config(config).eval()
-        model = TideForCausalLM.from_base(base, TideConfig(checkpoint_layers=[0]))
-        costs = kv_fill_costs(model, repeats=args.repeats)
-        kv = args.kv_heads if "num_key_value_heads" in type(config)().to_dict() else args.heads  # else MHA
-        batched = "-" if costs["batched"] is None else f"{costs['batched']:.3f}"
-        print(f"| `{model_type}` | hidden {args.hidden}, {args.heads} heads / {kv} KV heads, intermediate "
-              f"{args.intermediate}, {args.layers} layers | {costs['layer_ms']:.2f} | {batched} | "
-              f"{costs['per_layer']:.3f} | {costs['per_layer_everything']:.3f} |", flush=True)
-        del model, base
-    print(f"({device_name('cpu')}, torch {torch.__version__})")
-    return 0
-
-
 if __name__ == "__main__":
     import sys
 
-    sys.exit(_kv_cost_main())
+    sys.exit(kv_cost_main())
