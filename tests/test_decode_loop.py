@@ -93,3 +93,25 @@ def test_sampling_verdict_keeps_the_target_distribution():
         counts[int(sampling_verdict(drafted, q, p).tokens[0, 0])] += 1
     for token, prob in enumerate([0.5, 0.3, 0.2]):
         assert abs(counts[token] / runs - prob) < 4 * (prob * (1 - prob) / runs) ** 0.5
+
+
+@pytest.mark.parametrize("static", ["cache_implementation", "compile"])
+def test_exit_mode_beams_on_a_static_cache_equal_beams_on_a_dynamic_one(static):
+    """On a static cache generate gives the forward a 4-D mask; exit mode's beam steps read its padding from it
+    (a left-padded batch: a row's padding stays unseen) and decode as on a dynamic cache."""
+    from transformers import CompileConfig
+
+    model, _ = noisy_tide("llama")
+    ids = torch.cat([prompt_ids(), prompt_ids(seed=1)])
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    options = dict(max_new_tokens=5, num_beams=2, do_sample=False, attention_mask=mask, pad_token_id=0)
+    ref = model.generate(ids, tide_config={"mode": "exit", "exit_threshold": 0.3}, **options)
+    if static == "compile":
+        options["compile_config"] = CompileConfig(backend="eager")
+        config = {"mode": "exit", "exit_threshold": 0.3, "compile": True}
+    else:
+        options["cache_implementation"] = "static"
+        config = {"mode": "exit", "exit_threshold": 0.3}
+    out = model.generate(ids, tide_config=config, **options)
+    assert torch.equal(out, ref) and model.last_stats.exits != {"full": model.last_stats.decode_tokens}

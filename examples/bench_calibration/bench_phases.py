@@ -1,9 +1,9 @@
 """Calibration phase by phase on the shipped model, on one process or several (docs/scaling.md).
 
-Run under a launcher, one thread per process; each process should have a core of its own:
+Run under a launcher, one thread per process (calibration gives each CPU process cores of its own):
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 1 examples/bench_calibration/bench_phases.py --samples 2048
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/bench_calibration/bench_phases.py --samples 2048
+    OMP_NUM_THREADS=1 accelerate launch --num_processes 1 --cpu examples/bench_calibration/bench_phases.py
+    OMP_NUM_THREADS=1 accelerate launch --num_processes 2 --cpu examples/bench_calibration/bench_phases.py
 
 The main process prints one JSON line: wall seconds, seconds per phase (every process's), each process's share
 of the data phases, and the calibration's outcome (thresholds, expected agreement) to compare runs.
@@ -30,12 +30,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--checkpoint-interval", type=int, default=2)
     parser.add_argument("--timing-budget-s", type=float, default=None)
-    parser.add_argument("--pin-cores", action="store_true", help="pin each process to the core of its local rank")
+    parser.add_argument("--no-pin-cores", action="store_true", help="leave the processes' cores as launched")
     args = parser.parse_args()
-    if args.pin_cores:
-        import os
-
-        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", 0)) % os.cpu_count()})
     torch.set_num_threads(1)
     base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR).eval()
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
@@ -44,7 +40,7 @@ def main() -> None:
     model = tide.calibrate(base, tokenizer, dataset=train,
                            config=tide.TideConfig(checkpoint_interval=args.checkpoint_interval),
                            num_samples=args.samples, max_length=128, batch_size=16, progress=False,
-                           timing_budget_s=args.timing_budget_s)
+                           timing_budget_s=args.timing_budget_s, pin_cores=not args.no_pin_cores)
     wall = time.perf_counter() - start
     procs = Processes.current(model.base.device)
     if procs.is_main:

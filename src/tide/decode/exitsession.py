@@ -66,6 +66,9 @@ class ExitSession:
                 return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
             return self.original_forward(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
         start = time.perf_counter()
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 4:  # generate's own mask for a static cache (a beam search's)
+            kwargs = {**kwargs, "attention_mask": _padding_mask(mask, past_key_values.get_seq_length() + 1)}
         logits = self.decode_step(input_ids, past_key_values, kwargs)
         self.stats.decode_time_s += time.perf_counter() - start
         return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
@@ -232,3 +235,10 @@ def walk_layers(parts, steps, exit_tests: dict) -> WalkResult:
 
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor if device is None else tensor.to(device)
+
+
+def _padding_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The 2-D padding mask [B, length] (1: a token, 0: padding) of a decode step's 4-D mask [B, 1, 1, keys] (boolean,
+    or additive: 0 where seen), which generate makes for a static cache: the keys the new token sees."""
+    seen = mask if mask.dtype == torch.bool else mask == 0
+    return seen[:, 0, -1, :length].long()
