@@ -43,7 +43,7 @@ def test_sdpa_attention_is_token_identical(family, scheme, monkeypatch):
     model, base = noisy_tide(family, attention="sdpa")
     converted = []
     real = layercalls.additive_masks
-    for module in ("tide.layers.args", "tide.decode.treedraft"):
+    for module in ("tide.layers.args", "tide.decode.verifier"):
         monkeypatch.setattr(f"{module}.additive_masks", lambda parts, calls: converted.append(
             real(parts, calls)) or converted[-1])
     ids = prompt_ids()

@@ -319,15 +319,15 @@ def test_chain_estimates_use_the_later_drafts_ranks():
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "phi", "gpt_neox"])
 def test_one_capture_serves_both_tree_passes(family, monkeypatch):
     """The candidates' shallow calls are sliced from the deep chunk's calls (same keys, same positions)."""
-    import tide.decode.treedraft as treedraft
+    import tide.decode.verifier as verifier
 
     model, base = _wrap(family)
     ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=9)
     model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=1)
     captures = []
-    real = treedraft.capture_layer_calls
-    monkeypatch.setattr(treedraft, "capture_layer_calls", lambda *a, **kw: captures.append(1) or real(*a, **kw))
+    real = verifier.capture_layer_calls
+    monkeypatch.setattr(verifier, "capture_layer_calls", lambda *a, **kw: captures.append(1) or real(*a, **kw))
     out = model.generate(ids, do_sample=False, max_new_tokens=9, tide_config=_tree(1, 2))
     assert torch.equal(out, ref)
     assert len(captures) == model.last_stats.drafted == 4  # four tree cycles of two tokens, then one plain step
@@ -464,7 +464,7 @@ def test_estimates_charge_generates_own_work():
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_candidates_captured_when_their_calls_cannot_be_sliced(padded, monkeypatch):
-    import tide.decode.treedraft as treedraft
+    import tide.decode.verifier as verifier
 
     model, base = _wrap()
     ids = prompt_ids()
@@ -474,7 +474,7 @@ def test_candidates_captured_when_their_calls_cannot_be_sliced(padded, monkeypat
         mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), mask], 1)
     ref = base.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=9)
     model.draft_logits = _RankedOracle(ref, ids.shape[1], base.config.vocab_size, rank=2)
-    monkeypatch.setattr(treedraft, "without_first_position", lambda calls, q: None)
+    monkeypatch.setattr(verifier, "without_first_position", lambda calls, q: None)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=9, tide_config=_tree(1, 3))
     assert torch.equal(out, ref) and model.last_stats.accepted == 4
 

@@ -1,12 +1,13 @@
-"""The small records that pass between drafting, verification and the decode loop."""
+"""The small records that pass between drafting, verification and the decode loop, and what a drafter is."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-__all__ = ["Draft", "Verdict"]
+__all__ = ["Draft", "Drafter", "Verdict", "Verified"]
 
 
 @dataclass
@@ -19,7 +20,7 @@ class Draft:
     also decides what is kept (it judged each node on the way; under sampling the acceptance is random and depends
     on the path), and hands over that verdict as `decided`: the loop emits it as is, without judging the draft
     again. A draft whose last token would stop generation says so (`stops`): if verification accepts it, nothing
-    follows it.
+    follows it. The rest says what the loop counts for the draft (`GenerationStats`).
     """
 
     ids: torch.Tensor  # [1, n + k]
@@ -28,6 +29,12 @@ class Draft:
     verified: torch.Tensor | None = None  # [1, k + 1, V] full-model logits at the last k + 1 positions of `ids`
     stops: bool = False  # the last drafted token ends generation (EOS, a stop string, the caller's criteria)
     decided: Verdict | None = None  # the verdict, already decided (a tree walk): every drafted token kept
+    steps: int | None = None  # draft steps and n-gram tokens offered (`drafted`: a tree's head step offers its
+    #   candidates for one position as one step); None: `count`
+    ngram: int = 0  # of `steps`, n-gram tokens
+    from_ngram: tuple[bool, ...] = ()  # per drafted token of `ids` (or none): offered by an n-gram continuation
+    tree: bool = False  # `ids` ends with the path a tree's walk kept; its verification went over the whole tree
+    later_children: int = 0  # of that path, the nodes that were not their parent's first child
 
 
 @dataclass
@@ -36,3 +43,22 @@ class Verdict:
 
     tokens: torch.Tensor  # [1, accepted + 1]
     accepted: int
+
+
+@dataclass
+class Verified:
+    """What one verification pass gave, for each position it checked in order (the last emitted token's, then the
+    drafted tokens' or a tree's nodes'): the full model's logits, and its final normed states (the context the
+    next draft reads is the state at the position after the accepted drafts)."""
+
+    logits: torch.Tensor  # [1, N, V]
+    states: torch.Tensor  # [1, N, H]
+
+
+class Drafter(Protocol):
+    """What the lossless loop drafts with (`speculative.ChainDrafter`, `treedraft.TreeDrafter`): a draft after the
+    sequence `ids` [1, n] each cycle, and, once it is verified, how many of its tokens the loop accepted."""
+
+    def draft(self, ids: torch.Tensor) -> Draft: ...
+
+    def verified(self, accepted: int) -> None: ...

@@ -198,7 +198,7 @@ def fused_chain_for(session, drafter, input_ids, generation_config, logits_proce
             or not cache.layers or not all(is_static_layer(layer) for layer in cache.layers)
             or (mask is not None and not bool(mask.all())) or input_ids.shape[1] < 2):
         return None
-    getattr(drafter, "chain", drafter)._prefill(input_ids)  # the cache holds all but the last token; the context
+    session.verifier.prefill(input_ids)  # the cache holds all but the last token; the context
     if not all(layer.is_initialized for layer in cache.layers):
         return None
     head = session.model.draft_function(session.draft_layer, session.draft_vocab_size)

@@ -1,12 +1,14 @@
 """The lossless decode loop: draft, verify, accept, repeat; Tide's own, behind `generate`.
 
-Each cycle a drafter (`speculative.ChainDrafter`, or `treedraft.TreeDrafter` for tree drafts) proposes tokens
-after the sequence; the session's verification pass gives the full model's logits at every drafted position and
-the one after (a tree draft brings them along); logits processors run on each position as transformers applies
-them; `accept.py` decides (a sampled tree draft arrives decided: its walk drew the kept path and the token after
-it); the cache drops what was rejected. Stopping criteria (EOS, `max_length`, stop
-strings, the caller's), streamers (accepted tokens only) and `return_dict_in_generate` scores and logits are
-served here. Batch size 1. Nothing here knows the model's architecture or how drafts are made.
+Each cycle a drafter (`drafts.Drafter`: `speculative.ChainDrafter`, or `treedraft.TreeDrafter` for tree drafts)
+proposes tokens after the sequence; the call's verifier (`verifier.Verifier`) gives the full model's logits at every
+drafted position and the one after (a tree draft brings them along); logits processors run on each position as
+transformers applies them; `accept.py` decides (a sampled tree draft arrives decided: its walk drew the kept path
+and the token after it); the cache drops what was rejected; the verifier takes the next context and the drafter
+hears what was accepted. The call's counters are taken here, from each cycle's `Draft` and accepted count.
+Stopping criteria (EOS, `max_length`, stop strings, the caller's), streamers (accepted tokens only) and
+`return_dict_in_generate` scores and logits are served here. Batch size 1. Nothing here knows the model's
+architecture or how drafts are made.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
         raise RuntimeError("Tide lossless mode decodes on the KV cache; generate made none (was use_cache=False?).")
     if hasattr(cache, "activate_past_recording"):  # sliding-window layers keep evicted positions for rollback
         cache.activate_past_recording()
-    drafter = session.drafter(generation_config, logits_processor, stopping_criteria, cache,
-                              model_kwargs.get("attention_mask"))
+    drafter = session.start(generation_config, logits_processor, stopping_criteria, cache,
+                            model_kwargs.get("attention_mask"))
+    verifier, stats = session.verifier, session.stats
     emitted = Emitted(generation_config, streamer)
     fused = fused_chain_for(session, drafter, input_ids, generation_config, logits_processor, cache,
                             model_kwargs.get("attention_mask"), emitted)
@@ -43,13 +46,14 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
         return fused.decode(input_ids, stopping_criteria, generation_config, emitted)
     sample = bool(generation_config.do_sample)
     while True:
-        draft = drafter.draft(input_ids)
         start = time.perf_counter()
+        verifier.prefill(input_ids)  # (the first cycle: the cache gets the K/V of all but the last token)
+        draft = drafter.draft(input_ids)
         # (a tree walk decided already: it judged each node on the way; a sampled one's acceptance is random and
         # depends on the path it took) Its scores and logits are computed here only where the call keeps them.
         verdict, raw, scores = draft.decided, None, None
         if verdict is None or emitted.keeps_outputs:
-            raw = draft.verified if draft.verified is not None else session.verify(draft.ids, cache)
+            raw = draft.verified if draft.verified is not None else verifier.verify(draft.ids).logits
             raw = raw.to(torch.float32, copy=True)  # [1, k + 1, V]
             scores = _processed(logits_processor, draft.ids, raw)
             verdict = verdict if verdict is not None else _decide(draft, scores, sample)
@@ -63,10 +67,28 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
             crop_cache(cache, draft.count - accepted)
         input_ids = torch.cat([input_ids, tokens.to(input_ids.device)], 1)
         emitted.add(tokens, scores, raw)
+        verifier.accepted(accepted)
         drafter.verified(accepted)
-        session.stats.decode_time_s += time.perf_counter() - start
+        _count(stats, draft, accepted)
+        stats.decode_time_s += time.perf_counter() - start
         if bool(stopping_criteria(input_ids, emitted.scores).any()):
             return emitted.finish(input_ids, cache)
+
+
+def _count(stats, draft: Draft, accepted: int) -> None:
+    """A cycle's counters: its draft, of which `accepted` tokens were kept (a stopping draft that was accepted
+    counts as the token after them), and its one verification."""
+    stats.drafted += draft.count if draft.steps is None else draft.steps
+    stats.ngram_drafted += draft.ngram
+    stats.accepted += min(accepted, draft.count)
+    stats.ngram_accepted += sum(draft.from_ngram[:accepted])
+    stats.decode_tokens += accepted + 1
+    stats.verify_passes += 1
+    stats.decode_steps += 1
+    if draft.tree:
+        stats.tree_cycles += 1
+        stats.merged_cycles += draft.ngram > 0
+        stats.later_children_accepted += draft.later_children
 
 
 def _processed(logits_processor, ids: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:

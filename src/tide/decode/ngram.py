@@ -4,14 +4,19 @@ Text that users generate repeats itself (code, lists, edits of a given document,
 question); where the last n tokens occurred before, the tokens that followed them then are a draft that costs
 no layer and no head. `NgramLookup` keeps, for every n-gram of the sequence and every n up to `max_n`, the
 position where it last occurred; each cycle it reads only the tokens added since the last (no scan of the
-sequence), and the longest n-gram that matches gives the continuation.
+sequence), and the longest n-gram that matches gives the continuation. `NgramDrafter` makes a lossless draft of
+it: the continuation up to the first token that would stop generation, run with the last emitted token through
+the shallow layers as one chunk (no head between them).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["NgramLookup"]
+from .accept import certain_scores
+from .drafts import Draft
+
+__all__ = ["NgramDrafter", "NgramLookup"]
 
 
 class NgramLookup:
@@ -46,3 +51,33 @@ class NgramLookup:
             if start is not None:
                 return self.tokens[start:start + length]
         return []
+
+
+class NgramDrafter:
+    """Lossless drafts of the sequence's n-gram continuation (`session`: a `speculative.LosslessSession`; `shallow`,
+    `verifier`, `stops`: the call's `ShallowPasses`, `Verifier` and `speculative.Stops`). Used by the chain and
+    tree drafters, which draft from the head where there is no continuation."""
+
+    def __init__(self, session, lookup: NgramLookup, shallow, verifier, stops, sample: bool):
+        self.session, self.lookup, self.shallow, self.verifier, self.stops = session, lookup, shallow, verifier, stops
+        self.do_sample = sample
+
+    def continuation(self, input_ids: torch.LongTensor) -> list[int]:
+        """The tokens that followed the latest n-gram of `input_ids` [1, n] where it last occurred (none: draft
+        from the head), as many as a draft may hold."""
+        self.lookup.update(input_ids)
+        return self.lookup.continuation(min(self.session.max_draft, self.stops.room(input_ids)))
+
+    def draft(self, input_ids: torch.LongTensor, continuation: list[int]) -> Draft:
+        """The draft `continuation` (an earlier occurrence's next tokens), up to the first that would stop
+        generation; every drafted token and the last emitted one run through the shallow layers as one chunk.
+        Sampling reads the drafts as drawn from a distribution that is certain of them."""
+        drafted = torch.tensor([continuation], dtype=input_ids.dtype, device=input_ids.device)
+        scores = certain_scores(drafted, self.session.model.num_head_rows)
+        count, stops = self.stops.first(input_ids, drafted, scores)
+        tokens = torch.cat([input_ids, drafted[:, :count]], 1)
+        chunk = tokens[:, -count - 1:]
+        with torch.no_grad():
+            self.verifier.keep(chunk, self.shallow.run(chunk, self.session.grown_mask(tokens.shape[1])), complete=True)
+        return Draft(tokens, count, scores[:, :count] if self.do_sample else None, stops=stops, ngram=count,
+                     from_ngram=(True,) * count)
