@@ -209,7 +209,9 @@ def _install_oracle(model, base, monkeypatch) -> None:
     monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracle.continuation(lookup, length))
 
 
-@pytest.mark.parametrize("scheme", ["chain", "tree", "oracle tree"])
+# ("tree", the model's own head with an n-gram branch, passes too (chi2 0.99); left out for the suite's time: its
+# t2 is the n-gram's token, never accepted, and the oracle's tree covers trees with both outcomes)
+@pytest.mark.parametrize("scheme", ["chain", "oracle tree"])
 def test_tokens_2_and_3_are_jointly_distributed_as_the_base_model(scheme, monkeypatch):
     """One `generate` per run; the counts of (t2, t3) against the exact joint at the N and limit of
     `runs_to_detect`, after checking at that N that the statistic rejects the hardest total variation of 0.05;
