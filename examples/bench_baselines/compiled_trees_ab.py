@@ -1,5 +1,5 @@
 """Compiled tree verification, two paths in one process: through the backbone's compiled forward (what runs) and
-through two compiled spans after a capture (the path before it, forced by patching `TreeDrafter._through_backbone`),
+through two compiled spans after a capture (the path before it, forced by patching `Verifier._through_backbone`),
 beside `generate`, the compiled static-cache base and Tide's eager default; interleaved per prompt.
 
     python examples/bench_baselines/compiled_trees_ab.py MODEL ROUTERS TEXT OUT.json
@@ -10,7 +10,7 @@ import statistics
 import sys
 from pathlib import Path
 
-import tide.decode.treedraft as td
+import tide.decode.verifier as verifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_baselines import baseline_ratios, side_bench, time_interleaved  # noqa: E402
@@ -18,16 +18,16 @@ from bench_baselines import baseline_ratios, side_bench, time_interleaved  # noq
 bench = side_bench(sys.argv[1:])
 model_dir, text, model, prompts = bench.model_dir, bench.text, bench.model, bench.prompts
 n, g = bench.tokens, bench.greedy
-real = td.TreeDrafter._through_backbone
+real = verifier.Verifier._through_backbone
 cfg = {"mode": "lossless", "compile": True}
 
 
 def tide_old(ids):
-    td.TreeDrafter._through_backbone = lambda self, cache: False
+    verifier.Verifier._through_backbone = lambda self: False
     try:
         return model.generate(ids, **g, tide_config=cfg)
     finally:
-        td.TreeDrafter._through_backbone = real
+        verifier.Verifier._through_backbone = real
 
 
 rows = {**bench.base_rows, "tide default (eager)": lambda ids: model.generate(ids, **g),

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from tide.decode import speculative
+from tide.decode import verifier
 from tide.layers.spans import SpanRunner
 from tide.models.architectures import ModelParts
 
@@ -60,7 +60,7 @@ timer(SpanRunner, "run", "runs of layers")
 timer(SpanRunner, "run_then", "draft steps (shallow layers + draft head)")
 timer(SpanRunner, "backbone", "verification (backbone pass)")
 timer(ModelParts, "logits_from_normed", "final head")
-timer(speculative.ChainDrafter, "_prefill", "prefill")
+timer(verifier.Verifier, "prefill", "prefill")
 timer(type(model), "draft_logits", "draft head")
 result = {"model": model_dir, "text": text, "prompts": len(prompts), "tokens": n, "rows": {}, "split": {}}
 for k, v in med.items():
