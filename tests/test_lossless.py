@@ -38,7 +38,7 @@ SDPA_FAMILIES = ["llama", "mistral", "qwen3", "gemma", "gpt2", "opt", "gpt_neox"
 @pytest.mark.parametrize("family", SDPA_FAMILIES)
 def test_sdpa_attention_is_token_identical(family, scheme, monkeypatch):
     """With SDPA, verification hands the layers additive float masks (converted once per pass)."""
-    import tide.layers.calls as layercalls
+    import tide.layers.calltransforms as layercalls
 
     model, base = noisy_tide(family, attention="sdpa")
     converted = []
@@ -60,7 +60,8 @@ def test_verification_attends_grouped_query_heads_in_place(monkeypatch):
     from transformers.integrations import sdpa_attention
 
     from tide.models.compat import grouped_query_attention_in_place
-    from tide.layers.calls import additive_masks, capture_layer_calls
+    from tide.layers.calls import capture_layer_calls
+    from tide.layers.calltransforms import additive_masks
 
     model, base = noisy_tide("llama", attention="sdpa")  # 4 query heads, 2 K/V heads
     parts, ids = model.parts, prompt_ids(length=10)

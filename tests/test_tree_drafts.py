@@ -9,7 +9,7 @@ from transformers import LogitsProcessorList
 from generation_helpers import BoostInPlace, chi_square, chi_square_limit
 from tiny_models import FAMILIES, noisy_tide, prompt_ids
 from tide.config import MAX_DRAFT_TOPK
-from tide.layers.calls import tree_mask_calls
+from tide.layers.calltransforms import tree_mask_calls
 
 
 def _wrap(family="llama"):
@@ -243,7 +243,8 @@ def test_tree_mask_blocks_only_siblings():
 
 @pytest.mark.parametrize("attention, converts", [("sdpa", True), ("eager", False)])
 def test_additive_masks_are_what_sdpa_makes_of_boolean_ones(attention, converts):
-    from tide.layers.calls import LayerCall, additive_masks, capture_layer_calls
+    from tide.layers.calls import LayerCall, capture_layer_calls
+    from tide.layers.calltransforms import additive_masks
 
     model, _ = _wrap()
     model.base.config._attn_implementation = attention
@@ -334,7 +335,8 @@ def test_one_capture_serves_both_tree_passes(family, monkeypatch):
 
 
 def test_without_first_position_slices_every_per_position_argument():
-    from tide.layers.calls import LayerCall, without_first_position
+    from tide.layers.calls import LayerCall
+    from tide.layers.calltransforms import without_first_position
 
     q = 3
     hidden, mask = torch.randn(1, q, 16), torch.randn(1, 1, q, 7)

@@ -23,7 +23,8 @@ from tide import TideForCausalLM
 from tide.models.compat import LengthView, keep_one_of_tail
 from tide.tools.demo import DEMO_MODEL_DIR, DEMO_PROMPTS
 from tide.layers.fewrows import few_row_linears
-from tide.layers.calls import capture_layer_calls, tree_mask_calls, without_first_position
+from tide.layers.calls import capture_layer_calls
+from tide.layers.calltransforms import tree_mask_calls, without_first_position
 
 
 def parse_schemes(text: str) -> list[tuple]:

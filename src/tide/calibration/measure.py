@@ -20,7 +20,8 @@ from transformers import DynamicCache
 
 from ..decode.speculative import LosslessUnavailable
 from ..layers.args import LayerArgs
-from ..layers.calls import additive_masks, capture_layer_calls
+from ..layers.calls import capture_layer_calls
+from ..layers.calltransforms import additive_masks
 from ..layers.fewrows import few_row_linears
 from ..layers.kvfill import fill_kv
 from ..models.compat import grouped_query_attention_in_place

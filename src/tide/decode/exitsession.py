@@ -19,7 +19,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import TideGenerationConfig
 from ..layers.args import LayerArgs
-from ..layers.calls import additive_masks, capture_layer_calls, map_calls
+from ..layers.calls import capture_layer_calls
+from ..layers.calltransforms import additive_masks, map_calls
 from ..layers.kvfill import fill_kv
 from ..layers.recompute import RecomputeState
 from ..layers.rowsplit import RowSplitCache, can_slice, sliced_call

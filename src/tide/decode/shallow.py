@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.args import new_positions
-from ..layers.calls import positions_of
+from ..layers.calltransforms import positions_of
 from ..layers.fewrows import few_row_linears
 from ..models.compat import grouped_query_attention_in_place, layer_length
 

@@ -21,14 +21,8 @@ import inspect
 import torch
 
 from ..layers.args import new_positions
-from ..layers.calls import (
-    additive_mask,
-    additive_masks,
-    capture_layer_calls,
-    capture_outputs,
-    tree_mask_calls,
-    without_first_position,
-)
+from ..layers.calls import capture_layer_calls, capture_outputs
+from ..layers.calltransforms import additive_mask, additive_masks, tree_mask_calls, without_first_position
 from ..layers.fewrows import few_row_linears
 from ..models.compat import (
     LengthView,

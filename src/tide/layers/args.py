@@ -30,7 +30,8 @@ from ..models.architectures import ModelParts
 from ..models.compat import LengthView, has_sliding_layers, is_static_layer, sliding_window_of
 from .argplans import (AMBIGUOUS, Cut, apply_plan, call_arguments, mask_arguments, passes_full_masks, same_call,
                        slicing_plan, visible_counts)
-from .calls import LayerCall, additive_masks, capture_layer_calls, map_calls
+from .calls import LayerCall, capture_layer_calls
+from .calltransforms import additive_masks, map_calls
 
 __all__ = ["LayerArgs", "grown_mask", "new_positions"]
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..models.compat import LengthView, grouped_query_attention_in_place, has_sliding_layers, layer_kv
-from .calls import additive_masks, capture_layer_calls
+from .calls import capture_layer_calls
+from .calltransforms import additive_masks
 from .fewrows import few_row_linears
 from .kvprobe import write_kv
 
