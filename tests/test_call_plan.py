@@ -9,22 +9,10 @@ import torch
 import tide
 from tide.decode.plan import KINDS, plan_call
 from tide.decode.speculative import LosslessUnavailable
-from tiny_models import tiny_model
+from tiny_models import llama_repo as _model
+from tiny_models import short_ids as _ids
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-
-
-def _model(thresholds=True, **generation):
-    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
-    if thresholds:
-        model.config.thresholds = {str(k): 0.5 for k in model.checkpoints}
-    if generation:
-        model.config.set_generation_defaults(**generation)
-    return model
-
-
-def _ids(rows=1):
-    return torch.randint(3, 100, (rows, 5), generator=torch.Generator().manual_seed(0))
 
 
 def _plan(model, tide_config=None, rows=1, **kwargs):

@@ -8,23 +8,13 @@ import pytest
 import torch
 
 import tide
+from tiny_models import llama_repo as _model
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
+from tiny_models import short_ids as _ids
 
 calibration = importlib.import_module("tide.calibration.run")
 trials = importlib.import_module("tide.calibration.trials")
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-
-
-def _model(**generation):
-    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
-    model.config.thresholds = {str(k): 0.5 for k in model.checkpoints}
-    if generation:
-        model.config.set_generation_defaults(**generation)
-    return model
-
-
-def _ids(rows=1):
-    return torch.randint(3, 100, (rows, 5), generator=torch.Generator().manual_seed(0))
 
 
 def test_auto_runs_lossless_for_one_sequence():
@@ -305,9 +295,9 @@ def test_a_greedy_chain_that_times_faster_compiled_is_what_compiled_calls_draft(
     assert chain["max_draft"] == 1 and chain["draft_layer"] in model.checkpoints
     stats = model.last_stats
     assert stats.mode == "lossless" and stats.fused_cycles > 0 and stats.drafted <= stats.fused_cycles  # 1 a cycle
-    from tide.generation import _with_compiled_chain
-    assert _with_compiled_chain(model, {"compile": True, "max_draft": 2}) == {"compile": True, "max_draft": 2}
-    assert _with_compiled_chain(model, {"compile": True})["max_draft"] == 1
+    from tide.decode.plan import plan_call
+    assert plan_call(model, {"compile": True, "max_draft": 2}, (ids,), dict(GREEDY)).options.max_draft == 2
+    assert plan_call(model, {"compile": True}, (ids,), dict(GREEDY)).options.max_draft == 1
     model.generate(ids, **GREEDY)
     assert model.last_stats is None or model.last_stats.fused_cycles == 0  # eager: the repo's default
     saved = tide.TideConfig.from_dict(model.config.to_dict())

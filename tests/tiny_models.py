@@ -66,6 +66,22 @@ def noisy_tide(model_type: str = "llama", heads: tuple = ("translator",), attent
     return model, base
 
 
+def llama_repo(thresholds: bool = True, **generation):
+    """A tiny Llama wrapped with a checkpoint every 2 layers, each at threshold 0.5 (`thresholds`) or none, and
+    `generation` as its repo's default generation options."""
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
+    if thresholds:
+        model.config.thresholds = {str(k): 0.5 for k in model.checkpoints}
+    if generation:
+        model.config.set_generation_defaults(**generation)
+    return model
+
+
+def short_ids(rows: int = 1) -> torch.Tensor:
+    """[rows, 5] token ids (3..99), the same on every call."""
+    return torch.randint(3, 100, (rows, 5), generator=torch.Generator().manual_seed(0))
+
+
 def prompt_ids(length: int = 9, seed: int = 0) -> torch.Tensor:
     """[1, length] random token ids (4..99), from `torch.manual_seed(seed)`."""
     torch.manual_seed(seed)

@@ -22,7 +22,7 @@ from .decode import exit_decode, generate_with_loop, lossless_decode
 from .decode.baseline import BaseSession
 from .decode.dispatch import activated, install
 from .decode.exitsession import ExitSession
-from .decode.plan import CallPlan, call_inputs, call_options, lossless_problem, no_cache, option, plan_call
+from .decode.plan import CallPlan, call_inputs, lossless_problem, no_cache, option, plan_call
 from .decode.speculative import LosslessSession
 from .decode.stats import GenerationStats
 from .heads.kernels import kernel_mode
@@ -41,12 +41,6 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     rows = call_inputs(args, kwargs).shape[0] * (option(model, kwargs, "num_return_sequences") or 1)
     with model.static_caches.lend(model.base.config, plan.cache_length, rows, next(model.base.parameters())) as cache:
         return _execute(model, plan, args, {**kwargs, "past_key_values": cache})
-
-
-def _with_compiled_chain(model, tide_config):
-    """The call's `tide_config` as it runs: drafting the repo's `compiled_chain` where the call compiles and names
-    no mode, thresholds, exit or draft option (`decode.plan`)."""
-    return tide_config if tide_config is False else call_options(model, tide_config)[0]
 
 
 def _execute(model, plan: CallPlan, args, kwargs):
