@@ -180,7 +180,7 @@ def input_offset(view: nn.Module, hidden: int, like: torch.Tensor) -> bool | Non
     return True if torch.allclose(out - zero, states, atol=1e-5, rtol=1e-4) else None
 
 
-def fused_chain_for(session, drafter, input_ids, generation_config, logits_processor, cache, mask,
+def fused_chain_for(session, input_ids, generation_config, logits_processor, cache, mask,
                     emitted: Emitted) -> FusedChain | None:
     """The fused chain for this call, its prompt prefilled, or None where the call takes the general loop: logits
     processors that do not run in the graph, per-token outputs, a tree the call named, eager
@@ -229,6 +229,7 @@ class FusedChain:
         self.ngrams = NgramLookup(session.draft_ngram) if session.draft_ngram else None
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
+        self.cap = session.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
 
     def decode(self, input_ids, stopping_criteria, generation_config, emitted: Emitted):
         """Generate from `input_ids` [1, n] until a stopping criterion fires; returns what `generate` returns."""
@@ -252,7 +253,7 @@ class FusedChain:
                                      device=token.device)
             else:
                 continuation, given, valid = [], None, None
-                width = max(0, min(session.cap, room))
+                width = max(0, min(self.cap, room))
             kind = (width, self.processors.warp is not None, given is not None)  # one graph each
             graph_start = time.perf_counter()
             read, token, context = self.session.spans.graph(
@@ -281,7 +282,7 @@ class FusedChain:
                 stats.ngram_drafted += len(continuation)
                 stats.ngram_accepted += min(accepted, kept)
             else:
-                session.cap = next_cap(session.cap, width, accepted, session.max_draft)
+                self.cap = next_cap(self.cap, width, accepted, session.max_draft)
             stats.decode_time_s += time.perf_counter() - start
             if done:
                 crop_cache(cache, accepted + 1 - kept)  # the K/V of tokens after the one that stopped

@@ -40,9 +40,9 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
                             model_kwargs.get("attention_mask"))
     verifier, stats = session.verifier, session.stats
     emitted = Emitted(generation_config, streamer)
-    fused = fused_chain_for(session, drafter, input_ids, generation_config, logits_processor, cache,
+    fused = fused_chain_for(session, input_ids, generation_config, logits_processor, cache,
                             model_kwargs.get("attention_mask"), emitted)
-    if fused is not None:  # compiled greedy chains: two graphs and one host read a cycle
+    if fused is not None:  # compiled greedy chains: one graph and one host read a cycle
         return fused.decode(input_ids, stopping_criteria, generation_config, emitted)
     sample = bool(generation_config.do_sample)
     while True:

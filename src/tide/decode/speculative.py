@@ -58,7 +58,6 @@ class LosslessSession:
         # drafts run the draft layer's heads on its states: they must share its device and dtype
         model.routers.check_placement(self.draft_layer, next(self.parts.layers[self.draft_layer].parameters()))
         self.max_draft = config.max_draft
-        self.cap = config.max_draft  # the fused loop's draft cap (`decode/fused.py`; a chain drafter keeps its own)
         self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1
         self.draft_vocab_size = config.draft_vocab_size
         self.draft_ngram, self.head_drafts = config.draft_ngram, config.head_drafts

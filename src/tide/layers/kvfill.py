@@ -204,8 +204,9 @@ class _Stack:
     def kv(self, group: list[int], hidden: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [m, B, heads, T, D] in `hidden`'s dtype for the m layers of `group`, from `hidden`."""
         rows = [self.position[i] for i in group]
-        keys, values = self._project(_rows(rows), hidden)
-        keys = self._keys(_rows(rows), keys, rotary, self.form, self.k_after, [self.rotated[r] for r in rows])
+        index = _rows(rows)
+        keys, values = self._project(index, hidden)
+        keys = self._keys(index, keys, rotary, self.form, self.k_after, [self.rotated[r] for r in rows])
         if self.repeat > 1:  # Falcon's new decoder architecture broadcasts each K/V head to its query heads
             keys, values = keys.repeat_interleave(self.repeat, 2), values.repeat_interleave(self.repeat, 2)
         return keys.to(hidden.dtype), values.to(hidden.dtype)
