@@ -81,7 +81,7 @@ def test_auto_is_accepted_from_the_command_line_config():
 
 
 def _calibrate(monkeypatch, exit_speed, lossless_speed):
-    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
         return exit_speed if tide_config["mode"] == "exit" else lossless_speed
 
     return _calibrate_timed_by(monkeypatch, fake_speedup, draft_trials=2)
@@ -164,7 +164,7 @@ def test_draft_trials_keep_the_fastest_scheme_that_times_faster_again(monkeypatc
     again = {3: 1.08, 8: 0.99}
     calls = []
 
-    def timed(model, prompts, config, baseline="generate"):
+    def timed(model, prompts, config, baseline="generate", bar=None):
         if config.get("draft_ngram"):  # the chosen scheme with n-gram drafts: as fast as without
             return 1.08
         calls.append(config["draft_topk"])
@@ -184,7 +184,7 @@ def test_draft_trials_keep_the_fastest_scheme_that_times_faster_again(monkeypatc
 def test_calibration_times_exits_on_a_batch(monkeypatch, batch_speed):
     """Exits kept for one sequence are timed on a batch too; where they do not pay there, batches run the base
     model by default, and the calibration table says so."""
-    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
         if tide_config["mode"] != "exit":
             return 0.9
         return batch_speed if prompts[0].shape[0] > 1 else 1.3
@@ -230,7 +230,7 @@ def test_batch_exits_must_be_a_bool():
 def test_the_kept_mode_is_timed_compiled_against_the_compiled_base(monkeypatch, compiled_speed):
     """A call with compile=True is measured against the base model's compiled static-cache decode: calibration
     times the kept mode compiled against it, and where it is not faster such calls run that decode."""
-    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
         if baseline == "compiled":
             return compiled_speed
         return 1.3 if tide_config["mode"] == "exit" else 0.9
@@ -252,7 +252,7 @@ def test_calibration_compiles_only_when_asked(monkeypatch):
     """Without compiled_trials=True no timing compiles anything: compiled_modes keeps its default."""
     baselines = []
 
-    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
         baselines.append(baseline)
         return 1.3 if tide_config["mode"] == "exit" else 0.9
 
@@ -269,7 +269,7 @@ def test_a_greedy_chain_that_times_faster_compiled_is_what_compiled_calls_draft(
     that names a draft option runs what it names; an eager call runs the repo's default."""
     timed = []
 
-    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
         timed.append((baseline, dict(tide_config)))
         if baseline == "compiled":  # the chain of one draft pays, the chain of two does not
             return chain_speed if tide_config.get("max_draft") == 1 else 0.9
@@ -341,7 +341,7 @@ def test_ngram_drafts_are_kept_unless_they_time_slower_than_the_scheme_alone(mon
 def test_where_no_head_scheme_pays_ngram_drafts_alone_are_timed(monkeypatch, ngram_speed):
     from tide.calibration.costs import DraftScheme
 
-    def timed(model, prompts, config, baseline="generate"):
+    def timed(model, prompts, config, baseline="generate", bar=None):
         return ngram_speed if config.get("head_drafts") is False else 0.95
 
     monkeypatch.setattr(trials, "timed", timed)

@@ -223,7 +223,7 @@ def test_calibration_times_restricted_drafts_through_generate(monkeypatch):
     monkeypatch.setattr(timing, "timed_schemes", lambda candidates, count: candidates[:count])
     ran = []
 
-    def timed(tide_model, prompts, config, baseline="generate"):
+    def timed(tide_model, prompts, config, baseline="generate", bar=None):
         if config.get("mode") == "lossless":
             out = tide_model.generate(prompts[0], do_sample=False, max_new_tokens=4, tide_config=config)
             ran.append((config.get("draft_vocab_size"), out))

@@ -63,7 +63,7 @@ def test_timed_schemes_take_turns_between_the_head_and_trees_with_ngram_branches
 def _choose(monkeypatch, speed, schemes, **options):
     calls = []
 
-    def timed(model, prompts, config, baseline="generate"):
+    def timed(model, prompts, config, baseline="generate", bar=None):
         calls.append(dict(config))
         return speed(config)
 
@@ -110,7 +110,7 @@ def test_where_no_source_pays_nothing_is_chosen(monkeypatch):
 
 # ---------------------------------------------------------------------- calibration end to end
 def _calibrate(monkeypatch, speed, **options):
-    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
         return speed(tide_config, baseline)
 
     monkeypatch.setattr(trials, "measured_speedup", fake_speedup)

@@ -22,7 +22,7 @@ def _calibrate(monkeypatch, budget, **options):
     clock = [0.0]
     timed = []
 
-    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate"):
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
         clock[0] += TRIAL_S
         timed.append((tide_config["mode"], baseline, tide_config.get("draft_layer"), tide_config.get("max_draft"),
                       tide_config.get("draft_topk")))
@@ -79,6 +79,45 @@ def test_trials_run_by_estimate_until_the_budget_is_spent(monkeypatch):
     assert cal["exit_timing"]["active"] and cal["compiled_timing"] is None
     assert "Timing trials, capped by `timing_budget_s`: budget 45 s, took 60.0 s; cut: lossless" in \
         model_card(model.config)
+
+
+def test_a_scheme_starts_only_while_it_and_a_confirmation_fit(monkeypatch):
+    """Budget 75 s: exit mode's 4 timings (40 s), the first scheme (50 s); 25 s are left, room for two more timings
+    of 10 s, so the second scheme starts (60 s); 15 s are left, not room for two: the third is cut, and the fastest
+    gets its second timing (70 s), within the budget. The n-gram timing would not fit either."""
+    model, timed = _calibrate(monkeypatch, 75.0, compiled_trials=False)
+    cal = model.config.calibration
+    draft = cal["draft_selection"]
+    assert [t[0] for t in timed] == ["exit"] * 4 + ["lossless"] * 3
+    assert len(draft["trials"]) == 2 and len(draft["cut"]) == 1
+    assert cal["timing_budget"]["spent"] == 70.0 <= cal["timing_budget"]["seconds"]
+
+
+class _Clocked:
+    """A model on a fake clock: each of the base model's `generate` calls takes 1 s, and the mode's calls take
+    `mode_s` in turn (the first is the warm-up's)."""
+
+    def __init__(self, mode_s: list[float]):
+        self.now, self.mode_s = 0.0, list(mode_s)
+        self.base = types.SimpleNamespace(generate=self._base, generation_config=types.SimpleNamespace(pad_token_id=0))
+
+    def _base(self, ids, **kwargs):
+        self.now += 1.0
+
+    def generate(self, ids, tide_config, **kwargs):
+        self.now += self.mode_s.pop(0)
+
+
+@pytest.mark.real_timing
+@pytest.mark.parametrize("bar, repeats_run", [(1.02, 4), (None, 5)])
+def test_repeats_stop_once_most_are_below_the_bar(monkeypatch, bar, repeats_run):
+    """Five repeats: the mode runs 1.25 s where the base model runs 1 s (x0.8) in three of them, so the median of
+    five is below the bar whatever the others give; with a bar the timing stops after the third slow repeat."""
+    model = _Clocked([1.0, 1.25, 0.5, 1.25, 1.25, 0.5])
+    monkeypatch.setattr(trials, "seconds_of", lambda fn: (start := model.now, fn(), model.now - start)[-1])
+    prompts = [torch.zeros(1, 4, dtype=torch.long)]
+    assert trials.measured_speedup(model, prompts, {"mode": "lossless"}, repeats=5, bar=bar) == 0.8
+    assert len(model.mode_s) == 5 - repeats_run
 
 
 def test_the_auto_budget_is_a_third_of_the_other_phases_at_least_its_floor(monkeypatch):

@@ -3,6 +3,7 @@ clock (`PhaseTimes`: each phase's seconds, for the record) and the timing trials
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,8 +63,9 @@ AUTO_TRIAL_FLOOR_S = 30.0  # "auto" budget: at least this, so that a fast calibr
 
 
 class TrialBudget:
-    """`timing_budget_s`: a timing trial starts only while the timing trials have taken less than `seconds` (the
-    one under way finishes); `cut` names the trials that did not start. Decided on the main process (it times).
+    """`timing_budget_s`: a timing trial starts only while the timing trials have taken less than `seconds`, and
+    the drafting schemes' first timings only while room for them and a confirmation is left (`left`,
+    `trials.choose_draft`); `cut` names the trials that did not start. Decided on the main process (it times).
     "auto": `AUTO_TRIAL_SHARE` of the seconds the other phases have taken so far, at least `AUTO_TRIAL_FLOOR_S`."""
 
     def __init__(self, budget: float | str | None, phases: PhaseTimes):
@@ -76,9 +78,13 @@ class TrialBudget:
         others = sum(self.phases.elapsed(name) for name in self.phases.NAMES if name != "timing trials")
         return max(AUTO_TRIAL_FLOOR_S, AUTO_TRIAL_SHARE * others)
 
-    def spent(self) -> bool:
+    def left(self) -> float:
+        """The seconds the budget has left (negative once overrun; infinite without a budget)."""
         seconds = self.seconds
-        return seconds is not None and self.phases.elapsed("timing trials") >= seconds
+        return math.inf if seconds is None else seconds - self.phases.elapsed("timing trials")
+
+    def spent(self) -> bool:
+        return self.left() <= 0
 
     def allows(self, trial: str) -> bool:
         """False (and `trial` recorded as cut) once the budget is spent."""

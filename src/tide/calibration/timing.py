@@ -40,8 +40,8 @@ def choose_drafts(ctx: Context, held: Heldout, costs, ranked: torch.Tensor | Non
                                                 head_rows=tide.num_head_rows, ngram=NGRAM, ngram_depth=depth),
                                opts.draft_trials)
     tide.draft_vocabulary = ranked  # for the trials; cut to the chosen scheme's below
-    # the trials cut when it is spent
-    options = {"spent": ctx.budget.spent} if ctx.budget.seconds is not None else {}
+    # the trials cut by the seconds it has left
+    options = {"left": ctx.budget.left} if ctx.budget.seconds is not None else {}
     if depth != NGRAM_DEPTH:  # a configured max_draft below it
         options["ngram_depth"] = depth
     with ctx.phases("timing trials"):

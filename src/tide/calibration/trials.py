@@ -31,12 +31,15 @@ COMPILED_BASE = {"compile": True, "compiled_modes": False}
 
 
 def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_tokens: int = 24, repeats: int = 3,
-                     baseline: str = "generate") -> float:
+                     baseline: str = "generate", bar: float | None = None) -> float:
     """Decode tokens/s of `model.generate(..., tide_config=...)` over the base model's, greedy, measured here.
 
     `baseline`: "generate" (the base model's `generate`) or "compiled" (its compiled static-cache decode; the
     config then runs compiled too). Runs alternate between the two and the median of the per-repeat ratios is
-    returned.
+    returned. `bar`: the repeats stop once more than half of them timed below it (the median of all `repeats`
+    would be below it too, so the mode is not kept either way); the median of those timed is returned.
+    Eager runs warm up on the first prompt (one call makes what later calls reuse); compiled runs on each prompt
+    (a prompt length may make another graph).
     """
     if baseline not in ("generate", "compiled"):
         raise ValueError(f"baseline must be 'generate' or 'compiled', got {baseline!r}.")
@@ -55,8 +58,16 @@ def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_
             return model.generate(ids, tide_config=COMPILED_BASE, **kwargs)
         return model.base.generate(ids, **kwargs)
 
-    seconds(tide_run), seconds(base_run)  # warm-up
-    return statistics.median(seconds(base_run) / seconds(tide_run) for _ in range(repeats))
+    warm = prompts if baseline == "compiled" else prompts[:1]
+    for ids in warm:
+        tide_run(ids), base_run(ids)
+    ratios, below, majority = [], 0, repeats // 2 + 1
+    for _ in range(repeats):
+        ratios.append(seconds(base_run) / seconds(tide_run))
+        below += bar is not None and ratios[-1] < bar
+        if below >= majority:
+            break
+    return statistics.median(ratios)
 
 
 def timing_prompts(tokenizer, texts, device, whole: bool = False) -> list[torch.Tensor]:
@@ -87,8 +98,8 @@ def timing_batch(tokenizer, texts, device, length: int = 16) -> torch.Tensor | N
 KEEP_SPEEDUP = 1.02
 
 
-def timed(tide, prompts, tide_config: dict, baseline: str = "generate") -> float:
-    return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5, baseline=baseline)
+def timed(tide, prompts, tide_config: dict, baseline: str = "generate", bar: float | None = KEEP_SPEEDUP) -> float:
+    return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5, baseline=baseline, bar=bar)
 
 
 def kept(tide, prompts, tide_config: dict, first: float | None = None, baseline: str = "generate",
@@ -100,9 +111,9 @@ def kept(tide, prompts, tide_config: dict, first: float | None = None, baseline:
     One timing is not enough on a shared machine: on the shipped model, the layer-wise engine with no exit (the
     base model's work) timed x0.88-1.04 in six runs of `timed`, and exits that run about 5% slower timed
     x1.054 once and were kept (docs/benchmarks.md)."""
-    timings = [timed(tide, prompts, tide_config, baseline) if first is None else first]
+    timings = [timed(tide, prompts, tide_config, baseline, bar) if first is None else first]
     if timings[0] >= bar:
-        timings.append(timed(tide, prompts, tide_config, baseline))
+        timings.append(timed(tide, prompts, tide_config, baseline, bar))
     return {"measured": min(timings), "timings": timings, "active": min(timings) >= bar}
 
 
@@ -181,29 +192,40 @@ def _scheme_dict(scheme) -> dict:
     return out
 
 
-def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None, ngram_depth: int | None = None) -> dict:
+def choose_draft(tide, tokenizer, texts, candidates, left=None, procs=None, ngram_depth: int | None = None) -> dict:
     """Time the best-estimated drafting schemes against the base model here, once each; then the fastest again
     (`kept`), and the next fastest while one is not kept. The chosen scheme is the first kept, or none (lossless
     mode then decodes plainly). A kept scheme without n-gram drafts is then timed with them (`time_ngram`; a tree's
     n-gram branches go `ngram_depth` deep, default `NGRAM_DEPTH`); a kept tree with n-gram branches was timed with
     them already. Where no scheme is kept, n-gram drafts alone are timed (`NGRAM_ONLY`); where they do not pay
-    either, nothing is chosen and lossless mode runs the base model. `spent` (calibration's `timing_budget_s`):
-    once it returns True no new scheme is timed (those are listed in "cut"), but the fastest scheme timed once still
-    gets its second timing, which keeping it needs (a scheme faster in one timing is worth the confirmation).
+    either, nothing is chosen and lossless mode runs the base model.
+
+    `left` (calibration's `timing_budget_s`): the seconds the budget has left. A scheme's first timing starts only
+    while twice the last one's seconds are left (room for it and for the fastest scheme's second timing); those
+    not started are listed in "cut". The fastest scheme timed once always gets its second timing, which keeping it
+    needs (a scheme faster in one timing is worth the confirmation), so the trials end near the budget, not a
+    trial past it.
 
     `procs` (processes that each have a device of their own): the schemes are dealt out, each process timing its
     share against the base model on its own device, in rounds of one scheme per process; every process returns the
     same selection. Without it, this process times them all."""
     procs = procs or Processes()
-    spent = _agreed(procs, spent)
+    left = _agreed(procs, left)
+    last = 0.0  # the seconds the last round of timings took, by the budget's clock
+
+    def fits(timings: int) -> bool:
+        return left is None or left() > timings * last
+
     prompts = timing_prompts(tokenizer, texts, tide.base.device)
     trials, cut, timed_by = [], [], [0] * procs.world  # schemes each process timed
     for start in range(0, len(candidates), procs.world):
         round_ = candidates[start: start + procs.world]
-        if spent is not None and spent():
+        if not fits(2):
             cut += [_scheme_dict(scheme) for scheme in candidates[start:]]
             break
+        began = left() if left is not None else 0.0
         ratios = procs.deal(round_, lambda scheme: _timed_or_unavailable(tide, prompts, scheme))
+        last = began - left() if left is not None else 0.0
         for rank in range(len(round_)):
             timed_by[rank] += 1
         for scheme, ratio in zip(round_, ratios):
@@ -212,7 +234,7 @@ def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None, ngr
             trials.append({**_scheme_dict(scheme), "measured": ratio})
     ranked = [t for t in sorted(trials, key=lambda t: -t["measured"]) if t["measured"] >= KEEP_SPEEDUP]
     for start in range(0, len(ranked), procs.world):  # the fastest first; the next ones if it is not kept
-        if start and spent is not None and spent():  # the fastest always gets its second timing
+        if start and not fits(1):  # the fastest always gets its second timing
             break
         round_ = ranked[start: start + procs.world]
         timings = procs.deal(round_, lambda trial: kept(tide, prompts, lossless_config(trial), first=trial["measured"]))
@@ -228,13 +250,13 @@ def choose_draft(tide, tokenizer, texts, candidates, spent=None, procs=None, ngr
                 return selection
             twin = _ngram_twin(trials, chosen, ngram_depth)  # the same tree with n-gram branches, timed above
             ngram = procs.on_main(lambda: time_ngram(tide, prompts, chosen, ngram_depth, first=twin)) \
-                if spent is None or not spent() else None
+                if fits(2) else None
             chosen["draft_ngram"] = NGRAM if ngram and ngram["active"] else 0
             if ngram and ngram["active"]:
                 chosen["max_draft"] = ngram.get("max_draft", chosen["max_draft"])  # a tree's branches' depth
             return {**selection, "ngram": ngram, **({"ngram_cut": True} if ngram is None else {})}
     selection = {"trials": trials, "chosen": None, **({"cut": cut} if cut else {}), **_shares(timed_by)}
-    if trials and (spent is None or not spent()):  # no head scheme pays: n-gram drafts alone, plain steps elsewhere
+    if trials and fits(2):  # no head scheme pays: n-gram drafts alone, plain steps elsewhere
         timing = procs.on_main(lambda: kept(tide, prompts, NGRAM_ONLY))
         selection["ngram_only"] = timing
         if timing["active"]:
@@ -267,11 +289,11 @@ def _timed_or_unavailable(tide, prompts, scheme) -> float | str:
         return str(err)
 
 
-def _agreed(procs, spent):
-    """`spent`, decided by the main process for all of them (each process's own clock would differ)."""
-    if spent is None or procs.world == 1:
-        return spent
-    return lambda: procs.on_main(spent)
+def _agreed(procs, left):
+    """`left`, read by the main process for all of them (each process's own clock would differ)."""
+    if left is None or procs.world == 1:
+        return left
+    return lambda: procs.on_main(left)
 
 
 # n-gram drafts: the longest n-gram matched (`draft_ngram`), where calibration keeps them.
