@@ -123,3 +123,37 @@ def test_processes_on_cores_of_their_own_share_the_timing_trials(launches):
     shares = two["draft_selection"]["schemes_timed_per_rank"]
     assert all(s > 0 for s in shares) and max(shares) < sum(shares), shares
     assert all(n > 0 for n in two["timed_per_rank"]) and sum(two["timed_per_rank"]) >= one["timed_per_rank"][0]
+
+
+@pytest.mark.parametrize("env, parent, asked", [
+    ({"ACCELERATE_USE_CPU": "True"}, ["python", "accelerate", "launch", "--num_processes", "2", "--cpu", "x"], 2),
+    ({"ACCELERATE_USE_CPU": "True"}, ["python", "accelerate", "launch", "--cpu", "--num-processes=4", "x"], 4),
+    ({"ACCELERATE_USE_CPU": "True"}, ["python", "accelerate", "launch", "--num_processes", "1", "--cpu", "x"], 1),
+    ({"ACCELERATE_USE_CPU": "True", "WORLD_SIZE": "2"}, ["torchrun", "launch", "--num_processes", "2"], 1),
+    ({"ACCELERATE_USE_CPU": "False"}, ["python", "accelerate", "launch", "--num_processes", "2", "x"], 1),
+    ({"ACCELERATE_USE_CPU": "True"}, ["python", "accelerate", "launch", "--num_processes", "2", "--cpu",
+                                      "--mpirun_hostfile", "h", "x"], 1),
+    ({}, ["python", "accelerate", "launch", "--num_processes", "2", "--cpu", "x"], 1),
+])
+def test_processes_asked_of_a_plain_accelerate_cpu_launch(monkeypatch, env, parent, asked):
+    """`accelerate launch --num_processes N --cpu` starts one process and tells it nothing of N: Tide reads N from
+    the launcher's command line, and only there."""
+    from tide.calibration.distributed import processes_asked_of_accelerate
+    for name in ("ACCELERATE_USE_CPU", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert processes_asked_of_accelerate(parent) == asked
+
+
+def test_the_cli_starts_the_processes_accelerate_did_not(monkeypatch, capsys):
+    """`tide calibrate` under such a launch starts the N processes itself, through torchrun, with its own arguments."""
+    import torch.distributed.run
+    from tide.tools import cli
+    started = []
+    monkeypatch.setattr(cli, "processes_asked_of_accelerate", lambda: 2)
+    monkeypatch.setattr(torch.distributed.run, "main", lambda args: started.append(args))
+    argv = ["calibrate", "m", "--dataset", "d", "--out", "o"]
+    assert cli.main(argv) == 0
+    assert started == [["--standalone", "--nproc_per_node", "2", "-m", "tide.tools.cli", *argv]]
+    assert "started 1 process of the 2 asked for" in capsys.readouterr().err

@@ -2,8 +2,11 @@
 
 Run under a launcher, one thread per process (calibration gives each CPU process cores of its own):
 
-    OMP_NUM_THREADS=1 accelerate launch --num_processes 1 --cpu examples/bench_calibration/bench_phases.py
-    OMP_NUM_THREADS=1 accelerate launch --num_processes 2 --cpu examples/bench_calibration/bench_phases.py
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 1 examples/bench_calibration/bench_phases.py
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/bench_calibration/bench_phases.py
+
+(`accelerate launch --num_processes 2 --multi_gpu` starts two CPU processes too, through torchrun; with `--cpu`,
+accelerate starts one, which only `tide calibrate` notices and mends.)
 
 The main process prints one JSON line: wall seconds, seconds per phase (every process's), each process's share
 of the data phases, and the calibration's outcome (thresholds, expected agreement) to compare runs.

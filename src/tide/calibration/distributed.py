@@ -16,7 +16,30 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["Processes"]
+__all__ = ["Processes", "processes_asked_of_accelerate"]
+
+
+def processes_asked_of_accelerate(parent_argv: list[str] | None = None) -> int:
+    """How many processes `accelerate launch --cpu --num_processes N` was asked for, where it started this process
+    alone: accelerate (1.15) starts several CPU processes only on its torchrun path, and with `--cpu` it runs one,
+    telling it nothing of N. 1 otherwise (another launcher, one process asked, or a process group already set up).
+    `parent_argv`: the launching process's command line (read from /proc where not given)."""
+    if os.environ.get("ACCELERATE_USE_CPU") != "True" or "WORLD_SIZE" in os.environ:
+        return 1
+    if parent_argv is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                parent_argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            return 1
+    if "launch" not in parent_argv or any(a.startswith("--mpirun_hostfile") for a in parent_argv):
+        return 1
+    for i, arg in enumerate(parent_argv):
+        name, _, value = arg.partition("=")
+        if name in ("--num_processes", "--num-processes"):
+            value = value or (parent_argv[i + 1] if i + 1 < len(parent_argv) else "")
+            return int(value) if value.isdigit() and int(value) > 1 else 1
+    return 1
 
 
 class Processes:

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from ..calibration.data import check_local_dataset
-from ..calibration.distributed import Processes
+from ..calibration.distributed import Processes, processes_asked_of_accelerate
 from ..calibration.run import calibrate
 from ..config import MAX_DRAFT_TOPK, TideConfig
 from ..hub.card import calibration_table
@@ -299,12 +299,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "calibrate" and (asked := processes_asked_of_accelerate()) > 1:
+        return _launch(asked, sys.argv[1:] if argv is None else argv)
     try:
         args.func(args)
     except (ValueError, OSError, RuntimeError, pickle.UnpicklingError, SafetensorError) as err:
         message = " ".join(str(err).split())  # one line, whatever the underlying error printed
         print(f"tide {args.command}: error: {message}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _launch(processes: int, argv: list[str]) -> int:
+    """Start the `processes` a plain `accelerate launch --cpu --num_processes N` asked for (it started this one
+    alone), through torchrun on this machine; each then takes its own cores (`pin_cores`)."""
+    print(f"tide calibrate: `accelerate launch --cpu` started 1 process of the {processes} asked for; starting "
+          f"{processes} with torchrun (the same as `torchrun --nproc_per_node {processes}`)", file=sys.stderr)
+    from torch.distributed.run import main as torchrun
+
+    torchrun(["--standalone", "--nproc_per_node", str(processes), "-m", "tide.tools.cli", *argv])
     return 0
 
 
