@@ -69,3 +69,41 @@ def chi_square(counts, exact: dict, runs: int) -> tuple[float, int]:
 def chi_square_limit(df: int) -> float:
     """Well above the statistic's 99.9% quantile at `df` degrees of freedom (a 0.1% false alarm at most)."""
     return df + 3.09 * (2 * df) ** 0.5 + 6
+
+
+def count_fused_work(monkeypatch) -> tuple[list, list]:
+    """([compiled-function launches], [device reads: tolist, item, bool, int, index, float]) counted while
+    `fused.FusedChain.decode` runs (its cycles), from now until `monkeypatch` undoes it."""
+    from tide.decode import fused
+    from tide.layers.spans import SpanRunner
+
+    launches, reads, counting = [0], [0], [False]
+    original_function = SpanRunner._function
+
+    def counted_function(self, function, key, name):
+        compiled = original_function(self, function, key, name)
+
+        def call(*args, **kwargs):
+            launches[0] += counting[0]
+            return compiled(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(SpanRunner, "_function", counted_function)
+    for method in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
+        original = getattr(torch.Tensor, method)
+
+        def read(self, *args, _original=original, **kwargs):
+            reads[0] += counting[0]
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, method, read)
+    decode = fused.FusedChain.decode
+
+    def counted_decode(self, *args, **kwargs):
+        counting[0] = True
+        try:
+            return decode(self, *args, **kwargs)
+        finally:
+            counting[0] = False
+
+    monkeypatch.setattr(fused.FusedChain, "decode", counted_decode)
+    return launches, reads

@@ -49,6 +49,7 @@ from ..layers.spans import dense
 from ..models.compat import crop_cache, is_static_layer
 from .accept import draw, sampling_verdict_on_device
 from .emit import Emitted
+from .fusedtree import TreeShape, tree_cycle
 from .ngram import NgramLookup
 from .speculative import next_cap
 
@@ -191,7 +192,7 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
     processors = _Processors.of(logits_processor, session.model.num_head_rows, input_ids.device,
                                 bool(generation_config.do_sample))
     if (processors is None or emitted.keeps_outputs or not session.spans.compiled
-            or (not session.fused_chain_first and session.draft_topk > 1)
+            or (not session.fused_chain_first and session.draft_topk > 1 and generation_config.do_sample)
             or not session.head_drafts or not parts.uniform_layers
             or not parts.spec.tree_drafts or parts.post_norm is not None
             or getattr(parts.backbone.config, "_attn_implementation", None) not in ("sdpa", "eager")
@@ -217,7 +218,8 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
         views[key] = None if needed is None else (shallow, deep, offset_view if needed else None)
     if views[key] is None:
         return None
-    session.stats.draft_topk = 1
+    if session.fused_chain_first or session.draft_topk == 1:  # (the repo's tree: a chain)
+        session.stats.draft_topk = 1
     return FusedChain(session, head, cache, *views[key], processors)
 
 
@@ -230,6 +232,8 @@ class FusedChain:
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
         self.cap = session.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
+        # greedy calls that name a tree: its `draft_topk` siblings, a chain from the best up to the cap
+        self.tree = session.draft_topk if session.draft_topk > 1 and not session.fused_chain_first else 0
 
     def decode(self, input_ids, stopping_criteria, generation_config, emitted: Emitted):
         """Generate from `input_ids` [1, n] until a stopping criterion fires; returns what `generate` returns."""
@@ -247,20 +251,32 @@ class FusedChain:
             # the length limit are computed and dropped, and no graph is made for a narrower width near the end)
             room = self.keys - cached - 1
             continuation = self.ngrams.continuation(session.max_draft) if self.ngrams else []
-            if continuation and room >= session.max_draft:  # padded to one width: one graph for every continuation
-                width, valid = session.max_draft, torch.tensor(len(continuation), device=token.device)
-                given = torch.tensor([continuation + continuation[-1:] * (width - len(continuation))],
-                                     device=token.device)
-            else:
-                continuation, given, valid = [], None, None
-                width = max(0, min(self.cap, room))
-            kind = (width, self.processors.warp is not None, given is not None)  # one graph each
+            shape = self.tree and TreeShape(self.tree, max(1, self.cap), session.max_draft if self.ngrams else 0)
             graph_start = time.perf_counter()
-            read, token, context = self.session.spans.graph(
-                ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2],
-                self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
-                context, width, self.keys, dtype, session.draft_layer + 1, self.processors.suppress(len(tokens), width),
-                self.processors.warp, given, valid)
+            if shape and room >= shape.size - 1:  # a tree: the n-gram branch padded to its width
+                width, drafted = shape.depth, shape.drafted + len(continuation)
+                branch = (continuation or [0])[:shape.ngram]
+                given = torch.tensor([branch + branch[-1:] * (shape.ngram - len(branch))], device=token.device)
+                read, token, context = self.session.spans.graph(
+                    ("tree", *shape.key()), tree_cycle, "tide_tree_{}_{}_{}".format(*shape.key()), self.shallow,
+                    self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token, context, shape,
+                    self.keys, dtype, self.processors.suppress(len(tokens), shape.max_depth), given,
+                    torch.tensor(len(continuation), device=token.device))
+            else:
+                if continuation and room >= session.max_draft:  # padded to one width: one graph for every one
+                    width, valid = session.max_draft, torch.tensor(len(continuation), device=token.device)
+                    given = torch.tensor([continuation + continuation[-1:] * (width - len(continuation))],
+                                         device=token.device)
+                else:
+                    continuation, given, valid = [], None, None
+                    width = max(0, min(self.cap, room))
+                drafted = len(continuation) or width
+                kind = (width, self.processors.warp is not None, given is not None)  # one graph each
+                read, token, context = self.session.spans.graph(
+                    ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2],
+                    self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
+                    context, width, self.keys, dtype, session.draft_layer + 1,
+                    self.processors.suppress(len(tokens), width), self.processors.warp, given, valid)
             read = read.tolist()  # the cycle's one host read
             stats.fused_graph_s += time.perf_counter() - graph_start
             accepted, new = read[0], read[1: read[0] + 2]
@@ -271,17 +287,18 @@ class FusedChain:
             cached += accepted + 1
             new_ids = torch.tensor([new[:kept]], dtype=input_ids.dtype, device=input_ids.device)
             emitted.add(new_ids, None, None)
-            stats.drafted += len(continuation) or width
+            stats.drafted += drafted
             stats.accepted += min(accepted, kept)  # (emitted: tokens past a stop are computed and dropped)
             stats.decode_tokens += kept
             stats.verify_passes += 1
             stats.decode_steps += 1
             stats.fused_cycles += 1
             stats.layer_passes += (session.draft_layer + 1) * width + session.parts.num_layers
-            if continuation:  # (n-gram drafts leave the head's cap)
+            if continuation:
                 stats.ngram_drafted += len(continuation)
-                stats.ngram_accepted += min(accepted, kept)
-            else:
+                through = accepted if not shape or new[:accepted] == continuation[:accepted] else 0  # (a tree:
+                stats.ngram_accepted += min(through, kept)  # the path that emitted the continuation's tokens)
+            if shape or not continuation:  # (a chain's n-gram drafts leave the head's cap)
                 self.cap = next_cap(self.cap, width, accepted, session.max_draft)
             stats.decode_time_s += time.perf_counter() - start
             if done:
