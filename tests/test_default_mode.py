@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 import tide
 from tiny_models import llama_repo as _model
@@ -241,7 +242,6 @@ def test_the_kept_mode_is_timed_compiled_against_the_compiled_base(monkeypatch, 
     assert model.config.generation_config.compiled_modes == (compiled_speed > 1)
     assert "default mode compiled: measured" in calibration.calibration_table(model.config)
     ids = _ids()
-    from transformers import CompileConfig
     out = model.generate(ids, tide_config={"compile": True}, compile_config=CompileConfig(backend="eager"), **GREEDY)
     assert model.last_stats.mode == ("exit" if compiled_speed > 1 else "base (compiled)")
     eager = model.generate(ids, **GREEDY) if compiled_speed > 1 else model.base.generate(ids, **GREEDY)
@@ -261,31 +261,39 @@ def test_calibration_compiles_only_when_asked(monkeypatch):
     assert model.config.calibration["compiled_timing"] is None and model.config.generation_config.compiled_modes
 
 
-@pytest.mark.parametrize("chain_speed", [0.97, 1.15])
-def test_a_greedy_chain_that_times_faster_compiled_is_what_compiled_calls_draft(monkeypatch, chain_speed):
-    """Where no mode pays eagerly, calibration with compiled_trials still times greedy chains compiled against the
-    compiled base (from the draft layer of the best-timed scheme); one that is faster becomes `compiled_chain`,
-    which calls with compile=True then draft (one graph a cycle), token for token the base model's output. A call
-    that names a draft option runs what it names; an eager call runs the repo's default."""
+@pytest.mark.parametrize("chain_speed, tree_speed", [(0.97, 0.9), (1.15, 1.05), (1.05, 1.2)])
+def test_a_greedy_chain_that_times_faster_compiled_is_what_compiled_calls_draft(monkeypatch, chain_speed, tree_speed):
+    """Where no mode pays eagerly, calibration with compiled_trials still times greedy drafts compiled against the
+    compiled base (from the draft layer of the best-timed scheme: a chain of one, of two with n-gram drafts, two
+    candidates for one position); the fastest that pays becomes `compiled_chain`, which calls with compile=True then
+    draft (one graph a cycle), token for token the base model's output. A call that names a draft option runs what
+    it names; an eager call runs the repo's default."""
     timed = []
 
     def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
         timed.append((baseline, dict(tide_config)))
-        if baseline == "compiled":  # the chain of one draft pays, the chain of two does not
+        if baseline == "compiled":  # the chain of one draft and the tree may pay, the chain of two does not
+            if tide_config.get("draft_topk", 1) > 1:
+                return tree_speed
             return chain_speed if tide_config.get("max_draft") == 1 else 0.9
         return 0.9
 
     model = _calibrate_timed_by(monkeypatch, fake_speedup, compiled_trials=True)
     cal = model.config.calibration
     compiled = [cfg for baseline, cfg in timed if baseline == "compiled"]
-    assert list(dict.fromkeys(c["max_draft"] for c in compiled)) == [1, 2]
-    assert all(c["draft_topk"] == 1 for c in compiled)
-    assert [c["chain"]["max_draft"] for c in cal["compiled_chains"]] == [1, 2]
+    assert list(dict.fromkeys((c["max_draft"], c["draft_topk"]) for c in compiled)) == [(1, 1), (2, 1), (1, 2)]
+    assert [c["chain"]["max_draft"] for c in cal["compiled_chains"]] == [1, 2, 1]
     chain = model.config.generation_config.compiled_chain
-    assert (chain is not None) == (chain_speed > 1.02)
+    assert (chain is not None) == (max(chain_speed, tree_speed) > 1.02)
+    if tree_speed > chain_speed:
+        assert chain["draft_topk"] == 2
+        out = model.generate(_ids(), tide_config={"compile": True}, compile_config=CompileConfig(backend="eager"),
+                             **GREEDY)
+        assert torch.equal(out, model.base.generate(_ids(), **GREEDY))
+        assert model.last_stats.fused_cycles and model.last_stats.draft_topk == 2
+        return
     assert "chains compiled: " in calibration.calibration_table(model.config)
     ids = _ids()
-    from transformers import CompileConfig
     options = dict(compile_config=CompileConfig(backend="eager"), **GREEDY)
     out = model.generate(ids, tide_config={"compile": True}, **options)
     assert torch.equal(out, model.base.generate(ids, **GREEDY))
@@ -330,7 +338,7 @@ def test_calibration_records_its_phase_times(monkeypatch):
 
 @pytest.mark.parametrize("ngram_speed, kept", [(1.0, True), (0.9, False)])
 def test_ngram_drafts_are_kept_unless_they_time_slower_than_the_scheme_alone(monkeypatch, ngram_speed, kept):
-    monkeypatch.setattr(trials, "timed", lambda model, prompts, config, baseline="generate":
+    monkeypatch.setattr(trials, "timed", lambda model, prompts, config, baseline="generate", bar=None:
                         ngram_speed if config.get("draft_ngram") else 1.0)
     timing = trials.time_ngram(None, [], {"draft_layer": 0, "max_draft": 2, "draft_topk": 1, "draft_vocab_size": 0,
                                           "measured": 1.0})

@@ -73,8 +73,9 @@ def test_trials_run_by_estimate_until_the_budget_is_spent(monkeypatch):
     assert timed[4][2:] == timed[5][2:] == (first["draft_layer"], first["max_draft"], first["draft_topk"])
     cut = cal["timing_budget"]["cut"]
     assert cut[:2] == [f"lossless {draft_scheme_text(c)} (estimated x{c['estimate']:.3f})" for c in draft["cut"]]
-    assert cut[-3:] == ["the default mode compiled", f"a chain of 1 from layer {first['draft_layer']}, compiled",
-                        f"a chain of 2 from layer {first['draft_layer']} with n-gram drafts (draft_ngram=3), compiled"]
+    assert cut[-4:] == ["the default mode compiled", f"a chain of 1 from layer {first['draft_layer']}, compiled",
+                        f"a chain of 2 from layer {first['draft_layer']} with n-gram drafts (draft_ngram=3), compiled",
+                        f"2 candidates for one position from layer {first['draft_layer']}, compiled"]
     assert cal["timing_budget"]["spent"] == 60.0
     assert cal["exit_timing"]["active"] and cal["compiled_timing"] is None
     assert "Timing trials, capped by `timing_budget_s`: budget 45 s, took 60.0 s; cut: lossless" in \

@@ -18,11 +18,13 @@ from .trials import NGRAM, NGRAM_DEPTH, choose_draft, lossless_config, time_comp
 
 __all__ = ["choose_drafts", "time_default_compiled", "compiled_chains", "COMPILED_CHAIN_DRAFTS"]
 
-# The chains timed compiled (`compiled_chains`): their lengths, the second with n-gram drafts. A compiled chain
-# cycle is one graph, so its cost beyond a base step is the verification's width; on SmolLM2-135M (draft layer 3
-# of 30, chat text) a chain of one draft timed x1.15 of the compiled base and a chain of two with n-gram drafts
-# x1.14; on the shipped model's quotes the chain of two with n-grams timed best (docs/benchmarks.md).
-COMPILED_CHAIN_DRAFTS = ((1, 0), (2, NGRAM))
+# The greedy drafts timed compiled (`compiled_chains`), as (chain length, n-gram drafts, the head's candidates for
+# the first position): a chain of one, a chain of two with n-gram drafts, and two candidates for one position (a
+# tree, `decode/fusedtree.py`). A compiled cycle is one graph, so its cost beyond a base step is the drafts' passes
+# and the verification's width: on SmolLM2-135M (draft layer 3 of 30, chat) the chains timed x1.10-1.12 of the
+# compiled base and the two candidates x1.06; on the shipped model's quotes the two candidates x1.07 and the chain
+# of two with n-gram drafts x0.97 (docs/benchmarks.md).
+COMPILED_CHAIN_DRAFTS = ((1, 0, 1), (2, NGRAM, 1), (1, 0, 2))
 
 
 def choose_drafts(ctx: Context, held: Heldout, costs, ranked: torch.Tensor | None, held_texts: list[str],
@@ -100,19 +102,22 @@ def time_default_compiled(ctx: Context, prompts: list | None,
 
 def _chain_text(chain: dict) -> str:
     ngram = f" with n-gram drafts (draft_ngram={chain['draft_ngram']})" if chain["draft_ngram"] else ""
+    if chain.get("draft_topk", 1) > 1:
+        return f"{chain['draft_topk']} candidates for one position from layer {chain['draft_layer']}{ngram}, compiled"
     return f"a chain of {chain['max_draft']} from layer {chain['draft_layer']}{ngram}, compiled"
 
 
 def compiled_chains(selection: DraftSelection | None) -> list[dict]:
-    """The greedy chains calibration times compiled: from the draft layer and vocabulary of the scheme that
-    timed fastest eagerly (kept or not), one chain per `COMPILED_CHAIN_DRAFTS` (its length, its n-gram drafts).
-    None where no scheme was timed."""
+    """The greedy drafts calibration times compiled: from the draft layer and vocabulary of the scheme that timed
+    fastest eagerly (kept or not), one per `COMPILED_CHAIN_DRAFTS` (a chain's length, its n-gram drafts, the
+    candidates for the first position where more than one). None where no scheme was timed."""
     timed = [t for t in (selection.trials if selection else []) if t.draft_layer is not None and t.measured]
     if not timed:
         return []
     best = max(timed, key=lambda t: t.measured)
     return [{"draft_layer": best.draft_layer, "max_draft": drafts, "draft_vocab_size": best.draft_vocab_size or 0,
-             "draft_ngram": ngram} for drafts, ngram in COMPILED_CHAIN_DRAFTS]
+             "draft_ngram": ngram, **({"draft_topk": topk} if topk > 1 else {})}
+            for drafts, ngram, topk in COMPILED_CHAIN_DRAFTS]
 
 
 def _default_run(cfg: TideConfig) -> dict | None:

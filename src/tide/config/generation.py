@@ -22,8 +22,9 @@ GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy"
                      "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "head_drafts",
                      "compile", "compiled_modes", "compiled_chain", "row_skipping", "kernels", "kv_fill",
                      "few_row_layout")
-# The fields of `TideGenerationConfig.compiled_chain`: a greedy draft chain, what a compiled call drafts.
-CHAIN_FIELDS = ("draft_layer", "max_draft", "draft_vocab_size", "draft_ngram")
+# The fields of `TideGenerationConfig.compiled_chain`: greedy drafts (a chain, or with `draft_topk` a tree), what a
+# compiled call drafts.
+CHAIN_FIELDS = ("draft_layer", "max_draft", "draft_vocab_size", "draft_ngram", "draft_topk")
 # Of the generation fields, the engine's switches: how Tide computes, never what (the same tokens, up to float
 # rounding). For comparisons and diagnosis; a call's values are in its stats (`GenerationStats.switches`).
 SWITCHES = ("row_skipping", "kernels", "kv_fill", "few_row_layout")
@@ -99,7 +100,8 @@ class TideGenerationConfig:
             options runs them regardless.
         compiled_chain (`dict`, *optional*):
             With `compile=True`: lossless mode drafting this greedy chain (`{"draft_layer": 3, "max_draft": 1,
-            "draft_vocab_size": 1536, "draft_ngram": 0}`), each cycle one compiled graph (`tide.decode.fused`).
+            "draft_vocab_size": 1536, "draft_ngram": 0}`), each cycle one compiled graph (`tide.decode.fused`);
+            with `"draft_topk": k`, the head's k best candidates for the next position (`tide.decode.fusedtree`).
             Calibration with `compiled_trials` sets it where such a chain timed faster than both the base model's
             compiled static-cache decode and the default mode compiled; a compiled call that sets no mode,
             thresholds, exit or draft option then runs it.

@@ -184,7 +184,7 @@ def input_offset(view: nn.Module, hidden: int, like: torch.Tensor) -> bool | Non
 def fused_chain_for(session, input_ids, generation_config, logits_processor, cache, mask,
                     emitted: Emitted) -> FusedChain | None:
     """The fused chain for this call, its prompt prefilled, or None where the call takes the general loop: logits
-    processors that do not run in the graph, per-token outputs, a tree the call named, eager
+    processors that do not run in the graph, per-token outputs, a tree the call named when sampling, eager
     spans, a cache that is not full-attention static, padding in the prompt, a one-token prompt, attention that
     does not add a mask, a model whose layers do not all take one set of arguments or whose backbone does not fit
     a view."""
