@@ -17,6 +17,7 @@ from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
 EAGER_BACKEND = CompileConfig(backend="eager")
 SMALL = {"llama": {}, "gpt2": dict(n_layer=4)}  # (fewer layers where the model still talks: faster tracing)
 LOSSLESS = {"mode": "lossless", "max_draft": 3, "compile": True}
+TREE = {**LOSSLESS, "draft_topk": 3, "max_draft": 2}  # a greedy tree: one graph a cycle too (`decode/fusedtree.py`)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,14 +32,15 @@ def warm():
     cache keeps its size), then every chain width the cap can take (it adapts per cycle)."""
     model, base = noisy_tide("llama")
     generate(model, prompt_ids(20, seed=9), max_new_tokens=24)
-    for width in range(1, LOSSLESS["max_draft"] + 1):
-        model.generate(prompt_ids(20, seed=9), do_sample=False, compile_config=EAGER_BACKEND, max_new_tokens=12,
-                       tide_config={**LOSSLESS, "max_draft": width})
+    for config in (LOSSLESS, TREE):
+        for width in range(1, config["max_draft"] + 1):
+            model.generate(prompt_ids(20, seed=9), do_sample=False, compile_config=EAGER_BACKEND, max_new_tokens=12,
+                           tide_config={**config, "max_draft": width})
     return model, base
 
 
-def generate(model, ids, **kwargs):
-    return model.generate(ids, do_sample=False, compile_config=EAGER_BACKEND, tide_config=LOSSLESS, **kwargs)
+def generate(model, ids, config=LOSSLESS, **kwargs):
+    return model.generate(ids, do_sample=False, compile_config=EAGER_BACKEND, tide_config=config, **kwargs)
 
 
 @pytest.mark.parametrize("family", ["gpt2"])  # learned positions taken off (llama: the tests on the warm model below)
@@ -110,13 +112,14 @@ def test_stopping_inside_a_cycle_drops_what_follows(warm):
     assert streamed == ids[0].tolist() + out[0, ids.shape[1]:].tolist()
 
 
-def test_a_cycle_is_one_graph_launch_and_one_host_read(warm, monkeypatch):
+@pytest.mark.parametrize("config", [LOSSLESS, TREE], ids=["chain", "tree"])
+def test_a_cycle_is_one_graph_launch_and_one_host_read(warm, monkeypatch, config):
     """Counted, not assumed: compiled functions called and device reads (tolist, item, bool, int) during the cycles
     of a warm call. A second launch or a second read in a cycle fails this."""
     model, base = warm
     ids = prompt_ids()
     launches, reads = count_fused_work(monkeypatch)
-    out = generate(model, ids, max_new_tokens=24)
+    out = generate(model, ids, config, max_new_tokens=24)
     cycles = model.last_stats.fused_cycles
     assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
     assert cycles >= 5 and 0 < model.last_stats.accepted < model.last_stats.drafted  # accepted and rejected drafts
@@ -124,13 +127,14 @@ def test_a_cycle_is_one_graph_launch_and_one_host_read(warm, monkeypatch):
     assert reads[0] <= cycles + 2  # one a cycle; once a call: the prompt's tokens, the length of the cache's tail
 
 
-def test_no_recompilation_across_prompt_lengths(warm):
+@pytest.mark.parametrize("config", [LOSSLESS, TREE], ids=["chain", "tree"])
+def test_no_recompilation_across_prompt_lengths(warm, config):
     """After warm-up, ten calls of other prompt lengths run the graphs already made."""
     model, base = warm
     with torch._dynamo.config.patch(error_on_recompile=True):
         for length in range(3, 13):
             ids = prompt_ids(length, seed=length)
-            assert torch.equal(generate(model, ids, max_new_tokens=12),
+            assert torch.equal(generate(model, ids, config, max_new_tokens=12),
                                base.generate(ids, do_sample=False, max_new_tokens=12))
 
 

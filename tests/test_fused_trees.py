@@ -1,6 +1,6 @@
 """Compiled greedy trees as one graph and one host read a cycle (`decode/fusedtree.py`): the shape's ancestry and
 paths, the K/V moved to the path, token for token as the base model (siblings, a chain from the best, an n-gram
-branch), one launch and one read a cycle, no recompilation across prompt lengths."""
+branch). One launch and one read a cycle, and no recompilation across prompt lengths: `test_fused_cycles.py`."""
 
 import pytest
 import torch
@@ -8,7 +8,6 @@ from transformers import CompileConfig
 from transformers.cache_utils import StaticCache
 
 from tide.decode.fusedtree import TreeShape, _compact
-from generation_helpers import count_fused_work
 from tiny_models import noisy_tide, prompt_ids
 
 EAGER_BACKEND = CompileConfig(backend="eager")
@@ -92,26 +91,6 @@ def test_a_tree_with_an_ngram_branch_equals_the_base_model(warm):
     kwargs = dict(max_new_tokens=16, min_new_tokens=3, eos_token_id=stop, pad_token_id=stop)
     assert torch.equal(generate(model, ids, {**TREE, "draft_ngram": 3}, **kwargs),
                        base.generate(ids, do_sample=False, **kwargs))
-
-
-def test_a_tree_cycle_is_one_graph_launch_and_one_host_read(warm, monkeypatch):
-    model, base = warm
-    ids = prompt_ids()
-    launches, reads = count_fused_work(monkeypatch)
-    out = generate(model, ids, max_new_tokens=24)
-    cycles = model.last_stats.fused_cycles
-    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
-    assert cycles >= 5 and launches[0] == cycles
-    assert reads[0] <= cycles + 2  # one a cycle; once a call: the prompt's tokens, the length of the cache's tail
-
-
-def test_no_tree_recompiles_across_prompt_lengths(warm):
-    model, base = warm
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for length in range(3, 13):
-            ids = prompt_ids(length, seed=length)
-            assert torch.equal(generate(model, ids, max_new_tokens=12),
-                               base.generate(ids, do_sample=False, max_new_tokens=12))
 
 
 def test_sampled_trees_take_the_general_loop(warm):
