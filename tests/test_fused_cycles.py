@@ -54,6 +54,8 @@ def test_fused_cycles_equal_the_base_model(family):
     assert stats.fused_cycles == stats.verify_passes > 0 and stats.accepted > 0  # drafts were accepted, some not
     assert 0 < stats.fused_graph_s < stats.decode_time_s and 0 < stats.fused_host_share < 1
     assert stats.accepted <= stats.drafted and stats.decode_tokens == 24
+    assert torch.equal(generate(model, ids, TREE, max_new_tokens=24), ref)  # a tree, its nodes' positions taken off
+    assert model.last_stats.fused_cycles and model.last_stats.draft_topk == TREE["draft_topk"]
 
 
 def test_a_backbone_that_transforms_its_inputs_is_not_given_states():
@@ -235,3 +237,33 @@ def test_ngram_continuations_are_the_drafts_where_the_text_repeats(warm):
     assert model.last_stats.ngram_drafted
     allowed = base(out).logits[0, ids.shape[1] - 1: -1].topk(2, -1).indices
     assert (allowed == out[0, ids.shape[1]:, None]).any(-1).all()
+
+
+@pytest.mark.parametrize("config", [TREE, {**TREE, "max_draft": 1, "draft_topk": 4}], ids=["3x2", "4x1"])
+def test_fused_trees_equal_the_base_model(warm, config):
+    """Greedy trees (the head's candidates for the next position, a chain from the best): one graph a cycle, the
+    base model's tokens, some drafts accepted and some not."""
+    model, base = warm
+    ids = prompt_ids()
+    out = generate(model, ids, config, max_new_tokens=24)
+    stats = model.last_stats
+    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
+    assert stats.fused_cycles == stats.verify_passes > 0 and stats.draft_topk == config["draft_topk"]
+    assert 0 < stats.accepted < stats.drafted
+
+
+def test_a_tree_with_an_ngram_branch_equals_the_base_model(warm):
+    """Where the text repeats, the n-gram continuation is a branch of the tree: drafted there, and the tokens are
+    the base model's; a minimum length and EOS inside a cycle too. Sampled trees take the general loop."""
+    model, base = warm
+    ids = torch.cat([prompt_ids(6, seed=3)] * 3, 1)
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
+    config = {**TREE, "draft_ngram": 3}
+    assert torch.equal(generate(model, ids, config, max_new_tokens=16), ref)
+    assert model.last_stats.fused_cycles and model.last_stats.ngram_drafted
+    stop = int(ref[0, ids.shape[1] + 5])
+    kwargs = dict(max_new_tokens=16, min_new_tokens=3, eos_token_id=stop, pad_token_id=stop)
+    assert torch.equal(generate(model, ids, config, **kwargs), base.generate(ids, do_sample=False, **kwargs))
+    torch.manual_seed(0)
+    model.generate(ids, do_sample=True, top_k=2, max_new_tokens=8, compile_config=EAGER_BACKEND, tide_config=TREE)
+    assert not model.last_stats.fused_cycles and model.last_stats.tree_cycles

@@ -1,36 +1,12 @@
 """Compiled greedy trees as one graph and one host read a cycle (`decode/fusedtree.py`): the shape's ancestry and
-paths, the K/V moved to the path, token for token as the base model (siblings, a chain from the best, an n-gram
-branch). One launch and one read a cycle, and no recompilation across prompt lengths: `test_fused_cycles.py`."""
+paths, and the K/V moved to the path. Token for token as the base model, one launch and one read a cycle, and no
+recompilation across prompt lengths: `test_fused_cycles.py`, on its warm model."""
 
-import pytest
 import torch
-from transformers import CompileConfig
 from transformers.cache_utils import StaticCache
 
 from tide.decode.fusedtree import TreeShape, _compact
-from tiny_models import noisy_tide, prompt_ids
-
-EAGER_BACKEND = CompileConfig(backend="eager")
-TREE = {"mode": "lossless", "compile": True, "draft_topk": 3, "max_draft": 2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_dynamo():
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture(scope="module")
-def warm():
-    """(Tide model, base), the graphs of both depths the cap takes made once, the longest call first."""
-    model, base = noisy_tide("llama")
-    for depth in (TREE["max_draft"], 1):
-        generate(model, prompt_ids(20, seed=9), {**TREE, "max_draft": depth}, max_new_tokens=24)
-    return model, base
-
-
-def generate(model, ids, config=None, **kwargs):
-    return model.generate(ids, do_sample=False, compile_config=EAGER_BACKEND, tide_config=config or TREE, **kwargs)
+from tiny_models import noisy_tide
 
 
 def test_the_shape_orders_nodes_as_the_passes_write_them():
@@ -55,47 +31,3 @@ def test_the_path_moves_to_the_slots_after_x():
     _compact(cache, torch.tensor(5), torch.tensor([3, 6]))  # x at slot 5; the path's nodes at 8 and 11
     assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 8, 11, 8, 9, 10, 11, 12, 13, 14, 15]
     assert torch.equal(layer.values, layer.keys)
-
-
-def test_gpt2_trees_take_their_learned_positions_off():
-    """(First: a model of another family registers its classes with transformers, which the warm graphs' guards
-    read.)"""
-    model, base = noisy_tide("gpt2", model_overrides=dict(n_layer=4))
-    ids = prompt_ids()
-    out = generate(model, ids, max_new_tokens=20)
-    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=20))
-    assert model.last_stats.fused_cycles and model.last_stats.accepted
-
-
-@pytest.mark.parametrize("config", [TREE, {**TREE, "max_draft": 1, "draft_topk": 4}])
-def test_fused_trees_equal_the_base_model(warm, config):
-    model, base = warm
-    ids = prompt_ids()
-    out = generate(model, ids, config, max_new_tokens=24)
-    stats = model.last_stats
-    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
-    assert stats.fused_cycles == stats.verify_passes > 0 and stats.draft_topk == config["draft_topk"]
-    assert 0 < stats.accepted < stats.drafted
-
-
-def test_a_tree_with_an_ngram_branch_equals_the_base_model(warm):
-    """Where the text repeats, the n-gram continuation is a branch of the tree: accepted there, and the tokens are
-    the base model's; a minimum length and EOS inside a cycle too."""
-    model, base = warm
-    ids = torch.cat([prompt_ids(6, seed=3)] * 3, 1)
-    ref = base.generate(ids, do_sample=False, max_new_tokens=16)
-    out = generate(model, ids, {**TREE, "draft_ngram": 3}, max_new_tokens=16)
-    assert torch.equal(out, ref)
-    assert model.last_stats.fused_cycles and model.last_stats.ngram_drafted
-    stop = int(ref[0, ids.shape[1] + 5])
-    kwargs = dict(max_new_tokens=16, min_new_tokens=3, eos_token_id=stop, pad_token_id=stop)
-    assert torch.equal(generate(model, ids, {**TREE, "draft_ngram": 3}, **kwargs),
-                       base.generate(ids, do_sample=False, **kwargs))
-
-
-def test_sampled_trees_take_the_general_loop(warm):
-    model, base = warm
-    torch.manual_seed(0)
-    model.generate(prompt_ids(), do_sample=True, top_k=2, max_new_tokens=8, compile_config=EAGER_BACKEND,
-                   tide_config=TREE)
-    assert not model.last_stats.fused_cycles and model.last_stats.tree_cycles

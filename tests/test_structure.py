@@ -22,13 +22,21 @@ LAYERS = ["config", "records", "models", "heads", "layers", "decode", "generatio
 
 def test_each_module_imports_alone():
     """Every module imports first in a fresh interpreter. One process imports torch and transformers, then forks
-    a child per module, which imports that module and nothing of Tide before it."""
+    a child per module, which imports that module and nothing of Tide before it (as many at once as it has cores)."""
     code = (
         "import os, sys, traceback\n"
         "import torch, torch._dynamo, transformers, transformers.modeling_utils, transformers.generation.utils\n"
         "import transformers.integrations.sdpa_attention, accelerate, safetensors.torch, huggingface_hub\n"
-        "failed = []\n"
+        "failed, running = [], {}\n"
+        "cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else 1\n"
+        "def reap():\n"
+        "    pid, status = os.wait()\n"
+        "    if status:\n"
+        "        failed.append(running[pid])\n"
+        "    del running[pid]\n"
         "for m in sys.argv[1:]:\n"
+        "    if len(running) >= cores:\n"
+        "        reap()\n"
         "    pid = os.fork()\n"
         "    if pid == 0:\n"
         "        try:\n"
@@ -37,8 +45,9 @@ def test_each_module_imports_alone():
         "            traceback.print_exc()\n"
         "            os._exit(1)\n"
         "        os._exit(0)\n"
-        "    if os.waitpid(pid, 0)[1]:\n"
-        "        failed.append(m)\n"
+        "    running[pid] = m\n"
+        "while running:\n"
+        "    reap()\n"
         "print(' '.join(failed))\n"
     )
     result = subprocess.run([sys.executable, "-c", code, *MODULES], capture_output=True, text=True)
