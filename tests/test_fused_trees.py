@@ -10,14 +10,14 @@ from tiny_models import noisy_tide
 
 
 def test_the_shape_orders_nodes_as_the_passes_write_them():
-    """x, 2 siblings, an n-gram branch of 2, a chain of 2 more from the best sibling: parents, depths, ancestry and
-    each node's path by depth."""
-    shape = TreeShape(siblings=2, depth=3, ngram=2)
-    assert shape.parents == [-1, 0, 0, 0, 3, 1, 5] and shape.depths == [0, 1, 1, 1, 2, 2, 3]
-    assert shape.size == 7 and shape.max_depth == 3 and shape.drafted == 4
-    assert [u for u in range(7) if shape.ancestry[6][u]] == [0, 1, 5, 6]
-    assert not shape.ancestry[2][1] and not shape.ancestry[4][1]  # siblings and branches do not see each other
-    assert shape.path[6] == [0, 1, 5, 6] and shape.path[4] == [0, 3, 4, 4] and shape.path[0] == [0, 0, 0, 0]
+    """x, 2 siblings, an n-gram branch of 3: parents, depths, ancestry and each node's path by depth."""
+    shape = TreeShape(siblings=2, ngram=3)
+    assert shape.parents == [-1, 0, 0, 0, 3, 4] and shape.depths == [0, 1, 1, 1, 2, 3]
+    assert shape.size == 6 and shape.max_depth == 3
+    assert [u for u in range(6) if shape.ancestry[5][u]] == [0, 3, 4, 5]
+    assert not shape.ancestry[2][1] and not shape.ancestry[3][1]  # siblings and the branch do not see each other
+    assert shape.path[5] == [0, 3, 4, 5] and shape.path[2] == [0, 2, 2, 2] and shape.path[0] == [0, 0, 0, 0]
+    assert TreeShape(siblings=3, ngram=0).depths == [0, 1, 1, 1]
 
 
 def test_the_path_moves_to_the_slots_after_x():

@@ -232,7 +232,7 @@ class FusedChain:
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
         self.cap = session.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
-        # greedy calls that name a tree: its `draft_topk` siblings, a chain from the best up to the cap
+        # greedy calls that name a tree: the head's `draft_topk` candidates for the next position
         self.tree = session.draft_topk if session.draft_topk > 1 and not session.fused_chain_first else 0
 
     def decode(self, input_ids, stopping_criteria, generation_config, emitted: Emitted):
@@ -251,14 +251,15 @@ class FusedChain:
             # the length limit are computed and dropped, and no graph is made for a narrower width near the end)
             room = self.keys - cached - 1
             continuation = self.ngrams.continuation(session.max_draft) if self.ngrams else []
-            shape = self.tree and TreeShape(self.tree, max(1, self.cap), session.max_draft if self.ngrams else 0)
+            # a tree: the siblings, and the n-gram branch where there is one, padded to one width (two graphs)
+            shape = self.tree and TreeShape(self.tree, session.max_draft if continuation else 0)
             graph_start = time.perf_counter()
-            if shape and room >= shape.size - 1:  # a tree: the n-gram branch padded to its width
-                width, drafted = shape.depth, shape.drafted + len(continuation)
-                branch = (continuation or [0])[:shape.ngram]
-                given = torch.tensor([branch + branch[-1:] * (shape.ngram - len(branch))], device=token.device)
+            if shape and room >= shape.size - 1:
+                width, drafted = 1, shape.siblings + len(continuation)
+                given = (torch.tensor([continuation + continuation[-1:] * (shape.ngram - len(continuation))],
+                                      device=token.device) if continuation else None)
                 read, token, context = self.session.spans.graph(
-                    ("tree", *shape.key()), tree_cycle, "tide_tree_{}_{}_{}".format(*shape.key()), self.shallow,
+                    ("tree", *shape.key()), tree_cycle, "tide_tree_{}_{}".format(*shape.key()), self.shallow,
                     self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token, context, shape,
                     self.keys, dtype, self.processors.suppress(len(tokens), shape.max_depth), given,
                     torch.tensor(len(continuation), device=token.device))
@@ -298,7 +299,7 @@ class FusedChain:
                 stats.ngram_drafted += len(continuation)
                 through = accepted if not shape or new[:accepted] == continuation[:accepted] else 0  # (a tree:
                 stats.ngram_accepted += min(through, kept)  # the path that emitted the continuation's tokens)
-            if shape or not continuation:  # (a chain's n-gram drafts leave the head's cap)
+            if not (shape or continuation):  # (n-gram drafts leave the head's cap; a tree has none)
                 self.cap = next_cap(self.cap, width, accepted, session.max_draft)
             stats.decode_time_s += time.perf_counter() - start
             if done:

@@ -1,22 +1,22 @@
 """Greedy trees as one compiled graph and one host read a cycle (`fused.FusedChain`, calls with `draft_topk` > 1).
 
 A tree here has a fixed shape per graph (`TreeShape`): after the last emitted token x, the draft head's `siblings`
-best candidates for the next position; a chain of `depth` - 1 more drafts from the best of them (the head run on
-its state, as a chain drafts); and, with n-gram drafts, the continuation the host found as a branch of its own,
-padded to `ngram` tokens (`valid` of them count). The cycle (`tree_cycle`) runs
+best candidates for the next position and, where the host found one this cycle, the n-gram continuation as a branch
+of its own, padded to `ngram` tokens (`valid` of them count). The cycle (`tree_cycle`) runs
 
 1. x through layers 0..E (the draft layer); the head gives the siblings;
-2. the siblings and the n-gram branch through layers 0..E in one pass (a tree mask: each node sees the sequence,
-   its ancestors and itself), and the chain's drafts one pass each;
+2. the siblings and the n-gram branch through layers 0..E in one pass, with a tree mask (each node sees the
+   sequence, its ancestors and itself);
 3. layers E+1..L-1 and the head over every node in one pass, with the same mask;
 4. acceptance on the device: a node is accepted where its token is the full model's argmax after its parent and
    its parent is accepted; the deepest accepted node ends the path (the first of equals: a sibling before the
    n-gram branch's node at the same depth), and its argmax is the token after it;
 5. the path's K/V moved to the slots after x in every cache layer, and each layer's length cut to the path.
 
-Nodes are written to the static cache in that order (x, the siblings, the n-gram branch, the chain), so slots and
-positions differ: a node's position is the sequence's length plus its depth. On a CPU that reads the weights once
-per pass, the siblings and the branch cost one pass more than a chain of one (docs/benchmarks.md).
+Nodes are written to the static cache in that order (x, the siblings, the n-gram branch), so slots and positions
+differ: a node's position is the sequence's length plus its depth. A chain from the best sibling, one pass of layers
+0..E a draft, timed slower than the siblings alone on every model and text measured, so trees have none
+(docs/benchmarks.md); each node verified costs a row through the deep layers, which on one CPU core is not free.
 """
 
 from __future__ import annotations
@@ -27,21 +27,14 @@ __all__ = ["TreeShape", "tree_cycle"]
 
 
 class TreeShape:
-    """The nodes of one fused tree, in slot order, with their parents and depths (Python lists: constants of the
-    graph) -> `ancestry` [n, n] (row v: v and its ancestors), `path` [n, D + 1] (row v: the slot of v's ancestor
-    at each depth, v itself past its depth)."""
+    """The nodes of one fused tree, in slot order (x, `siblings` candidates, an n-gram branch of `ngram` tokens), with
+    their parents and depths (Python lists: constants of the graph) -> `ancestry` [n, n] (row v: v and its
+    ancestors), `path` [n, D + 1] (row v: the slot of v's ancestor at each depth, v itself past its depth)."""
 
-    def __init__(self, siblings: int, depth: int, ngram: int):
-        self.siblings, self.depth, self.ngram = siblings, depth, ngram
-        parents, depths = [-1], [0]
-        parents += [0] * siblings
-        depths += [1] * siblings
-        for i in range(ngram):
-            parents.append(0 if i == 0 else len(parents) - 1)
-            depths.append(i + 1)
-        for i in range(depth - 1):
-            parents.append(1 if i == 0 else len(parents) - 1)
-            depths.append(i + 2)
+    def __init__(self, siblings: int, ngram: int):
+        self.siblings, self.ngram = siblings, ngram
+        parents = [-1] + [0] * siblings + [0 if i == 0 else siblings + i for i in range(ngram)]
+        depths = [0] + [1] * siblings + [i + 1 for i in range(ngram)]
         self.parents, self.depths, self.size = parents, depths, len(parents)
         self.max_depth = max(depths)
         self.ancestry = [[False] * self.size for _ in range(self.size)]
@@ -53,13 +46,8 @@ class TreeShape:
                 self.path[v][depths[u]] = u
                 u = parents[u]
 
-    @property
-    def drafted(self) -> int:
-        """The head's drafts per cycle (the n-gram branch apart)."""
-        return self.siblings + self.depth - 1
-
     def key(self) -> tuple:
-        return self.siblings, self.depth, self.ngram
+        return self.siblings, self.ngram
 
 
 def _tree_mask(shape: TreeShape, nodes: list[int], start: torch.Tensor, keys: int, dtype) -> torch.Tensor:
@@ -84,22 +72,16 @@ def _pass(view, shape: TreeShape, cache, nodes: list[int], start, keys: int, dty
 def tree_cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, shape: TreeShape, keys: int,
                dtype, suppress, given, valid):
     """One greedy tree cycle as one graph (module docstring). `token` [1, 1] x; `context` [1, H]; `given` [1, ngram]
-    the n-gram branch (padding past `valid` []); `suppress` (where [D + 1] bool by depth, tokens [V] bool): scores
-    set to -inf -> (accepted count then D + 1 tokens, of which the first accepted + 1 are emitted [D + 2]; the next
-    x [1, 1]; the next context [1, H])."""
+    the n-gram branch (padding past `valid` []; None without one); `suppress` (where [D + 1] bool by depth, tokens
+    [V] bool): scores set to -inf -> (accepted count then D + 1 tokens, of which the first accepted + 1 are emitted
+    [D + 2]; the next x [1, 1]; the next context [1, H])."""
     k, m, device = shape.siblings, shape.ngram, token.device
     start = cache.layers[0].cumulative_length.clone()  # (every layer's, at the cycle's start)
     states = [_pass(shallow, shape, cache, [0], start, keys, dtype, input_ids=token)]
-    logits, context = head(states[0][:, -1], context)
+    logits, _ = head(states[0][:, -1], context)
     tokens = [token, logits.topk(k, dim=-1).indices] + ([given] if m else [])  # the siblings, the best first
     states.append(_pass(shallow, shape, cache, list(range(1, 1 + k + m)), start, keys, dtype,
                         input_ids=torch.cat(tokens[1:], 1)))
-    hidden = states[1][:, :1]  # the chain goes on from the best sibling
-    for i in range(shape.depth - 1):
-        logits, context = head(hidden[:, -1], context)
-        tokens.append(logits.argmax(-1, keepdim=True))
-        hidden = _pass(shallow, shape, cache, [1 + k + m + i], start, keys, dtype, input_ids=tokens[-1])
-        states.append(hidden)
     ids, states = torch.cat(tokens, 1)[0], torch.cat(states, 1)  # [n], [1, n, H]: in slot order
     depths = torch.tensor(shape.depths, device=device)
     if offset is not None:
@@ -110,8 +92,7 @@ def tree_cycle(shallow, head, deep, offset, logits_from_normed, cache, token, co
     where, suppressed = suppress
     logits = logits.masked_fill(where[depths][:, None] & suppressed, float("-inf"))
     best = logits.argmax(-1)  # [n]
-    counts = torch.cat([torch.ones(1 + k, dtype=torch.bool, device=device), torch.arange(m, device=device) < valid,
-                        torch.ones(shape.depth - 1, dtype=torch.bool, device=device)])
+    counts = torch.cat([torch.ones(1 + k, dtype=torch.bool, device=device), torch.arange(m, device=device) < valid])
     parents = torch.tensor([max(p, 0) for p in shape.parents], device=device)
     matches = (ids == best[parents]) & counts
     accepted_nodes = [torch.ones((), dtype=torch.bool, device=device)]

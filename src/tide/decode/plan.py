@@ -80,7 +80,7 @@ def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
     if length is not None and options.mode != "exit":  # lossless can run: room for a whole draft after the last
         length += (options.max_draft or 0) + 1  # token (`decode/fused.py`); a tree's siblings and n-gram branch
         if options.draft_topk > 1:  # (`decode/fusedtree.py`)
-            length += options.draft_topk + (options.max_draft or 0)
+            length += options.draft_topk
     if options.mode == "exit" and not options.has_operating_point:  # (lossless drafts need no thresholds)
         if call is not None and not model.config.thresholds:
             warnings.warn(
