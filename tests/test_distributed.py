@@ -147,13 +147,29 @@ def test_processes_asked_of_a_plain_accelerate_cpu_launch(monkeypatch, env, pare
 
 
 def test_the_cli_starts_the_processes_accelerate_did_not(monkeypatch, capsys):
-    """`tide calibrate` under such a launch starts the N processes itself, through torchrun, with its own arguments."""
-    import torch.distributed.run
+    """`tide calibrate` under such a launch goes on as rank 0 of N and starts ranks 1..N-1 with its own arguments and
+    torchrun's environment; its status is the worst of theirs."""
+    import subprocess
     from tide.tools import cli
-    started = []
-    monkeypatch.setattr(cli, "processes_asked_of_accelerate", lambda: 2)
-    monkeypatch.setattr(torch.distributed.run, "main", lambda args: started.append(args))
+    started, ran = [], []
+
+    class Started:
+        def __init__(self, command, env):
+            started.append((command, env))
+            self.returncode = 0
+
+        def wait(self):
+            return 0
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cli, "processes_asked_of_accelerate", lambda: 1 if "WORLD_SIZE" in os.environ else 2)
+    monkeypatch.setattr(subprocess, "Popen", Started)
+    monkeypatch.setattr(cli, "cmd_calibrate", lambda args: ran.append(dict(os.environ)))
     argv = ["calibrate", "m", "--dataset", "d", "--out", "o"]
     assert cli.main(argv) == 0
-    assert started == [["--standalone", "--nproc_per_node", "2", "-m", "tide.tools.cli", *argv]]
+    (command, env), = started
+    assert command[1:] == ["-m", "tide.tools.cli", *argv]
+    assert (env["RANK"], env["WORLD_SIZE"], ran[0]["RANK"], ran[0]["WORLD_SIZE"]) == ("1", "2", "0", "2")
+    assert env["MASTER_PORT"] == ran[0]["MASTER_PORT"]
     assert "started 1 process of the 2 asked for" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["Processes", "processes_asked_of_accelerate"]
+__all__ = ["Processes", "processes_asked_of_accelerate", "join_as_rank_zero"]
 
 
 def processes_asked_of_accelerate(parent_argv: list[str] | None = None) -> int:
@@ -40,6 +40,36 @@ def processes_asked_of_accelerate(parent_argv: list[str] | None = None) -> int:
             value = value or (parent_argv[i + 1] if i + 1 < len(parent_argv) else "")
             return int(value) if value.isdigit() and int(value) > 1 else 1
     return 1
+
+
+def join_as_rank_zero(processes: int, command: list[str]) -> list:
+    """Make this process rank 0 of `processes` on this machine and start ranks 1..N-1 running `command`, with the
+    environment torchrun gives its workers (MASTER_ADDR and MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE); the started processes (`subprocess.Popen`). This one goes on at once, so the others start
+    Python while it loads; a watchdog ends it where another fails (its collectives would wait for that one)."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    with socket.socket() as probe:  # a free port for the process group's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes),
+              "LOCAL_WORLD_SIZE": str(processes)}
+    others = [subprocess.Popen(command, env={**os.environ, **shared, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+              for rank in range(1, processes)]
+    os.environ.update(shared, RANK="0", LOCAL_RANK="0")
+
+    def watch(process):
+        if process.wait() != 0:
+            print(f"process {others.index(process) + 1} of {processes} failed (exit status {process.returncode}); "
+                  "stopping", file=sys.stderr, flush=True)
+            os._exit(process.returncode)
+
+    for process in others:
+        threading.Thread(target=watch, args=(process,), daemon=True).start()
+    return others
 
 
 class Processes:

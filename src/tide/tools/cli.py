@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from ..calibration.data import check_local_dataset
-from ..calibration.distributed import Processes, processes_asked_of_accelerate
+from ..calibration.distributed import Processes, join_as_rank_zero, processes_asked_of_accelerate
 from ..calibration.run import calibrate
 from ..config import MAX_DRAFT_TOPK, TideConfig
 from ..hub.card import calibration_table
@@ -311,14 +311,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(processes: int, argv: list[str]) -> int:
-    """Start the `processes` a plain `accelerate launch --cpu --num_processes N` asked for (it started this one
-    alone), through torchrun on this machine; each then takes its own cores (`pin_cores`)."""
-    print(f"tide calibrate: `accelerate launch --cpu` started 1 process of the {processes} asked for; starting "
-          f"{processes} with torchrun (the same as `torchrun --nproc_per_node {processes}`)", file=sys.stderr)
-    from torch.distributed.run import main as torchrun
-
-    torchrun(["--standalone", "--nproc_per_node", str(processes), "-m", "tide.tools.cli", *argv])
-    return 0
+    """Run as the first of the `processes` a plain `accelerate launch --cpu --num_processes N` asked for (it started
+    this one alone), starting the others on this machine (`join_as_rank_zero`); each then takes its own cores
+    (`pin_cores`)."""
+    print(f"tide calibrate: `accelerate launch --cpu` started 1 process of the {processes} asked for; starting the "
+          f"other {processes - 1} (as `torchrun --nproc_per_node {processes}` would)", file=sys.stderr)
+    others = join_as_rank_zero(processes, [sys.executable, "-m", "tide.tools.cli", *argv])
+    try:
+        status = main(argv)
+    except BaseException:
+        for process in others:
+            process.kill()
+        raise
+    return max([status] + [process.wait() for process in others])
 
 
 if __name__ == "__main__":
