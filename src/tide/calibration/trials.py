@@ -210,22 +210,15 @@ def choose_draft(tide, tokenizer, texts, candidates, left=None, procs=None, ngra
     share against the base model on its own device, in rounds of one scheme per process; every process returns the
     same selection. Without it, this process times them all."""
     procs = procs or Processes()
-    left = _agreed(procs, left)
-    last = 0.0  # the seconds the last round of timings took, by the budget's clock
-
-    def fits(timings: int) -> bool:
-        return left is None or left() > timings * last
-
+    room = _Room(_agreed(procs, left))
     prompts = timing_prompts(tokenizer, texts, tide.base.device)
     trials, cut, timed_by = [], [], [0] * procs.world  # schemes each process timed
     for start in range(0, len(candidates), procs.world):
         round_ = candidates[start: start + procs.world]
-        if not fits(2):
+        if not room.fits(2):
             cut += [_scheme_dict(scheme) for scheme in candidates[start:]]
             break
-        began = left() if left is not None else 0.0
-        ratios = procs.deal(round_, lambda scheme: _timed_or_unavailable(tide, prompts, scheme))
-        last = began - left() if left is not None else 0.0
+        ratios = room.timed(lambda: procs.deal(round_, lambda scheme: _timed_or_unavailable(tide, prompts, scheme)))
         for rank in range(len(round_)):
             timed_by[rank] += 1
         for scheme, ratio in zip(round_, ratios):
@@ -234,7 +227,7 @@ def choose_draft(tide, tokenizer, texts, candidates, left=None, procs=None, ngra
             trials.append({**_scheme_dict(scheme), "measured": ratio})
     ranked = [t for t in sorted(trials, key=lambda t: -t["measured"]) if t["measured"] >= KEEP_SPEEDUP]
     for start in range(0, len(ranked), procs.world):  # the fastest first; the next ones if it is not kept
-        if start and not fits(1):  # the fastest always gets its second timing
+        if start and not room.fits(1):  # the fastest always gets its second timing
             break
         round_ = ranked[start: start + procs.world]
         timings = procs.deal(round_, lambda trial: kept(tide, prompts, lossless_config(trial), first=trial["measured"]))
@@ -250,20 +243,42 @@ def choose_draft(tide, tokenizer, texts, candidates, left=None, procs=None, ngra
                 return selection
             twin = _ngram_twin(trials, chosen, ngram_depth)  # the same tree with n-gram branches, timed above
             ngram = procs.on_main(lambda: time_ngram(tide, prompts, chosen, ngram_depth, first=twin)) \
-                if fits(2) else None
+                if room.fits(2) else None
             chosen["draft_ngram"] = NGRAM if ngram and ngram["active"] else 0
             if ngram and ngram["active"]:
                 chosen["max_draft"] = ngram.get("max_draft", chosen["max_draft"])  # a tree's branches' depth
             return {**selection, "ngram": ngram, **({"ngram_cut": True} if ngram is None else {})}
     selection = {"trials": trials, "chosen": None, **({"cut": cut} if cut else {}), **_shares(timed_by)}
-    if trials and fits(2):  # no head scheme pays: n-gram drafts alone, plain steps elsewhere
-        timing = procs.on_main(lambda: kept(tide, prompts, NGRAM_ONLY))
-        selection["ngram_only"] = timing
-        if timing["active"]:
-            selection["chosen"] = {"draft_layer": None, "max_draft": NGRAM_ONLY["max_draft"], "draft_topk": 1,
-                                   "draft_vocab_size": 0, "draft_ngram": NGRAM, "head_drafts": False,
-                                   "measured": timing["measured"], "timings": timing["timings"]}
+    if trials and room.fits(2):  # no head scheme pays: n-gram drafts alone, plain steps elsewhere
+        _time_ngram_only(selection, procs.on_main(lambda: kept(tide, prompts, NGRAM_ONLY)))
     return selection
+
+
+class _Room:
+    """The timing budget as the trials see it: `fits(timings)` while that many timings as long as the last round
+    are left (always, without a budget: `left` None), and `timed(run)` runs a round and keeps its length (by the
+    budget's clock)."""
+
+    def __init__(self, left):
+        self.left, self.last = left, 0.0
+
+    def fits(self, timings: int) -> bool:
+        return self.left is None or self.left() > timings * self.last
+
+    def timed(self, run):
+        began = self.left() if self.left is not None else 0.0
+        result = run()
+        self.last = began - self.left() if self.left is not None else 0.0
+        return result
+
+
+def _time_ngram_only(selection: dict, timing: dict) -> None:
+    """Record n-gram drafts alone (`NGRAM_ONLY`), timed, in `selection`, and choose them where they were kept."""
+    selection["ngram_only"] = timing
+    if timing["active"]:
+        selection["chosen"] = {"draft_layer": None, "max_draft": NGRAM_ONLY["max_draft"], "draft_topk": 1,
+                               "draft_vocab_size": 0, "draft_ngram": NGRAM, "head_drafts": False,
+                               "measured": timing["measured"], "timings": timing["timings"]}
 
 
 def _ngram_twin(trials: list[dict], chosen: dict, depth: int | None) -> float | None:

@@ -251,33 +251,9 @@ class FusedChain:
             # the length limit are computed and dropped, and no graph is made for a narrower width near the end)
             room = self.keys - cached - 1
             continuation = self.ngrams.continuation(session.max_draft) if self.ngrams else []
-            # a tree: the siblings, and the n-gram branch where there is one, padded to one width (two graphs)
-            shape = self.tree and TreeShape(self.tree, session.max_draft if continuation else 0)
             graph_start = time.perf_counter()
-            if shape and room >= shape.size - 1:
-                width, drafted = 1, shape.siblings + len(continuation)
-                given = (torch.tensor([continuation + continuation[-1:] * (shape.ngram - len(continuation))],
-                                      device=token.device) if continuation else None)
-                read, token, context = self.session.spans.graph(
-                    ("tree", *shape.key()), tree_cycle, "tide_tree_{}_{}".format(*shape.key()), self.shallow,
-                    self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token, context, shape,
-                    self.keys, dtype, self.processors.suppress(len(tokens), shape.max_depth), given,
-                    torch.tensor(len(continuation), device=token.device))
-            else:
-                if continuation and room >= session.max_draft:  # padded to one width: one graph for every one
-                    width, valid = session.max_draft, torch.tensor(len(continuation), device=token.device)
-                    given = torch.tensor([continuation + continuation[-1:] * (width - len(continuation))],
-                                         device=token.device)
-                else:
-                    continuation, given, valid = [], None, None
-                    width = max(0, min(self.cap, room))
-                drafted = len(continuation) or width
-                kind = (width, self.processors.warp is not None, given is not None)  # one graph each
-                read, token, context = self.session.spans.graph(
-                    ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2],
-                    self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
-                    context, width, self.keys, dtype, session.draft_layer + 1,
-                    self.processors.suppress(len(tokens), width), self.processors.warp, given, valid)
+            read, token, context, width, continuation, tree = self._graph(token, context, continuation, room,
+                                                                          len(tokens), dtype)
             read = read.tolist()  # the cycle's one host read
             stats.fused_graph_s += time.perf_counter() - graph_start
             accepted, new = read[0], read[1: read[0] + 2]
@@ -288,7 +264,7 @@ class FusedChain:
             cached += accepted + 1
             new_ids = torch.tensor([new[:kept]], dtype=input_ids.dtype, device=input_ids.device)
             emitted.add(new_ids, None, None)
-            stats.drafted += drafted
+            stats.drafted += (self.tree + len(continuation)) if tree else (len(continuation) or width)
             stats.accepted += min(accepted, kept)  # (emitted: tokens past a stop are computed and dropped)
             stats.decode_tokens += kept
             stats.verify_passes += 1
@@ -297,15 +273,43 @@ class FusedChain:
             stats.layer_passes += (session.draft_layer + 1) * width + session.parts.num_layers
             if continuation:
                 stats.ngram_drafted += len(continuation)
-                through = accepted if not shape or new[:accepted] == continuation[:accepted] else 0  # (a tree:
+                through = accepted if not tree or new[:accepted] == continuation[:accepted] else 0  # (a tree:
                 stats.ngram_accepted += min(through, kept)  # the path that emitted the continuation's tokens)
-            if not (shape or continuation):  # (n-gram drafts leave the head's cap; a tree has none)
+            if not (tree or continuation):  # (n-gram drafts leave the head's cap; a tree has none)
                 self.cap = next_cap(self.cap, width, accepted, session.max_draft)
             stats.decode_time_s += time.perf_counter() - start
             if done:
                 crop_cache(cache, accepted + 1 - kept)  # the K/V of tokens after the one that stopped
                 sequences = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
                 return emitted.finish(sequences, cache)
+
+    def _graph(self, token, context, continuation: list[int], room: int, length: int, dtype):
+        """One cycle's graph call: the call's tree where it names one and the cache has room (the n-gram branch where
+        there is a `continuation`, padded to one width: two graphs), else a chain (the continuation padded to one
+        width, or the head's drafts up to the cap) -> (what the host reads, the next token, the next context, the
+        chain's width, the continuation drafted, whether it was a tree)."""
+        session, cache, device = self.session, self.cache, token.device
+        common = (self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
+                  context)
+        shape = self.tree and TreeShape(self.tree, session.max_draft if continuation else 0)
+        if shape and room >= shape.size - 1:
+            given = (torch.tensor([continuation + continuation[-1:] * (shape.ngram - len(continuation))],
+                                  device=device) if continuation else None)
+            return (*session.spans.graph(
+                ("tree", *shape.key()), tree_cycle, "tide_tree_{}_{}".format(*shape.key()), *common, shape, self.keys,
+                dtype, self.processors.suppress(length, shape.max_depth), given,
+                torch.tensor(len(continuation), device=device)), 1, continuation, True)
+        if continuation and room >= session.max_draft:  # padded to one width: one graph for every continuation
+            width, valid = session.max_draft, torch.tensor(len(continuation), device=device)
+            given = torch.tensor([continuation + continuation[-1:] * (width - len(continuation))], device=device)
+        else:
+            continuation, given, valid = [], None, None
+            width = max(0, min(self.cap, room))
+        kind = (width, self.processors.warp is not None, given is not None)  # one graph each
+        return (*session.spans.graph(
+            ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2], *common,
+            width, self.keys, dtype, session.draft_layer + 1, self.processors.suppress(length, width),
+            self.processors.warp, given, valid), width, continuation, False)
 
 
 class _Processors:
