@@ -161,8 +161,9 @@ def test_the_cli_starts_the_processes_accelerate_did_not(monkeypatch, capsys):
         def wait(self):
             return 0
 
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    environ = {k: v for k, v in os.environ.items()  # (rank 0's environment is set in this process: a copy,
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    monkeypatch.setattr(os, "environ", environ)  # dropped after the test, or later calibrations would wait for rank 1)
     monkeypatch.setattr(cli, "processes_asked_of_accelerate", lambda: 1 if "WORLD_SIZE" in os.environ else 2)
     monkeypatch.setattr(subprocess, "Popen", Started)
     monkeypatch.setattr(cli, "cmd_calibrate", lambda args: ran.append(dict(os.environ)))
