@@ -191,8 +191,10 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
     parts = session.parts
     processors = _Processors.of(logits_processor, session.model.num_head_rows, input_ids.device,
                                 bool(generation_config.do_sample))
+    # a tree the call named (a repo's tree gives way to a chain): the head's candidates for the next position
+    tree = session.draft_topk if session.draft_topk > 1 and not session.fused_chain_first else 0
     if (processors is None or emitted.keeps_outputs or not session.spans.compiled
-            or (not session.fused_chain_first and session.draft_topk > 1 and generation_config.do_sample)
+            or (tree and generation_config.do_sample)
             or not session.head_drafts or not parts.uniform_layers
             or not parts.spec.tree_drafts or parts.post_norm is not None
             or getattr(parts.backbone.config, "_attn_implementation", None) not in ("sdpa", "eager")
@@ -218,22 +220,21 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
         views[key] = None if needed is None else (shallow, deep, offset_view if needed else None)
     if views[key] is None:
         return None
-    if session.fused_chain_first or session.draft_topk == 1:  # (the repo's tree: a chain)
+    if not tree:
         session.stats.draft_topk = 1
-    return FusedChain(session, head, cache, *views[key], processors)
+    return FusedChain(session, head, cache, *views[key], processors, tree)
 
 
 class FusedChain:
     """Runs the lossless cycles of one call as one compiled graph and one host read each."""
 
-    def __init__(self, session, head, cache, shallow, deep, offset, processors: _Processors):
+    def __init__(self, session, head, cache, shallow, deep, offset, processors: _Processors, tree: int = 0):
         self.session, self.head, self.cache, self.processors = session, head, cache, processors
         self.ngrams = NgramLookup(session.draft_ngram) if session.draft_ngram else None
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
         self.cap = session.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
-        # greedy calls that name a tree: the head's `draft_topk` candidates for the next position
-        self.tree = session.draft_topk if session.draft_topk > 1 and not session.fused_chain_first else 0
+        self.tree = tree  # a greedy tree's candidates for the next position (0: a chain)
 
     def decode(self, input_ids, stopping_criteria, generation_config, emitted: Emitted):
         """Generate from `input_ids` [1, n] until a stopping criterion fires; returns what `generate` returns."""
