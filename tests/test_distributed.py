@@ -146,17 +146,21 @@ def test_processes_asked_of_a_plain_accelerate_cpu_launch(monkeypatch, env, pare
     assert processes_asked_of_accelerate(parent) == asked
 
 
-def test_the_cli_starts_the_processes_accelerate_did_not(monkeypatch, capsys):
+@pytest.mark.parametrize("fork", [True, False], ids=["fork", "no-fork"])
+def test_the_cli_starts_the_processes_accelerate_did_not(monkeypatch, capsys, tmp_path, fork):
     """`tide calibrate` under such a launch goes on as rank 0 of N and starts ranks 1..N-1 with its own arguments and
-    torchrun's environment; its status is the worst of theirs."""
+    torchrun's environment (forks of itself where the system forks, else new interpreters); its status is the
+    worst of theirs."""
+    import json
     import subprocess
     from tide.tools import cli
-    started, ran = [], []
+    started = []
 
     class Started:
         def __init__(self, command, env):
-            started.append((command, env))
-            self.returncode = 0
+            started.append(command)
+            (tmp_path / f"{env['RANK']}.json").write_text(json.dumps(env))
+            self.pid = os.getpid()
 
         def wait(self):
             return 0
@@ -165,12 +169,15 @@ def test_the_cli_starts_the_processes_accelerate_did_not(monkeypatch, capsys):
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     monkeypatch.setattr(os, "environ", environ)  # dropped after the test, or later calibrations would wait for rank 1)
     monkeypatch.setattr(cli, "processes_asked_of_accelerate", lambda: 1 if "WORLD_SIZE" in os.environ else 2)
-    monkeypatch.setattr(subprocess, "Popen", Started)
-    monkeypatch.setattr(cli, "cmd_calibrate", lambda args: ran.append(dict(os.environ)))
+    if not fork:
+        monkeypatch.delattr(os, "fork")
+        monkeypatch.setattr(subprocess, "Popen", Started)
+    monkeypatch.setattr(cli, "cmd_calibrate",
+                        lambda args: (tmp_path / f"{os.environ['RANK']}.json").write_text(json.dumps(dict(os.environ))))
     argv = ["calibrate", "m", "--dataset", "d", "--out", "o"]
     assert cli.main(argv) == 0
-    (command, env), = started
-    assert command[1:] == ["-m", "tide.tools.cli", *argv]
-    assert (env["RANK"], env["WORLD_SIZE"], ran[0]["RANK"], ran[0]["WORLD_SIZE"]) == ("1", "2", "0", "2")
-    assert env["MASTER_PORT"] == ran[0]["MASTER_PORT"]
+    rank0, rank1 = (json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1))
+    assert (rank1["RANK"], rank1["WORLD_SIZE"], rank0["RANK"], rank0["WORLD_SIZE"]) == ("1", "2", "0", "2")
+    assert rank1["MASTER_PORT"] == rank0["MASTER_PORT"]
+    assert started == ([] if fork else [[sys.executable, "-m", "tide.tools.cli", *argv]])
     assert "started 1 process of the 2 asked for" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["Processes", "processes_asked_of_accelerate", "join_as_rank_zero"]
+__all__ = ["Processes", "Rank", "processes_asked_of_accelerate", "join_as_rank_zero"]
 
 
 def processes_asked_of_accelerate(parent_argv: list[str] | None = None) -> int:
@@ -42,34 +42,73 @@ def processes_asked_of_accelerate(parent_argv: list[str] | None = None) -> int:
     return 1
 
 
-def join_as_rank_zero(processes: int, command: list[str]) -> list:
-    """Make this process rank 0 of `processes` on this machine and start ranks 1..N-1 running `command`, with the
-    environment torchrun gives its workers (MASTER_ADDR and MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE,
-    LOCAL_WORLD_SIZE); the started processes (`subprocess.Popen`). This one goes on at once, so the others start
-    Python while it loads; a watchdog ends it where another fails (its collectives would wait for that one)."""
+def join_as_rank_zero(processes: int, run, command: list[str]) -> list["Rank"]:
+    """Make this process rank 0 of `processes` on this machine and start ranks 1..N-1, with the environment torchrun
+    gives its workers (MASTER_ADDR and MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE). Where the
+    system forks, each rank is a fork of this process that calls `run()` (an exit status) and exits: it has Python,
+    torch and Tide imported already, so it starts loading at once (a fresh interpreter's imports cost about 3 s of
+    a CPU core, which the first process would spend waiting at the process group); elsewhere it runs `command`.
+    This process ends where another fails (its collectives would wait for that one)."""
     import socket
-    import subprocess
-    import sys
-    import threading
 
     with socket.socket() as probe:  # a free port for the process group's rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes),
               "LOCAL_WORLD_SIZE": str(processes)}
-    others = [subprocess.Popen(command, env={**os.environ, **shared, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    others = [Rank(rank, processes, {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)}, run, command)
               for rank in range(1, processes)]
     os.environ.update(shared, RANK="0", LOCAL_RANK="0")
-
-    def watch(process):
-        if process.wait() != 0:
-            print(f"process {others.index(process) + 1} of {processes} failed (exit status {process.returncode}); "
-                  "stopping", file=sys.stderr, flush=True)
-            os._exit(process.returncode)
-
-    for process in others:
-        threading.Thread(target=watch, args=(process,), daemon=True).start()
     return others
+
+
+class Rank:
+    """Another process of this machine's calibration (`join_as_rank_zero`): a fork calling `run`, or `command`
+    where the system does not fork. A watchdog thread waits for it and ends this process if it fails."""
+
+    def __init__(self, rank: int, processes: int, env: dict, run, command: list[str]):
+        import subprocess
+        import sys
+        import threading
+
+        self.rank, self.processes, self.status = rank, processes, None
+        if hasattr(os, "fork"):
+            sys.stdout.flush(), sys.stderr.flush()
+            self.pid = os.fork()
+            if self.pid == 0:  # the new rank: run, and leave without this process's exit handlers
+                status = 1
+                try:
+                    os.environ.update(env)
+                    status = run()
+                finally:
+                    sys.stdout.flush(), sys.stderr.flush()
+                    os._exit(status)
+            reap = lambda: os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])  # noqa: E731
+        else:
+            process = subprocess.Popen(command, env={**os.environ, **env})
+            self.pid, reap = process.pid, process.wait
+        self._watchdog = threading.Thread(target=self._watch, args=(reap,), daemon=True)
+        self._watchdog.start()
+
+    def _watch(self, reap) -> None:
+        import sys
+
+        self.status = reap()
+        if self.status != 0:
+            print(f"process {self.rank} of {self.processes} failed (exit status {self.status}); stopping",
+                  file=sys.stderr, flush=True)
+            os._exit(self.status if self.status > 0 else 1)  # (negative: ended by a signal)
+
+    def wait(self) -> int:
+        """Its exit status, once it has ended."""
+        self._watchdog.join()
+        return self.status
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
 
 
 class Processes:

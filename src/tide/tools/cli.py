@@ -316,14 +316,14 @@ def _launch(processes: int, argv: list[str]) -> int:
     (`pin_cores`)."""
     print(f"tide calibrate: `accelerate launch --cpu` started 1 process of the {processes} asked for; starting the "
           f"other {processes - 1} (as `torchrun --nproc_per_node {processes}` would)", file=sys.stderr)
-    others = join_as_rank_zero(processes, [sys.executable, "-m", "tide.tools.cli", *argv])
+    others = join_as_rank_zero(processes, lambda: main(argv), [sys.executable, "-m", "tide.tools.cli", *argv])
     try:
         status = main(argv)
     except BaseException:
-        for process in others:
-            process.kill()
+        for other in others:
+            other.kill()
         raise
-    return max([status] + [process.wait() for process in others])
+    return max([status] + [other.wait() for other in others])
 
 
 if __name__ == "__main__":
