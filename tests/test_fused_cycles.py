@@ -255,7 +255,8 @@ def test_fused_trees_equal_the_base_model(warm, config):
 
 def test_a_tree_with_an_ngram_branch_equals_the_base_model(warm):
     """Where the text repeats, the n-gram continuation is a branch of the tree: drafted there, and the tokens are
-    the base model's; a minimum length and EOS inside a cycle too. Sampled trees take the general loop."""
+    the base model's; a minimum length and EOS inside a cycle too. Sampled trees run in the graph too, their tokens
+    in the full model's top-k support."""
     model, base = warm
     ids = torch.cat([prompt_ids(6, seed=3)] * 3, 1)
     ref = base.generate(ids, do_sample=False, max_new_tokens=16)
@@ -266,5 +267,33 @@ def test_a_tree_with_an_ngram_branch_equals_the_base_model(warm):
     kwargs = dict(max_new_tokens=16, min_new_tokens=3, eos_token_id=stop, pad_token_id=stop)
     assert torch.equal(generate(model, ids, config, **kwargs), base.generate(ids, do_sample=False, **kwargs))
     torch.manual_seed(0)
-    model.generate(ids, do_sample=True, top_k=2, max_new_tokens=8, compile_config=EAGER_BACKEND, tide_config=TREE)
-    assert not model.last_stats.fused_cycles and model.last_stats.tree_cycles
+    out = model.generate(ids, do_sample=True, top_k=2, max_new_tokens=12, compile_config=EAGER_BACKEND,
+                         tide_config=config)
+    stats = model.last_stats
+    assert stats.fused_cycles == stats.verify_passes > 0 and stats.ngram_drafted and stats.accepted
+    allowed = base(out).logits[0, ids.shape[1] - 1: -1].topk(2, -1).indices
+    assert (allowed == out[0, ids.shape[1]:, None]).any(-1).all()
+
+
+def test_sampled_trees_in_the_graph_draw_from_the_full_model(warm):
+    """Sampled trees with an n-gram branch, one graph a cycle: a chi-square test against the exact joint distribution
+    of three tokens sampled with top-k and temperature; the trees ran in the graph, and drafts were accepted."""
+    from test_lossless import _exact_joint
+
+    model, base = warm
+    ids = torch.cat([prompt_ids(6, seed=3)] * 3, 1)  # the text repeats: n-gram branches
+    steps, top_k, temperature, runs = 3, 3, 2.0, 500
+    exact = _exact_joint(base, ids, steps, top_k, temperature)
+    config = {**TREE, "draft_ngram": 3}
+    counts, cycles, accepted = Counter(), 0, 0
+    for seed in range(runs):
+        torch.manual_seed(seed)
+        out = model.generate(ids, do_sample=True, top_k=top_k, temperature=temperature, max_new_tokens=steps,
+                             compile_config=EAGER_BACKEND, tide_config=config)
+        counts[tuple(out[0, -steps:].tolist())] += 1
+        cycles += model.last_stats.fused_cycles
+        accepted += model.last_stats.accepted
+    assert set(counts) <= set(exact)
+    chi2, df = chi_square(counts, exact, runs)
+    assert chi2 < chi_square_limit(df), (chi2, df, counts.most_common(6))
+    assert cycles >= runs and accepted > runs / 10

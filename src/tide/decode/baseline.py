@@ -49,8 +49,9 @@ class BaseSession:
         return self.step(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
 
 
-def compiled_static_decoder(base, cache_len: int, compile_options: dict | None = None):
-    """A greedy decode function `decode(ids [1, n], new_tokens) -> ids [1, n + new_tokens]` over `base`: single-token
+def compiled_static_decoder(base, cache_len: int, compile_options: dict | None = None, warp=None):
+    """A greedy decode function `decode(ids [1, n], new_tokens) -> ids [1, n + new_tokens]` over `base` (`warp`, a
+    function of the scores, e.g. temperature and top-p: it samples from their softmax instead): single-token
     steps of `torch.compile(base.forward, fullgraph=True, dynamic=False)` (on CUDA with `mode="reduce-overhead"`:
     CUDA graphs, as transformers' own compiled generate uses) on one `StaticCache` of `cache_len` positions, reset
     per call (one shape and one set of cache addresses for every prompt, so one graph), with end-of-sequence
@@ -64,8 +65,11 @@ def compiled_static_decoder(base, cache_len: int, compile_options: dict | None =
     eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long, device=base.device)
     cache = StaticCache(config=base.config, max_cache_len=cache_len)
 
-    def pick(logits):  # greedy with end-of-sequence suppressed, as generate's min_new_tokens does
-        return logits.index_fill(-1, eos, float("-inf")).argmax(-1, keepdim=True)
+    def pick(logits):  # end-of-sequence suppressed, as generate's min_new_tokens does
+        logits = logits.index_fill(-1, eos, float("-inf"))
+        if warp is None:
+            return logits.argmax(-1, keepdim=True)
+        return torch.multinomial(warp(logits.float()).softmax(-1), 1)
 
     @torch.no_grad()
     def decode(ids: torch.Tensor, new_tokens: int) -> torch.Tensor:

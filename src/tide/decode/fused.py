@@ -19,6 +19,8 @@ one attention type), greedy or sampled, a cycle is one graph (one per chain widt
    tensors, so no graph is made again for another prompt length.
 3. **one host read**: the accepted count and the tokens, for the stopping criteria, the streamer and the sequence.
 
+A call that names `draft_topk` runs a tree instead, one graph a cycle too, greedy or sampled (`fusedtree.py`).
+
 The processors that run in the graph are generate's minimum length and, sampling, the warpers that read the
 scores alone (temperature, top-k, top-p, min-p); a call with any other takes the general loop. Drafted tokens that
 would stop generation are not cut before verification (the emitted tokens are the full model's, whatever was
@@ -184,17 +186,15 @@ def input_offset(view: nn.Module, hidden: int, like: torch.Tensor) -> bool | Non
 def fused_chain_for(session, input_ids, generation_config, logits_processor, cache, mask,
                     emitted: Emitted) -> FusedChain | None:
     """The fused chain for this call, its prompt prefilled, or None where the call takes the general loop: logits
-    processors that do not run in the graph, per-token outputs, a tree the call named when sampling, eager
-    spans, a cache that is not full-attention static, padding in the prompt, a one-token prompt, attention that
-    does not add a mask, a model whose layers do not all take one set of arguments or whose backbone does not fit
-    a view."""
+    processors that do not run in the graph, per-token outputs, eager spans, a cache that is not full-attention
+    static, padding in the prompt, a one-token prompt, attention that does not add a mask, a model whose layers do
+    not all take one set of arguments or whose backbone does not fit a view."""
     parts = session.parts
     processors = _Processors.of(logits_processor, session.model.num_head_rows, input_ids.device,
                                 bool(generation_config.do_sample))
     # a tree the call named (a repo's tree gives way to a chain): the head's candidates for the next position
     tree = session.draft_topk if session.draft_topk > 1 and not session.fused_chain_first else 0
     if (processors is None or emitted.keeps_outputs or not session.spans.compiled
-            or (tree and generation_config.do_sample)
             or not session.head_drafts or not parts.uniform_layers
             or not parts.spec.tree_drafts or parts.post_norm is not None
             or getattr(parts.backbone.config, "_attn_implementation", None) not in ("sdpa", "eager")
@@ -234,7 +234,7 @@ class FusedChain:
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
         self.cap = session.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
-        self.tree = tree  # a greedy tree's candidates for the next position (0: a chain)
+        self.tree = tree  # a tree's candidates for the next position (0: a chain)
 
     def decode(self, input_ids, stopping_criteria, generation_config, emitted: Emitted):
         """Generate from `input_ids` [1, n] until a stopping criterion fires; returns what `generate` returns."""
@@ -297,8 +297,9 @@ class FusedChain:
             given = (torch.tensor([continuation + continuation[-1:] * (shape.ngram - len(continuation))],
                                   device=device) if continuation else None)
             return (*session.spans.graph(
-                ("tree", *shape.key()), tree_cycle, "tide_tree_{}_{}".format(*shape.key()), *common, shape, self.keys,
-                dtype, self.processors.suppress(length, shape.max_depth), given,
+                ("tree", *shape.key(), self.processors.warp is not None), tree_cycle,
+                "tide_tree_{}_{}".format(*shape.key()) + "_sampled" * (self.processors.warp is not None), *common,
+                shape, self.keys, dtype, self.processors.suppress(length, shape.max_depth), self.processors.warp, given,
                 torch.tensor(len(continuation), device=device)), 1, continuation, True)
         if continuation and room >= session.max_draft:  # padded to one width: one graph for every continuation
             width, valid = session.max_draft, torch.tensor(len(continuation), device=device)

@@ -1,4 +1,5 @@
-"""Greedy trees as one compiled graph and one host read a cycle (`fused.FusedChain`, calls with `draft_topk` > 1).
+"""Trees as one compiled graph and one host read a cycle (`fused.FusedChain`, calls with `draft_topk` > 1), greedy
+or sampled.
 
 A tree here has a fixed shape per graph (`TreeShape`): after the last emitted token x, the draft head's `siblings`
 best candidates for the next position and, where the host found one this cycle, the n-gram continuation as a branch
@@ -8,9 +9,9 @@ of its own, padded to `ngram` tokens (`valid` of them count). The cycle (`tree_c
 2. the siblings and the n-gram branch through layers 0..E in one pass, with a tree mask (each node sees the
    sequence, its ancestors and itself);
 3. layers E+1..L-1 and the head over every node in one pass, with the same mask;
-4. acceptance on the device: a node is accepted where its token is the full model's argmax after its parent and
-   its parent is accepted; the deepest accepted node ends the path (the first of equals: a sibling before the
-   n-gram branch's node at the same depth), and its argmax is the token after it;
+4. acceptance on the device: greedy, a node is accepted where its token is the full model's argmax after its parent
+   and its parent is accepted (`_greedy_path`); sampling, the multi-draft rule for point masses, exact
+   (`sampled_path`); the deepest accepted node ends the path, and the token after it is its argmax, or drawn;
 5. the path's K/V moved to the slots after x in every cache layer, and each layer's length cut to the path.
 
 Nodes are written to the static cache in that order (x, the siblings, the n-gram branch), so slots and positions
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TreeShape", "tree_cycle"]
+from .accept import draw
+
+__all__ = ["TreeShape", "sampled_path", "tree_cycle"]
 
 
 class TreeShape:
@@ -39,6 +42,9 @@ class TreeShape:
         self.max_depth = max(depths)
         self.ancestry = [[False] * self.size for _ in range(self.size)]
         self.path = [[v] * (self.max_depth + 1) for v in range(self.size)]
+        self.children = [[parents[c] == v for c in range(self.size)] for v in range(self.size)]  # row v: its children
+        self.earlier_siblings = [[parents[c] == parents[v] and c < v for c in range(self.size)]
+                                 for v in range(self.size)]
         for v in range(self.size):
             u = v
             while u >= 0:
@@ -70,11 +76,11 @@ def _pass(view, shape: TreeShape, cache, nodes: list[int], start, keys: int, dty
 
 
 def tree_cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, shape: TreeShape, keys: int,
-               dtype, suppress, given, valid):
-    """One greedy tree cycle as one graph (module docstring). `token` [1, 1] x; `context` [1, H]; `given` [1, ngram]
-    the n-gram branch (padding past `valid` []; None without one); `suppress` (where [D + 1] bool by depth, tokens
-    [V] bool): scores set to -inf -> (accepted count then D + 1 tokens, of which the first accepted + 1 are emitted
-    [D + 2]; the next x [1, 1]; the next context [1, H])."""
+               dtype, suppress, warp, given, valid):
+    """One tree cycle as one graph (module docstring). `token` [1, 1] x; `context` [1, H]; `given` [1, ngram] the
+    n-gram branch (padding past `valid` []; None without one); `suppress` (where [D + 1] bool by depth, tokens [V]
+    bool): scores set to -inf; `warp`: None (greedy) or the call's warpers (sampling) -> (accepted count then D + 1
+    tokens, of which the first accepted + 1 are emitted [D + 2]; the next x [1, 1]; the next context [1, H])."""
     k, m, device = shape.siblings, shape.ngram, token.device
     start = cache.layers[0].cumulative_length.clone()  # (every layer's, at the cycle's start)
     states = [_pass(shallow, shape, cache, [0], start, keys, dtype, input_ids=token)]
@@ -91,24 +97,69 @@ def tree_cycle(shallow, head, deep, offset, logits_from_normed, cache, token, co
     logits = logits_from_normed(normed)[0]  # [n, V]
     where, suppressed = suppress
     logits = logits.masked_fill(where[depths][:, None] & suppressed, float("-inf"))
-    best = logits.argmax(-1)  # [n]
     counts = torch.cat([torch.ones(1 + k, dtype=torch.bool, device=device), torch.arange(m, device=device) < valid])
-    parents = torch.tensor([max(p, 0) for p in shape.parents], device=device)
-    matches = (ids == best[parents]) & counts
-    accepted_nodes = [torch.ones((), dtype=torch.bool, device=device)]
-    for v in range(1, shape.size):
-        accepted_nodes.append(matches[v] & accepted_nodes[shape.parents[v]])
-    # the deepest accepted node (x: depth 0), as a [1] index (a 0-d one would be read on the host)
-    end = (torch.stack(accepted_nodes).long() * (depths + 1)).argmax().view(1)
+    if warp is None:
+        end, after = _greedy_path(logits, ids, shape, counts)
+    else:
+        end, after = sampled_path(warp(logits.float()).softmax(-1), ids, shape, counts)
     accepted = depths.index_select(0, end)  # [1]
     path = torch.tensor(shape.path, device=device).index_select(0, end)[0]  # [D + 1] slots
-    after = best.index_select(0, end)  # [1]: the full model's token after the path
     steps = torch.arange(shape.max_depth + 1, device=device)
     emitted = torch.where(steps < accepted, ids.index_select(0, path.roll(-1)), after)  # (ids[path[i + 1]] at i)
     _compact(cache, start, path[1:])
     for layer in cache.layers:
         layer.cumulative_length.sub_(shape.size - 1 - accepted[0])
     return torch.cat([accepted, emitted]), after.view(1, 1), normed[0].index_select(0, end)
+
+
+def _greedy_path(logits, ids, shape: TreeShape, counts):
+    """Greedy acceptance: a node is accepted where its token is the full model's argmax after its parent and its
+    parent is accepted; the deepest accepted node ends the path (the first of equals: a sibling before the n-gram
+    branch's node at the same depth), and its argmax is the token after it -> (the end's slot [1], the token [1])."""
+    best = logits.argmax(-1)  # [n]
+    matches = (ids == best[_parents(shape, ids.device)]) & counts
+    end = _deepest(shape, [matches[v] for v in range(shape.size)])
+    return end, best.index_select(0, end)
+
+
+def sampled_path(p, ids, shape: TreeShape, counts):
+    """Sampled acceptance, exact (the multi-draft rule of `accept.among_certain_drafts`, per node, on the device):
+    p [n, V] the full model's distributions after each node; ids [n] the nodes' tokens, each a point mass; counts
+    [n] bool (padding does not). From x down, a node's children are tried in slot order: child c is accepted with
+    probability r(t_c), r being its parent's distribution with the mass of the children tried before set to 0 and
+    renormalised (a child repeating an earlier one's token has none left); the deepest accepted node ends the path,
+    and the token after it is drawn from its distribution without its children's tokens (all tried, all
+    rejected) -> (the end's slot [1], the token [1])."""
+    device, dtype = p.device, p.dtype
+    parents = _parents(shape, device)
+    earlier = torch.tensor(shape.earlier_siblings, device=device)  # [n, n] bool
+    repeats = (earlier & (ids[:, None] == ids[None, :]) & counts[None, :]).any(-1)
+    mass = torch.where(counts & ~repeats, p[parents, ids], 0.0)  # [n]
+    left = p.sum(-1)[parents] - earlier.to(dtype) @ mass  # the parent's mass not yet tried
+    u = torch.rand(shape.size, device=device, dtype=dtype)
+    passes = ((u * left < mass) | ((left - mass <= 0) & (mass > 0)))  # (the second: the rest rounded away)
+    chosen = passes & ~((earlier.to(dtype) @ passes.to(dtype)) > 0)  # the first child of its parent that passes
+    end = _deepest(shape, [chosen[v] for v in range(shape.size)])
+    tried = torch.tensor(shape.children, device=device).index_select(0, end)[0] & counts  # [n]
+    target = p.index_select(0, end)[0]  # [V]
+    removed = torch.zeros_like(target).scatter_reduce(0, ids, tried.to(dtype), "amax") > 0
+    residual = target.masked_fill(removed, 0.0)
+    residual = torch.where(residual.sum() > 0, residual, target)
+    return end, draw(residual[None])[0]
+
+
+def _parents(shape: TreeShape, device) -> torch.Tensor:
+    return torch.tensor([max(q, 0) for q in shape.parents], device=device)
+
+
+def _deepest(shape: TreeShape, passed: list) -> torch.Tensor:
+    """The deepest node whose every ancestor's test (and its own) passed, x (depth 0) where none did, as a [1] index
+    (a 0-d one would be read on the host); the first of equals."""
+    accepted = [torch.ones((), dtype=torch.bool, device=passed[0].device)]
+    for v in range(1, shape.size):
+        accepted.append(passed[v] & accepted[shape.parents[v]])
+    depths = torch.tensor(shape.depths, device=passed[0].device)
+    return (torch.stack(accepted).long() * (depths + 1)).argmax().view(1)
 
 
 def _compact(cache, start: torch.Tensor, path: torch.Tensor) -> None:
