@@ -9,8 +9,8 @@
 # 4. examples/bench_baselines on the shipped model on CUDA: Tide eager and compiled, against `generate` and against
 #    the base model's compiled static-cache decode with CUDA graphs (ROUTERS: a router repo for it, e.g. the demo's),
 #    and lossless mode forced on its calibrated scheme (a tree of 3 from layer 0, n-gram branches, 4 deep); compiled
-#    default rows run a lossless chain as one graph a cycle (src/tide/decode/fused.py), the forced tree too (greedy:
-#    the head's 3 best candidates for the next position and the n-gram branch; src/tide/decode/fusedtree.py);
+#    default rows run a lossless chain as one graph a cycle (src/tide/decode/fused.py), the forced tree too (the
+#    head's 3 best candidates for the next position and the n-gram branch; src/tide/decode/fusedtree.py);
 # 5. a random-weight Llama of a 1B shape (bf16), eager Tide rows against both baselines, with Tide's cost table.
 # Every step has a time limit and runs even when an earlier one failed; OUT_DIR/log.txt records each step's exit
 # status and seconds, OUT_DIR/<step>.txt its output, and the benches write their rows as JSON beside it.

@@ -26,6 +26,7 @@ from ..layers.recompute import RecomputeState
 from ..layers.rowsplit import RowSplitCache, can_slice, sliced_call
 from ..layers.spans import SpanRunner
 from .dispatch import base_forward
+from .exitgraph import ExitGraph
 from .stats import GenerationStats
 
 __all__ = ["ExitSession", "walk_layers", "WalkResult", "PropagateSteps", "BACKBONE_KEYS"]
@@ -55,6 +56,7 @@ class ExitSession:
         # the decode steps' layer arguments, one capture per window
         self.layer_args = LayerArgs(self.parts, stats=self.stats)
         self.original_forward = base_forward(model.base)
+        self.graph = ExitGraph.for_session(self)  # single-row compiled steps as one graph each
 
     # ------------------------------------------------------------------ the forward generate sees
     def forward(self, input_ids=None, past_key_values=None, **kwargs):
@@ -91,6 +93,12 @@ class ExitSession:
         else:
             steps = PropagateSteps(self.parts, input_ids, cache, inputs, self.layer_args, self.spans,
                                    **self.steps_options)
+            graph = None if self.graph is None else self.graph.step(steps, cache)
+            if graph is not None:
+                state, exit_layer = graph
+                exit_layer = int(exit_layer)  # the graph's one read
+                self.stats.record_step([exit_layer], exit_layer + 1, self.parts.num_layers - 1 - exit_layer, 0)
+                return self.logits(state)
         walk = walk_layers(self.parts, steps, self.exit_tests)
         if self.recompute is not None:
             self.recompute.after_step(steps, walk)

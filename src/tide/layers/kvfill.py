@@ -55,7 +55,7 @@ from .calls import LayerCall
 from .kvforms import ROTARY_FORMS, LayerKV, Rotary, Unfit, table_rotary
 from .kvprobe import kv_plan, write_kv
 
-__all__ = ["fill_kv", "fused_available", "fill_path", "clear_stacks"]
+__all__ = ["fill_kv", "fused_available", "fill_path", "clear_stacks", "stack_for"]
 
 # layers ModuleList -> {(device, dtype): _Stack, or why its layers cannot be stacked (str)}
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -89,6 +89,12 @@ def fused_available(parts, calls: list[LayerCall], layers: list[int], hidden: to
     stack = _stack(parts, hidden.device, hidden.dtype)
     return stack is not None and all(stack.rotary(calls, group) is not _DIFFER
                                      for group in _by_attention_type(parts, layers))
+
+
+def stack_for(parts, hidden: torch.Tensor) -> _Stack | None:
+    """The stacked K/V projections for states like `hidden` (None where the layers fill one by one): what a compiled
+    graph calls `kv(layers, hidden, rotary)` and `rotary(calls, layers)` on (`decode/exitgraph.py`)."""
+    return _stack(parts, hidden.device, hidden.dtype)
 
 
 @torch.no_grad()
