@@ -50,7 +50,8 @@ def test_grouped_query_sdpa_verification_compiles():
 
 
 def test_inductor_lossless_and_exit_equal_the_base_model():
-    """The default backend (inductor, CPU code generation) on a tiny model: lossless = base, no exits = base.
+    """The default backend (inductor, CPU code generation) on a tiny model: lossless = base, no exits = base, exits =
+    the eager walk.
 
     The one test here that generates code (the others capture graphs with the eager backend): a 2-layer model with a
     checkpoint after its first layer has every kind of graph (a draft step, a greedy chain, a verification, exit
@@ -62,8 +63,14 @@ def test_inductor_lossless_and_exit_equal_the_base_model():
                                       tide_config={"mode": "lossless", "max_draft": 2, "compile": True}), ref)
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=16,
                                       tide_config={"exit_threshold": 1.0, "compile": True}), ref)
-    (runner,) = model.span_runners.values()  # compiled: the fused cycles' graphs, exit mode's spans
-    assert [key for key in runner._compiled if key[0] == "graph" and key[1][0] == "cycle"], list(runner._compiled)
+    model.exit_tests = exits_by_sign({0: 0})  # some tokens leave after the first layer: exit mode's one graph a step
+    eager = model.generate(ids, do_sample=False, max_new_tokens=16, tide_config={"exit_threshold": 0.5})
+    assert set(model.last_stats.exits) == {"0", "full"}
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=16,
+                                      tide_config={"exit_threshold": 0.5, "compile": True}), eager)
+    (runner,) = model.span_runners.values()  # compiled: the fused cycles' graphs, exit mode's (torch.cond) graph
+    graphs = {key[1][0] for key in runner._compiled if key[0] == "graph"}
+    assert {"cycle", "exit"} <= graphs, list(runner._compiled)
 
 
 def test_compile_needs_a_static_cache():

@@ -78,3 +78,21 @@ def test_no_recompilation_across_prompt_lengths():
         for length in range(6, 16):
             model.generate(prompt_ids(length, seed=length), **kwargs)
     assert len(_graph_keys(model)) == 1
+
+
+def test_the_routers_own_tests_run_in_the_graph():
+    """The call's `CheckpointTest`s (made anew each call) in the graph: the eager walk's tokens, and a second call
+    replays the graph."""
+    model, base = noisy_tide("llama")
+    ids = prompt_ids()
+    kwargs = dict(do_sample=False, max_new_tokens=12)
+    for threshold in (0.3, 0.5, 0.7):
+        eager = model.generate(ids, tide_config={"exit_threshold": threshold}, **kwargs)
+        if set(model.last_stats.exits) - {"full"}:
+            break
+    assert set(model.last_stats.exits) - {"full"}, "no token left at these thresholds"
+    config = {"exit_threshold": threshold, "compile": True}
+    assert torch.equal(model.generate(ids, tide_config=config, compile_config=EAGER_BACKEND, **kwargs), eager)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(ids, tide_config=config, compile_config=EAGER_BACKEND, **kwargs), eager)
+    assert _graph_keys(model)

@@ -58,44 +58,44 @@ def _walk(layers, returns_tuple: bool, hidden, args, kwargs, where, cache, check
     """One exit-mode step (module docstring) -> (the state the head reads [1, 1, H], the exit layer [] long)."""
     first = checkpoints[0]
     hidden = _run_span(layers[: first + 1], returns_tuple, hidden, args, kwargs)
-    state, exit_layer, *kv = _at_checkpoint(0, hidden, layers, returns_tuple, args, kwargs, where, cache, checkpoints,
-                                            tests, fill)
+    state, exit_layer, keys, values = _at_checkpoint(0, hidden, layers, returns_tuple, args, kwargs, where, cache,
+                                                     checkpoints, tests, fill)
     for offset, layer in enumerate(range(first + 1, len(layers))):
-        cache.update(kv[2 * offset], kv[2 * offset + 1], layer)
+        cache.update(keys[offset], values[offset], layer)
     return state, exit_layer
 
 
 def _at_checkpoint(n: int, hidden, layers, returns_tuple, args, kwargs, where, cache, checkpoints, tests, fill):
-    """The test at the n-th consulted checkpoint and what follows it, as `torch.cond` -> (state, exit layer, then the
-    keys and values of every layer after the checkpoint)."""
+    """The test at the n-th consulted checkpoint and what follows it, as `torch.cond` -> (state, exit layer, the keys
+    and the values of every layer after the checkpoint, stacked [m, 1, heads, 1, D])."""
     at = checkpoints[n]
     _, exits, state = tests[n](hidden.reshape(-1, hidden.shape[-1]))
-    state = state.view(hidden.shape)
+    state = state.view(hidden.shape).clone()  # (a test may give the layer's output itself: operands may not alias)
 
     def leave(hidden, state):
-        keys, values = fill(at + 1, hidden)  # [m, 1, heads, 1, D]: from the layer's output, as the walk fills
-        return _laid_out(state, torch.full((), at, dtype=torch.long, device=hidden.device),
-                         *[t for i in range(keys.shape[0]) for t in (keys[i], values[i])])
+        keys, values = fill(at + 1, hidden)  # from the layer's output, as the walk fills
+        return _laid_out(state, torch.full((), at, dtype=torch.long, device=hidden.device), keys, values)
 
     def stay(hidden, state):
         staged = _Staged(cache)
         staged_args, staged_kwargs = _with_cache(args, kwargs, where, staged)
         stop = checkpoints[n + 1] + 1 if n + 1 < len(checkpoints) else len(layers)
         hidden = _run_span(layers[at + 1: stop], returns_tuple, hidden, staged_args, staged_kwargs)
-        kv = [t for i in range(at + 1, stop) for t in staged.new[i]]
+        keys, values = (torch.stack([staged.new[i][j] for i in range(at + 1, stop)]) for j in (0, 1))
         if n + 1 < len(checkpoints):
-            out, exit_layer, *rest = _at_checkpoint(n + 1, hidden, layers, returns_tuple, args, kwargs, where, cache,
-                                                    checkpoints, tests, fill)
-            return _laid_out(out, exit_layer, *kv, *rest)
-        return _laid_out(hidden, torch.full((), len(layers) - 1, dtype=torch.long, device=hidden.device), *kv)
+            out, exit_layer, later_keys, later_values = _at_checkpoint(
+                n + 1, hidden, layers, returns_tuple, args, kwargs, where, cache, checkpoints, tests, fill)
+            return _laid_out(out, exit_layer, torch.cat([keys, later_keys]), torch.cat([values, later_values]))
+        return _laid_out(hidden, torch.full((), len(layers) - 1, dtype=torch.long, device=hidden.device), keys,
+                         values)
 
     return torch.cond(exits.view(()), leave, stay, (hidden, state))
 
 
 def _laid_out(*tensors) -> tuple:
     """A branch's outputs laid out afresh (contiguous, at offset 0): both branches of a `torch.cond` must give
-    tensors of one layout, and a layer's keys or a row of the stacked fill's are views of other tensors."""
-    return tuple(t.clone(memory_format=torch.contiguous_format) for t in tensors)
+    tensors of one layout, and the fill's keys are a view of other tensors."""
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) for t in tensors)
 
 
 class _Fill:
