@@ -2,9 +2,9 @@
 consulted checkpoint) and as compiled runs of layers with the tests read on the host between them (forced by patching
 `ExitGraph.for_session` to decline), beside `generate` and the compiled static-cache base; interleaved per prompt.
 
-    python examples/bench_baselines/exit_graph_ab.py MODEL ROUTERS TEXT OUT.json [THRESHOLD]
-    (MODEL: a local folder, or "shipped"; TEXT: heldout, code or quote; 6 prompts x 40 tokens, 1 thread, greedy;
-    THRESHOLD: every checkpoint's exit threshold, default 0.9)
+    python examples/bench_baselines/exit_graph_ab.py MODEL ROUTERS TEXT OUT.json [THRESHOLD [PROMPTS TOKENS]]
+    (MODEL: a local folder, or "shipped"; TEXT: heldout, code or quote; 1 thread, greedy; THRESHOLD: every
+    checkpoint's exit threshold, default 0.9; PROMPTS x TOKENS: default 6 x 40)
 """
 import json
 import statistics
@@ -16,7 +16,8 @@ from tide.decode.exitgraph import ExitGraph
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_baselines import baseline_ratios, side_bench, time_interleaved  # noqa: E402
 
-bench = side_bench(sys.argv[1:])
+size = dict(prompts=int(sys.argv[6]), tokens=int(sys.argv[7])) if len(sys.argv) > 7 else {}
+bench = side_bench(sys.argv[1:], **size)
 model, prompts, n, g = bench.model, bench.prompts, bench.tokens, bench.greedy
 config = {"mode": "exit", "compile": True, "exit_threshold": float(sys.argv[5]) if len(sys.argv) > 5 else 0.9}
 for_session = ExitGraph.for_session

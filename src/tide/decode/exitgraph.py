@@ -29,7 +29,7 @@ from ..layers.kvfill import fused_available, stack_for
 from ..layers.spans import _at_offset_zero, _run_span
 from ..models.compat import is_static_layer
 
-__all__ = ["ExitGraph"]
+__all__ = ["ExitGraph", "cond_walk"]
 
 
 class _Staged:
@@ -38,6 +38,9 @@ class _Staged:
 
     def __init__(self, cache):
         self.cache, self.new = cache, {}
+
+    def __getattr__(self, name):  # (everything else is the cache's: a backbone's forward asks it for mask sizes)
+        return getattr(self.cache, name)
 
     def update(self, keys, values, layer_idx, *args, **kwargs):
         layer = self.cache.layers[layer_idx]
@@ -55,17 +58,27 @@ def _with_cache(args: tuple, kwargs: dict, where, cache) -> tuple[tuple, dict]:
 
 
 def _walk(layers, returns_tuple: bool, hidden, args, kwargs, where, cache, checkpoints: tuple, tests: tuple, fill):
-    """One exit-mode step (module docstring) -> (the state the head reads [1, 1, H], the exit layer [] long)."""
-    first = checkpoints[0]
-    hidden = _run_span(layers[: first + 1], returns_tuple, hidden, args, kwargs)
-    state, exit_layer, keys, values = _at_checkpoint(0, hidden, layers, returns_tuple, args, kwargs, where, cache,
-                                                     checkpoints, tests, fill)
-    for offset, layer in enumerate(range(first + 1, len(layers))):
+    """One exit-mode step on a layer call's arguments (module docstring) -> (the state the head reads [1, 1, H], the
+    exit layer [] long)."""
+    def run(start: int, stop: int, hidden, on):
+        on_args, on_kwargs = _with_cache(args, kwargs, where, on)
+        return _run_span(layers[start:stop], returns_tuple, hidden, on_args, on_kwargs)
+
+    return cond_walk(run, run(0, checkpoints[0] + 1, hidden, cache), cache, checkpoints, tests, fill, len(layers))
+
+
+def cond_walk(run, hidden, cache, checkpoints: tuple, tests: tuple, fill, num_layers: int):
+    """The rest of a step from the first consulted checkpoint's output `hidden` [1, 1, H]: `torch.cond` at each
+    checkpoint (`tests[n]` at `checkpoints[n]`), then every later layer's K/V written into `cache` -> (the state the
+    head reads, the exit layer [] long). `run(start, stop, hidden, cache)` runs layers start..stop-1 on a cache
+    object; `fill(first, hidden)` gives layers first..L-1's keys and values [m, 1, heads, 1, D]."""
+    state, exit_layer, keys, values = _at_checkpoint(0, hidden, run, cache, checkpoints, tests, fill, num_layers)
+    for offset, layer in enumerate(range(checkpoints[0] + 1, num_layers)):
         cache.update(keys[offset], values[offset], layer)
     return state, exit_layer
 
 
-def _at_checkpoint(n: int, hidden, layers, returns_tuple, args, kwargs, where, cache, checkpoints, tests, fill):
+def _at_checkpoint(n: int, hidden, run, cache, checkpoints, tests, fill, num_layers: int):
     """The test at the n-th consulted checkpoint and what follows it, as `torch.cond` -> (state, exit layer, the keys
     and the values of every layer after the checkpoint, stacked [m, 1, heads, 1, D])."""
     at = checkpoints[n]
@@ -78,15 +91,14 @@ def _at_checkpoint(n: int, hidden, layers, returns_tuple, args, kwargs, where, c
 
     def stay(hidden, state):
         staged = _Staged(cache)
-        staged_args, staged_kwargs = _with_cache(args, kwargs, where, staged)
-        stop = checkpoints[n + 1] + 1 if n + 1 < len(checkpoints) else len(layers)
-        hidden = _run_span(layers[at + 1: stop], returns_tuple, hidden, staged_args, staged_kwargs)
+        stop = checkpoints[n + 1] + 1 if n + 1 < len(checkpoints) else num_layers
+        hidden = run(at + 1, stop, hidden, staged)
         keys, values = (torch.stack([staged.new[i][j] for i in range(at + 1, stop)]) for j in (0, 1))
         if n + 1 < len(checkpoints):
-            out, exit_layer, later_keys, later_values = _at_checkpoint(
-                n + 1, hidden, layers, returns_tuple, args, kwargs, where, cache, checkpoints, tests, fill)
+            out, exit_layer, later_keys, later_values = _at_checkpoint(n + 1, hidden, run, cache, checkpoints, tests,
+                                                                       fill, num_layers)
             return _laid_out(out, exit_layer, torch.cat([keys, later_keys]), torch.cat([values, later_values]))
-        return _laid_out(hidden, torch.full((), len(layers) - 1, dtype=torch.long, device=hidden.device), keys,
+        return _laid_out(hidden, torch.full((), num_layers - 1, dtype=torch.long, device=hidden.device), keys,
                          values)
 
     return torch.cond(exits.view(()), leave, stay, (hidden, state))
@@ -141,4 +153,4 @@ class ExitGraph:
         return spans.graph(("exit", self.checkpoints), _walk, "tide_exit_step", tuple(parts.layers),
                            parts.spec.returns_tuple, hidden, _at_offset_zero(call.args[1:]),
                            _at_offset_zero(call.kwargs), parts.spec.cache_arg, cache, self.checkpoints, self.tests,
-                           fill)
+                           fill, lean=True)

@@ -128,9 +128,12 @@ class SpanRunner:
                             [(_at_offset_zero(args), _at_offset_zero(kwargs)) for args, kwargs in steps], then,
                             dense(context)))
 
-    def graph(self, key, function, name: str, *args):
-        """`function(*args)` compiled (one graph per `key`; `function`'s own Python decides what it runs)."""
-        return self._own(self._function(function, ("graph", key), name)(*args))
+    def graph(self, key, function, name: str, *args, lean: bool = False):
+        """`function(*args)` compiled (one graph per `key`; `function`'s own Python decides what it runs). `lean`:
+        inductor (where it compiles in its default mode) leaves out its checks of every input's size and strides,
+        which dynamo's guards have made already: a graph of nested `torch.cond` branches passes each branch every
+        parameter it reads, and the checks cost more than its smaller kernels."""
+        return self._own(self._function(function, ("graph", key), name, lean)(*args))
 
     def backbone(self, **inputs):
         """The backbone's own forward on `inputs`, compiled (one graph per input shape): its last hidden state
@@ -153,13 +156,15 @@ class SpanRunner:
             return None
         return call
 
-    def _function(self, function, key, name: str):
+    def _function(self, function, key, name: str, lean: bool = False):
         """`function` compiled under `key`, as a code object of its own named `name` (its own recompile limit)."""
         fn = self._compiled.get(key)
         if fn is None:
             code = function.__code__.replace(co_name=name, co_qualname=name)
-            fn = self._compiled[key] = torch.compile(types.FunctionType(code, function.__globals__, name),
-                                                     **self.options)
+            options = self.options
+            if lean and options.get("backend", "inductor") == "inductor" and options.get("mode") is None:
+                options = {**options, "options": {**(options.get("options") or {}), "size_asserts": False}}
+            fn = self._compiled[key] = torch.compile(types.FunctionType(code, function.__globals__, name), **options)
         return fn
 
     def _own(self, out):
