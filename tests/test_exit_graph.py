@@ -1,17 +1,21 @@
-"""Exit mode's single-row compiled steps as one graph each (`decode/exitgraph.py`): `torch.cond` at every consulted
-checkpoint, token for token as the compiled spans and the eager walk, one graph and one host read a step, no
-recompilation across prompt lengths."""
+"""Exit mode's single-row compiled steps as one graph each: the fused loop (`decode/fusedexit.py`: token to next token,
+one read a step) and, where the call's processors do not run in a graph, the session's walk as one graph
+(`decode/exitgraph.py`); both `torch.cond` at every consulted checkpoint, token for token as the eager walk and the
+compiled spans, no recompilation across prompt lengths."""
 
 import pytest
 import torch
 from transformers import CompileConfig
 
+import tide.decode.exits
 from generation_helpers import exits_by_sign
 from tide.decode import exitgraph
 from tiny_models import noisy_tide, prompt_ids
 
 EAGER_BACKEND = CompileConfig(backend="eager")
 EXIT = {"exit_threshold": 0.5, "compile": True}
+# exit tests on the sign of a state's dimension, chosen so that tokens leave at both checkpoints and some run every layer
+DIMS = {"llama": {1: 0, 3: 3}, "gpt2": {1: 4, 3: 1}}
 
 
 @pytest.fixture(autouse=True)
@@ -20,19 +24,23 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _graph_keys(model) -> list:
+def _graphs(model) -> set:
     (runner,) = model.span_runners.values()
-    return [key for key in runner._compiled if key[0] == "graph" and key[1][0] == "exit"]
+    return {key[1][0] for key in runner._compiled if key[0] == "graph"}
 
 
-# the cache by keyword, and by position (GPT-2's `layer_past`); exit tests on the sign of a state's dimension chosen so
-# that tokens leave at both checkpoints and some run every layer
-@pytest.mark.parametrize("family, dims", [("llama", {1: 0, 3: 3}), ("gpt2", {1: 4, 3: 1})])
-def test_exit_steps_as_one_graph_equal_the_walk(family, dims, monkeypatch):
-    """Tokens leaving at either checkpoint or running every layer: the graph's tokens and exits are the eager walk's
-    and the compiled spans', and the steps ran the graph, not spans."""
+def _model(family="llama"):
     model, base = noisy_tide(family)
-    model.exit_tests = exits_by_sign(dims)
+    model.exit_tests = exits_by_sign(DIMS[family])
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # (GPT-2: learned positions, the cache by position)
+def test_exit_steps_as_one_graph_equal_the_walk(family, monkeypatch):
+    """Tokens leaving at either checkpoint or running every layer: the fused loop's tokens and exits are the eager
+    walk's, the session's one-graph walk's (a repetition penalty keeps the call on generate's loop) and the compiled
+    spans'; no run of layers was compiled alone."""
+    model = _model(family)
     ids = prompt_ids()
     kwargs = dict(do_sample=False, max_new_tokens=20)
     eager = model.generate(ids, tide_config={"exit_threshold": 0.5}, **kwargs)
@@ -40,44 +48,68 @@ def test_exit_steps_as_one_graph_equal_the_walk(family, dims, monkeypatch):
     assert len(set(exits) - {"full"}) == 2 and "full" in exits  # both checkpoints, and full passes
     out = model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **kwargs)
     assert torch.equal(out, eager) and dict(model.last_stats.exits) == exits
-    assert _graph_keys(model)
+    assert _graphs(model) == {"fused exit"}
+    penalised = {**kwargs, "repetition_penalty": 1.3}
+    eager = model.generate(ids, tide_config={"exit_threshold": 0.5}, **penalised)
+    assert torch.equal(model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **penalised), eager)
+    assert _graphs(model) == {"fused exit", "exit"}
     (runner,) = model.span_runners.values()
-    assert not [key for key in runner._compiled if isinstance(key[0], int)]  # no run of layers was compiled alone
+    assert not [key for key in runner._compiled if isinstance(key[0], int)]
     monkeypatch.setattr(exitgraph.ExitGraph, "for_session", classmethod(lambda cls, session: None))
-    assert torch.equal(model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **kwargs), eager)
+    assert torch.equal(model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **penalised), eager)
 
 
-def test_one_graph_launch_and_one_host_read_a_step(monkeypatch):
-    """Counted: each decode step calls the compiled exit graph once and reads the device twice, however many
-    checkpoints it passes: the exit layer, and the cache's length (for the layers' arguments, as every step)."""
-    model, base = noisy_tide("llama")
-    model.exit_tests = exits_by_sign({1: 0, 3: 3})
+def test_a_minimum_length_a_stop_and_sampling_in_the_fused_loop():
+    """A minimum length and an end-of-sequence token inside the loop as the walk serves them; sampling with top-k 1
+    (after a temperature) gives the greedy tokens."""
+    model = _model()
     ids = prompt_ids()
-    model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, do_sample=False, max_new_tokens=12)
+    ref = model.generate(ids, tide_config={"exit_threshold": 0.5}, do_sample=False, max_new_tokens=16)
+    stop = int(ref[0, ids.shape[1] + 6])
+    kwargs = dict(do_sample=False, max_new_tokens=16, min_new_tokens=4, eos_token_id=stop, pad_token_id=stop)
+    eager = model.generate(ids, tide_config={"exit_threshold": 0.5}, **kwargs)
+    assert eager.shape[1] < ids.shape[1] + 16
+    assert torch.equal(model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **kwargs), eager)
+    sampled = model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, do_sample=True, top_k=1,
+                             temperature=0.7, max_new_tokens=16)
+    assert torch.equal(sampled, ref) and _graphs(model) == {"fused exit"}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused loop", "session walk"])
+def test_one_graph_launch_and_few_host_reads_a_step(monkeypatch, fused):
+    """Counted: each decode step calls one compiled graph and reads the device once in the fused loop (the token and
+    the exit layer), twice in the session's walk (the exit layer, and the cache's length for the layers'
+    arguments), however many checkpoints it passes."""
+    model = _model()
+    ids = prompt_ids()
+    kwargs = dict(do_sample=False, max_new_tokens=12, compile_config=EAGER_BACKEND, tide_config=EXIT)
+    if not fused:
+        monkeypatch.setattr(tide.decode.exits, "fused_exit_for", lambda *args, **kw: None)
+    model.generate(ids, **kwargs)
+    (runner,) = model.span_runners.values()
     launches, reads = [0], [0]
-    real_graph, real_int = exitgraph.ExitGraph.step, int
-
-    def counted_step(self, steps, cache):
-        launches[0] += 1
-        return real_graph(self, steps, cache)
-
-    monkeypatch.setattr(exitgraph.ExitGraph, "step", counted_step)
-    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: reads.__setitem__(0, reads[0] + 1) or real_int(t.item()))
-    model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, do_sample=False, max_new_tokens=12)
-    monkeypatch.undo()
+    compiled = dict(runner._compiled)
+    for key, fn in compiled.items():
+        runner._compiled[key] = (lambda fn: lambda *a, **k: launches.__setitem__(0, launches[0] + 1) or fn(*a, **k))(fn)
+    real_int, real_tolist = torch.Tensor.__int__, torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: reads.__setitem__(0, reads[0] + 1) or real_int(t))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.__setitem__(0, reads[0] + 1) or real_tolist(t))
+    model.generate(ids, **kwargs)
+    runner._compiled.update(compiled)
     steps = model.last_stats.decode_steps
-    assert steps == 11 and launches[0] == steps and reads[0] == 2 * steps
+    assert steps == 11 and launches[0] == steps
+    # (the fused loop: and the prompt as a list, and the first token's, once a call)
+    assert reads[0] == (steps + 2 if fused else 2 * steps), reads
 
 
 def test_no_recompilation_across_prompt_lengths():
-    model, base = noisy_tide("llama")
-    model.exit_tests = exits_by_sign({1: 0, 3: 3})
+    model = _model()
     kwargs = dict(do_sample=False, max_new_tokens=10, compile_config=EAGER_BACKEND, tide_config=EXIT)
     model.generate(prompt_ids(24, seed=1), **kwargs)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for length in range(6, 16):
             model.generate(prompt_ids(length, seed=length), **kwargs)
-    assert len(_graph_keys(model)) == 1
+    assert _graphs(model) == {"fused exit"}
 
 
 def test_the_routers_own_tests_run_in_the_graph():
@@ -95,4 +127,4 @@ def test_the_routers_own_tests_run_in_the_graph():
     assert torch.equal(model.generate(ids, tide_config=config, compile_config=EAGER_BACKEND, **kwargs), eager)
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(model.generate(ids, tide_config=config, compile_config=EAGER_BACKEND, **kwargs), eager)
-    assert _graph_keys(model)
+    assert _graphs(model) == {"fused exit"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .emit import Emitted
+from .fusedexit import fused_exit_for
 from .processors import process
 
 __all__ = ["exit_decode"]
@@ -28,6 +29,7 @@ def exit_decode(session, input_ids, logits_processor, stopping_criteria, generat
     cache = model_kwargs.get("past_key_values")
     logits = _prefill(session, input_ids, generation_config, model_kwargs)
     mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    first = True
     while True:
         raw = logits.to(torch.float32, copy=True).to(input_ids.device)  # [B, V]
         scores = process(logits_processor, input_ids, raw)
@@ -42,6 +44,11 @@ def exit_decode(session, input_ids, logits_processor, stopping_criteria, generat
         unfinished = unfinished & ~stopping_criteria(input_ids, emitted.scores)
         if not bool(unfinished.any()):
             return emitted.finish(input_ids, cache)
+        if first:  # after the prompt's token, one graph a step where the call allows (`fusedexit.py`)
+            first, fused = False, fused_exit_for(session, input_ids, generation_config, logits_processor, cache, mask,
+                                                 emitted)
+            if fused is not None:
+                return fused.decode(input_ids, stopping_criteria, generation_config, emitted)
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
         if positions is not None:

@@ -1,0 +1,188 @@
+"""Exit mode's compiled decode loop: a step is one graph from the token to the next token, and one host read.
+
+`exitgraph.ExitGraph` makes a step's walk one graph, but each step still goes through generate's loop, the session's
+forward, the capture of the layers' arguments and the head, on the host. Here, for one row on a static
+full-attention cache with processors that run in the graph (`fused._Processors`), a step (`_exit_step`) is:
+
+1. the last emitted token x through layers 0..c1 (the first consulted checkpoint) by the backbone's own forward on a
+   view of those layers (`fused.backbone_view`), its position the static cache's length and its mask made inside the
+   graph, as the lossless cycles do;
+2. `exitgraph.cond_walk`: at each checkpoint `torch.cond` between the batched fill of every later layer's K/V and
+   the next view's layers, nested; the rotary the fill needs is a row of a table of every position of the cache,
+   captured once per call (`_RotaryTable`);
+3. the final norm and head on the state the walk returns, a minimum length's end-of-sequence scores set to -inf,
+   and the next token: the argmax, or a draw after the call's warpers;
+4. one host read: the token and x's exit layer, for the stopping criteria, the streamer and the stats.
+
+The first new token comes from the prompt's full pass in `exits.exit_decode`, as in every exit-mode call; then this
+loop takes over. One graph per call shape, none made again for another prompt length.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..layers.calls import capture_layer_calls
+from ..layers.kvfill import fused_available, stack_for
+from ..layers.spans import dense
+from ..models.compat import is_static_layer
+from .accept import draw
+from .exitgraph import cond_walk
+from .fused import _mask, _Processors, _Stops, backbone_view, input_offset
+
+__all__ = ["FusedExit", "fused_exit_for"]
+
+
+def _exit_step(views: tuple, offset, final_norm, logits_from_normed, cache, token, keys: int, dtype,
+               checkpoints: tuple, tests: tuple, stack, table, suppress, warp, num_layers: int):
+    """One step as one graph (module docstring) -> (the next token and x's exit layer [2]: what the host reads; the
+    next token [1, 1])."""
+    position = cache.layers[0].cumulative_length.reshape(1).clone()  # (a copy: layer 0 moves its length on)
+    mask = _mask(position, keys, dtype)
+    starts = (0,) + tuple(c + 1 for c in checkpoints)
+
+    def run(start: int, stop: int, hidden, on):
+        if start == 0:
+            inputs = {"input_ids": hidden}
+        else:
+            if offset is not None:  # what the view adds to its input embeddings (learned positions), taken off
+                hidden = hidden - offset(inputs_embeds=torch.zeros_like(hidden), position_ids=position[None],
+                                         use_cache=False).last_hidden_state
+            inputs = {"inputs_embeds": hidden}
+        return views[starts.index(start)](position_ids=position[None], attention_mask=mask, past_key_values=on,
+                                          use_cache=True, **inputs).last_hidden_state
+
+    rotary = None if table is None else table.at(position)
+    hidden = run(0, checkpoints[0] + 1, token, cache)
+    state, exit_layer = cond_walk(run, hidden, cache, checkpoints, tests,
+                                  lambda first, h: stack.kv(list(range(first, num_layers)), h, rotary), num_layers)
+    logits = logits_from_normed(final_norm(state))[0]  # [1, V]
+    where, suppressed = suppress
+    logits = logits.masked_fill(where[:, None] & suppressed, float("-inf"))
+    nxt = logits.argmax(-1, keepdim=True) if warp is None else draw(warp(logits.float()).softmax(-1))  # [1, 1]
+    return torch.cat([nxt.view(1), exit_layer.view(1)]), nxt
+
+
+class _RotaryTable:
+    """The rotary the batched fill applies (`kvfill`'s `rotary(calls, layers)`) for every position of a static cache
+    of `keys` slots, captured once from the backbone's own prelude, and `at(position)`: a position's row, in the
+    graph. None (`build`) where the rows cannot be told apart from what one position's capture gives."""
+
+    def __init__(self, tensors: tuple, axes: tuple):
+        self.tensors, self.axes = tensors, axes
+
+    def at(self, position: torch.Tensor) -> tuple:
+        return tuple(t.index_select(axis, position) for t, axis in zip(self.tensors, self.axes))
+
+    @classmethod
+    def build(cls, parts, stack, layers: list[int], keys: int, device, one_position) -> _RotaryTable | None:
+        def rotary(positions):
+            ids = torch.zeros(1, len(positions), dtype=torch.long, device=device)
+            calls = capture_layer_calls(parts, input_ids=ids, position_ids=torch.tensor([positions], device=device),
+                                        use_cache=False)
+            return stack.rotary(calls, layers)
+
+        table, row = rotary(list(range(keys))), rotary([one_position])
+        if not isinstance(table, tuple) or not isinstance(row, tuple) or len(table) != len(row):
+            return None
+        axes = []
+        for full, one in zip(table, row):
+            differ = [i for i, (a, b) in enumerate(zip(full.shape, one.shape)) if a != b]
+            if full.dim() != one.dim() or len(differ) != 1:
+                return None
+            axes.append(differ[0])
+        built = cls(table, tuple(axes))
+        position = torch.tensor([one_position], device=device)
+        return built if all(torch.equal(a, b) for a, b in zip(built.at(position), row)) else None
+
+
+def fused_exit_for(session, input_ids, generation_config, logits_processor, cache, mask, emitted):
+    """The fused exit loop for this call after its first new token, or None where the call goes on as it started
+    (`exitsession.ExitSession` through generate's loop): more than one row, processors that do not run in the graph,
+    per-token outputs, padding, steps that do not run as one graph (`ExitGraph`), a cache that is not static and
+    full-attention, a model whose backbone does not fit views or whose skipped layers' K/V the batched fill does
+    not compute with a rotary the table reproduces."""
+    graph = getattr(session, "graph", None)  # (the compiled base's session walks no exits)
+    if graph is None:
+        return None
+    parts = session.parts
+    processors = _Processors.of(logits_processor, session.model.num_head_rows, input_ids.device,
+                                bool(generation_config.do_sample))
+    if (input_ids.shape[0] != 1 or processors is None or emitted.keeps_outputs
+            or not parts.spec.tree_drafts or parts.post_norm is not None
+            or getattr(parts.backbone.config, "_attn_implementation", None) not in ("sdpa", "eager")
+            or not cache.layers or not all(is_static_layer(layer) and layer.is_initialized for layer in cache.layers)
+            or (mask is not None and not bool(mask.all()))):
+        return None
+    checkpoints = graph.checkpoints
+    views = session.model.__dict__.setdefault("_fused_views", {})
+    key = ("exit", checkpoints)
+    if key not in views:
+        views[key] = _views(parts, checkpoints)
+    if views[key] is None:
+        return None
+    keys, device = cache.layers[0].max_cache_len, input_ids.device
+    weight = next(parts.layers[0].parameters())
+    stack = stack_for(parts, weight.new_zeros(1, 1, weight.shape[-1]))
+    layers = list(range(checkpoints[0] + 1, parts.num_layers))
+    calls = capture_layer_calls(parts, input_ids=input_ids[:, -1:], position_ids=torch.tensor(
+        [[input_ids.shape[1] - 1]], device=device), use_cache=False)
+    if stack is None or not fused_available(parts, calls, layers, weight.new_zeros(1, 1, weight.shape[-1])):
+        return None
+    table = None
+    if stack.rotary(calls, layers) is not None:
+        tables = session.model.__dict__.setdefault("_rotary_tables", {})  # (positions only: kept per cache size)
+        if (keys, device) not in tables:
+            tables[keys, device] = _RotaryTable.build(parts, stack, layers, keys, device, input_ids.shape[1] - 1)
+        table = tables[keys, device]
+        if table is None:
+            return None
+    return FusedExit(session, cache, *views[key], processors, stack, table)
+
+
+def _views(parts, checkpoints: tuple):
+    """(the backbone's views: layers 0..c1, then from each checkpoint to the next and to the last layer; what the
+    views add to input embeddings, or None), or None where the backbone does not fit views or transforms its
+    input embeddings otherwise."""
+    bounds = (0,) + tuple(c + 1 for c in checkpoints) + (parts.num_layers,)
+    views = tuple(backbone_view(parts, a, b, final_norm=False) for a, b in zip(bounds, bounds[1:]))
+    offset_view = backbone_view(parts, 0, 0, final_norm=False)
+    if any(v is None for v in views) or offset_view is None:
+        return None
+    weight = next(parts.layers[0].parameters())
+    needed = input_offset(offset_view, parts.backbone.config.get_text_config().hidden_size, weight)
+    return None if needed is None else (views, offset_view if needed else None)
+
+
+class FusedExit:
+    """Runs the exit-mode steps of one call as one compiled graph and one host read each."""
+
+    def __init__(self, session, cache, views, offset, processors: _Processors, stack, table):
+        self.session, self.cache, self.views, self.offset = session, cache, views, offset
+        self.processors, self.stack, self.table = processors, stack, table
+
+    def decode(self, input_ids, stopping_criteria, generation_config, emitted):
+        """Generate after `input_ids` [1, n] (its last token emitted, not yet through the model) until a stopping
+        criterion fires; returns what `generate` returns."""
+        session, cache, stats, parts = self.session, self.cache, self.session.stats, self.session.parts
+        stops = _Stops(stopping_criteria, generation_config, input_ids.device)
+        tokens, token = input_ids[0].tolist(), dense(input_ids[:, -1:])
+        dtype, keys = next(parts.layers[0].parameters()).dtype, cache.layers[0].max_cache_len
+        graph = session.graph
+        while True:
+            start = time.perf_counter()
+            read, token = session.spans.graph(
+                ("fused exit", graph.checkpoints, self.processors.warp is not None), _exit_step,
+                "tide_exit_step_fused", self.views, self.offset, parts.final_norm, parts.logits_from_normed, cache,
+                token, keys, dtype, graph.checkpoints, graph.tests, self.stack, self.table,
+                self.processors.suppress(len(tokens), 0), self.processors.warp, parts.num_layers, lean=True)
+            new, exit_layer = read.tolist()  # the step's one host read
+            kept, done = stops.emitted(tokens, [new])
+            tokens.append(new)
+            emitted.add(torch.tensor([[new]], dtype=input_ids.dtype, device=input_ids.device), None, None)
+            stats.record_step([exit_layer], exit_layer + 1, parts.num_layers - 1 - exit_layer)
+            stats.decode_time_s += time.perf_counter() - start
+            if done:
+                return emitted.finish(torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device), cache)
