@@ -17,7 +17,8 @@ K/V a step), and the K/V are handed out and written after the branch. The tokens
 (the same layers, tests and fill).
 
 Where it runs: a single-row decode step of a compiled exit-mode call with `kv_strategy="propagate"` on a static
-full-attention cache, a model whose layers take one set of arguments and whose skipped layers' K/V the batched
+full-attention cache, compiled without CUDA graphs (torch captures `torch.cond` as CUDA graphs' conditional nodes,
+which no GPU has measured here yet: with `mode="reduce-overhead"`, a GPU's default, steps run as compiled spans), a model whose layers take one set of arguments and whose skipped layers' K/V the batched
 fill computes (`kvfill.fused_available`); anything else walks as before (`exitsession.walk_layers`).
 """
 
@@ -132,7 +133,8 @@ class ExitGraph:
     def for_session(cls, session) -> ExitGraph | None:
         """The call's exit graph, or None where its steps walk as before."""
         config, parts = session.config, session.parts
-        if (not session.spans.compiled or session.recompute is not None or not session.consulted
+        if (not session.spans.compiled or session.spans.cuda_graphs  # (CUDA graphs: not measured with torch.cond)
+                or session.recompute is not None or not session.consulted
                 or not parts.uniform_layers or config.kv_fill == "layerwise"
                 or max(session.consulted) >= parts.num_layers - 1):
             return None
