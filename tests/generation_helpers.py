@@ -71,39 +71,46 @@ def chi_square_limit(df: int) -> float:
     return df + 3.09 * (2 * df) ** 0.5 + 6
 
 
-def count_fused_work(monkeypatch) -> tuple[list, list]:
-    """([compiled-function launches], [device reads: tolist, item, bool, int, index, float]) counted while
-    `fused.FusedChain.decode` runs (its cycles), from now until `monkeypatch` undoes it."""
+def count_fused_work(monkeypatch, owner=None, method: str = "decode") -> tuple[list, list]:
+    """([compiled-function launches], [device reads: tolist, item, bool, int, index, float] outside them) counted
+    while `owner.method` runs (default `fused.FusedChain.decode`: its cycles), from now until `monkeypatch` undoes
+    it."""
     from tide.decode import fused
     from tide.layers.spans import SpanRunner
 
+    owner = owner or fused.FusedChain
     launches, reads, counting = [0], [0], [False]
     original_function = SpanRunner._function
 
-    def counted_function(self, function, key, name):
-        compiled = original_function(self, function, key, name)
+    def counted_function(self, function, key, name, lean=False):
+        compiled = original_function(self, function, key, name, lean)
 
-        def call(*args, **kwargs):
-            launches[0] += counting[0]
-            return compiled(*args, **kwargs)
+        def call(*args, **kwargs):  # (reads inside a compiled call are its own: `torch.cond` run eagerly reads its
+            launches[0] += counting[0]  # predicate, as inductor's CPU code does)
+            before = counting[0]
+            counting[0] = False
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                counting[0] = before
         return call
 
     monkeypatch.setattr(SpanRunner, "_function", counted_function)
-    for method in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
-        original = getattr(torch.Tensor, method)
+    for reader in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
+        original = getattr(torch.Tensor, reader)
 
         def read(self, *args, _original=original, **kwargs):
             reads[0] += counting[0]
             return _original(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, method, read)
-    decode = fused.FusedChain.decode
+        monkeypatch.setattr(torch.Tensor, reader, read)
+    counted = getattr(owner, method)
 
-    def counted_decode(self, *args, **kwargs):
+    def counted_call(self, *args, **kwargs):
         counting[0] = True
         try:
-            return decode(self, *args, **kwargs)
+            return counted(self, *args, **kwargs)
         finally:
             counting[0] = False
 
-    monkeypatch.setattr(fused.FusedChain, "decode", counted_decode)
+    monkeypatch.setattr(owner, method, counted_call)
     return launches, reads

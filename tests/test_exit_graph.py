@@ -8,7 +8,7 @@ import torch
 from transformers import CompileConfig
 
 import tide.decode.exits
-from generation_helpers import exits_by_sign
+from generation_helpers import count_fused_work, exits_by_sign
 from tide.decode import exitgraph
 from tiny_models import noisy_tide, prompt_ids
 
@@ -80,26 +80,22 @@ def test_one_graph_launch_and_few_host_reads_a_step(monkeypatch, fused):
     """Counted: each decode step calls one compiled graph and reads the device once in the fused loop (the token and
     the exit layer), twice in the session's walk (the exit layer, and the cache's length for the layers'
     arguments), however many checkpoints it passes."""
+    from tide.decode.exitsession import ExitSession
+    from tide.decode.fusedexit import FusedExit
+
     model = _model()
     ids = prompt_ids()
     kwargs = dict(do_sample=False, max_new_tokens=12, compile_config=EAGER_BACKEND, tide_config=EXIT)
     if not fused:
         monkeypatch.setattr(tide.decode.exits, "fused_exit_for", lambda *args, **kw: None)
     model.generate(ids, **kwargs)
-    (runner,) = model.span_runners.values()
-    launches, reads = [0], [0]
-    compiled = dict(runner._compiled)
-    for key, fn in compiled.items():
-        runner._compiled[key] = (lambda fn: lambda *a, **k: launches.__setitem__(0, launches[0] + 1) or fn(*a, **k))(fn)
-    real_int, real_tolist = torch.Tensor.__int__, torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: reads.__setitem__(0, reads[0] + 1) or real_int(t))
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.__setitem__(0, reads[0] + 1) or real_tolist(t))
+    launches, reads = (count_fused_work(monkeypatch, FusedExit, "decode") if fused else
+                       count_fused_work(monkeypatch, ExitSession, "decode_step"))
     model.generate(ids, **kwargs)
-    runner._compiled.update(compiled)
     steps = model.last_stats.decode_steps
-    assert steps == 11 and launches[0] == steps
-    # (the fused loop: and the prompt as a list, and the first token's, once a call)
-    assert reads[0] == (steps + 2 if fused else 2 * steps), reads
+    assert steps == 11 and launches[0] == steps and len(set(model.last_stats.exits)) == 3
+    assert reads[0] == (steps + 2 if fused else 2 * steps), reads  # (the fused loop, once a call: the prompt as a
+    # list, the end-of-sequence ids; inside the graph, `torch.cond` reads its predicate where it runs eagerly)
 
 
 def test_no_recompilation_across_prompt_lengths():

@@ -9,7 +9,11 @@ host reads each checkpoint's test to pick what runs next. Here the whole walk is
    batched fill's stacked projections, `kvfill`) and going on (the layers up to the next checkpoint, then the next
    test, nested);
 3. the K/V the branch handed out written into the cache, and the state the head reads and the exit layer returned:
-   the one host read of the step is the exit layer, for the stats.
+   the loop's one host read of the step is the exit layer, for the stats.
+
+Inside the graph each `torch.cond` picks its branch by reading its predicate on the host (eagerly, and in inductor's
+code alike): on a CPU that is no synchronisation; on a GPU only CUDA graphs' conditional nodes keep the choice on
+the device, and those are not used yet (below).
 
 A branch of `torch.cond` may not write its inputs, so the layers inside one run on a staged view of the cache
 (`_Staged`): attention sees the layer's cache with this step's K/V put in out of place (a copy of that layer's

@@ -12,7 +12,8 @@ full-attention cache with processors that run in the graph (`fused._Processors`)
    captured once per call (`_RotaryTable`);
 3. the final norm and head on the state the walk returns, a minimum length's end-of-sequence scores set to -inf,
    and the next token: the argmax, or a draw after the call's warpers;
-4. one host read: the token and x's exit layer, for the stopping criteria, the streamer and the stats.
+4. one host read by the loop: the token and x's exit layer, for the stopping criteria, the streamer and the stats
+   (each `torch.cond` reads its predicate inside the graph: `exitgraph.py`).
 
 The first new token comes from the prompt's full pass in `exits.exit_decode`, as in every exit-mode call; then this
 loop takes over. One graph per call shape, none made again for another prompt length.
