@@ -14,7 +14,8 @@ from tiny_models import noisy_tide, prompt_ids
 
 EAGER_BACKEND = CompileConfig(backend="eager")
 EXIT = {"exit_threshold": 0.5, "compile": True}
-# exit tests on the sign of a state's dimension, chosen so that tokens leave at both checkpoints and some run every layer
+# exit tests on the sign of a state's dimension, chosen so that tokens leave at both checkpoints and some run every
+# layer
 DIMS = {"llama": {1: 0, 3: 3}, "gpt2": {1: 4, 3: 1}}
 
 

@@ -46,8 +46,10 @@ for k, v in med.items():
     res[k] = {"ms_per_token": statistics.median(v) / n * 1e3, "identical_to_generate": same[k], "stats": stats,
               **{f"vs {b}": [statistics.median(r[b]), r[b][0], r[b][-1]] for b in r}}
     print(f"{k:38s} {res[k]['ms_per_token']:7.2f} ms/token  vs generate x{statistics.median(r['generate']):.2f} "
-          f"[{r['generate'][0]:.2f}-{r['generate'][-1]:.2f}]  vs compiled x{statistics.median(r['static+compile']):.2f} "
-          f"[{r['static+compile'][0]:.2f}-{r['static+compile'][-1]:.2f}]  same as generate {same[k]:.2f}  {stats or ''}")
+          f"[{r['generate'][0]:.2f}-{r['generate'][-1]:.2f}]  "
+          f"vs compiled x{statistics.median(r['static+compile']):.2f} "
+          f"[{r['static+compile'][0]:.2f}-{r['static+compile'][-1]:.2f}]  "
+          f"same as generate {same[k]:.2f}  {stats or ''}")
 a = statistics.median(x / y for x, y in zip(med["exit mode, runs of layers (before)"],
                                             med["exit mode, one graph a step (after)"]))
 print(f"one graph against runs of layers: x{a:.3f} (median of per-prompt ratios)")

@@ -63,7 +63,8 @@ for k, v in med.items():
     res[k] = {"ms_per_token": statistics.median(v) / n * 1e3, "accepted_per_cycle": accepted,
               **{f"vs {b}": [statistics.median(r[b]), r[b][0], r[b][-1]] for b in r}}
     print(f"{k:34s} {res[k]['ms_per_token']:6.2f} ms/token  vs generate x{statistics.median(r['generate']):.2f} "
-          f"[{r['generate'][0]:.2f}-{r['generate'][-1]:.2f}]  vs compiled x{statistics.median(r['static+compile']):.2f} "
+          f"[{r['generate'][0]:.2f}-{r['generate'][-1]:.2f}]  "
+          f"vs compiled x{statistics.median(r['static+compile']):.2f} "
           f"[{r['static+compile'][0]:.2f}-{r['static+compile'][-1]:.2f}]  accepted/cycle {accepted}")
 Path(sys.argv[4]).write_text(json.dumps({"model": bench.model_dir, "text": bench.text, "tree": tree, "rows": res},
                                         indent=1))

@@ -22,8 +22,9 @@ K/V a step), and the K/V are handed out and written after the branch. The tokens
 
 Where it runs: a single-row decode step of a compiled exit-mode call with `kv_strategy="propagate"` on a static
 full-attention cache, compiled without CUDA graphs (torch captures `torch.cond` as CUDA graphs' conditional nodes,
-which no GPU has measured here yet: with `mode="reduce-overhead"`, a GPU's default, steps run as compiled spans), a model whose layers take one set of arguments and whose skipped layers' K/V the batched
-fill computes (`kvfill.fused_available`); anything else walks as before (`exitsession.walk_layers`).
+which no GPU has measured here yet: with `mode="reduce-overhead"`, a GPU's default, steps run as compiled spans), a
+model whose layers take one set of arguments and whose skipped layers' K/V the batched fill computes
+(`kvfill.fused_available`); anything else walks as before (`exitsession.walk_layers`).
 """
 
 from __future__ import annotations
