@@ -125,3 +125,18 @@ def test_the_routers_own_tests_run_in_the_graph():
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(model.generate(ids, tide_config=config, compile_config=EAGER_BACKEND, **kwargs), eager)
     assert _graphs(model) == {"fused exit"}
+
+
+@pytest.mark.parametrize("family", ["phi3", "qwen3", "opt"])  # fused qkv; k-norms; OPT: a projection after the
+# final norm, so the walk in generate's loop
+def test_compiled_exit_steps_equal_the_walk_on_other_families(family):
+    """Compiled exit mode, whichever one-graph path the family takes, gives the eager walk's tokens with tokens
+    leaving."""
+    model, base = noisy_tide(family)
+    model.exit_tests = exits_by_sign(dict.fromkeys(model.checkpoints, 0))
+    ids = prompt_ids()
+    kwargs = dict(do_sample=False, max_new_tokens=10)
+    eager = model.generate(ids, tide_config={"exit_threshold": 0.5}, **kwargs)
+    assert set(model.last_stats.exits) - {"full"}
+    assert torch.equal(model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **kwargs), eager)
+    assert _graphs(model) & {"fused exit", "exit"}
