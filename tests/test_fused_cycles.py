@@ -282,7 +282,7 @@ def test_sampled_trees_in_the_graph_draw_from_the_full_model(warm):
 
     model, base = warm
     ids = torch.cat([prompt_ids(6, seed=3)] * 3, 1)  # the text repeats: n-gram branches
-    steps, top_k, temperature, runs = 3, 3, 2.0, 500
+    steps, top_k, temperature, runs = 3, 3, 2.0, 300
     exact = _exact_joint(base, ids, steps, top_k, temperature)
     config = {**TREE, "draft_ngram": 3}
     counts, cycles, accepted = Counter(), 0, 0
@@ -296,4 +296,4 @@ def test_sampled_trees_in_the_graph_draw_from_the_full_model(warm):
     assert set(counts) <= set(exact)
     chi2, df = chi_square(counts, exact, runs)
     assert chi2 < chi_square_limit(df), (chi2, df, counts.most_common(6))
-    assert cycles >= runs and accepted > runs / 10
+    assert cycles >= runs and accepted > runs / 10  # (the rule's own power: tests/test_fused_trees.py, 6,000 runs)
