@@ -9,7 +9,7 @@ from transformers import CompileConfig, TextStreamer
 from transformers.modeling_outputs import BaseModelOutput
 
 import tide.decode.lossless
-from tide.decode import fused
+from tide.decode import fused, views
 from tide.decode.accept import sampling_verdict_on_device
 from generation_helpers import chi_square, chi_square_limit, count_fused_work
 from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
@@ -76,9 +76,9 @@ def test_a_backbone_that_transforms_its_inputs_is_not_given_states():
             return BaseModelOutput(last_hidden_state=inputs_embeds)
 
     like = torch.zeros(1)
-    assert fused.input_offset(Passes(), 8, like) is False
-    assert fused.input_offset(Adds(), 8, like) is True
-    assert fused.input_offset(Scales(), 8, like) is None
+    assert views.input_offset(Passes(), 8, like) is False
+    assert views.input_offset(Adds(), 8, like) is True
+    assert views.input_offset(Scales(), 8, like) is None
 
 
 def test_stopping_inside_a_cycle_drops_what_follows(warm):

@@ -35,7 +35,7 @@ from ..layers.kvfill import fused_available, stack_for
 from ..layers.spans import _at_offset_zero, _run_span
 from ..models.compat import is_static_layer
 
-__all__ = ["ExitGraph", "cond_walk"]
+__all__ = ["ExitGraph", "Fill", "cond_walk"]
 
 
 class _Staged:
@@ -116,7 +116,7 @@ def _laid_out(*tensors) -> tuple:
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) for t in tensors)
 
 
-class _Fill:
+class Fill:
     """The K/V of layers first..L-1 from a state, by the batched fill's stacked projections and the step's rotary."""
 
     def __init__(self, stack, rotary, num_layers: int):
@@ -156,7 +156,7 @@ class ExitGraph:
                 or not fused_available(parts, steps.calls, layers, hidden)):
             return None
         stack = stack_for(parts, hidden)
-        fill = _Fill(stack, stack.rotary(steps.calls, layers), parts.num_layers)
+        fill = Fill(stack, stack.rotary(steps.calls, layers), parts.num_layers)
         return spans.graph(("exit", self.checkpoints), _walk, "tide_exit_step", tuple(parts.layers),
                            parts.spec.returns_tuple, hidden, _at_offset_zero(call.args[1:]),
                            _at_offset_zero(call.kwargs), parts.spec.cache_arg, cache, self.checkpoints, self.tests,

@@ -10,7 +10,7 @@ one attention type), greedy or sampled, a cycle is one graph (one per chain widt
    after the call's warpers. With `draft_ngram`, where the sequence's latest n-gram occurred before, its
    continuation is the draft instead (the host knows it; x and it run through layers 0..E in one pass). The
    backbone's own forward does the work, on a view of it that holds layers 0..E and no final norm
-   (`backbone_view`), so positions, rotary tables and masks are made inside the graph as the model makes them.
+   (`views.backbone_view`), so positions, rotary tables and masks are made inside the graph as the model makes them.
 2. **verification**: layers E+1..L-1 over [x, d1..dk] from their layer-E states (a view that starts at layer E+1
    and ends with the final norm), the head, a minimum length's end-of-sequence scores set to -inf, acceptance
    (greedy: the longest prefix of drafts equal to the full model's argmax; sampling: the speculative-sampling rule,
@@ -26,17 +26,15 @@ scores alone (temperature, top-k, top-p, min-p); a call with any other takes the
 would stop generation are not cut before verification (the emitted tokens are the full model's, whatever was
 drafted); the stopping criteria run on the emitted tokens, one at a time, and the tokens after the first that
 stops are dropped with their K/V. The deep view takes the layer-E states as its input embeddings; what the
-backbone adds to its inputs before layer 0 (learned positions) is measured once and taken off (`input_offset`),
+backbone adds to its inputs before layer 0 (learned positions) is measured once and taken off (`views.input_offset`),
 and a backbone that transforms them otherwise (e.g. scales them) is not used.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
-from torch import nn
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -48,31 +46,15 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from ..layers.spans import dense
-from ..models.compat import crop_cache, is_static_layer
+from ..models.compat import crop_cache
 from .accept import draw, sampling_verdict_on_device
 from .emit import Emitted
 from .fusedtree import TreeShape, tree_cycle
 from .ngram import NgramLookup
 from .speculative import next_cap
+from .views import one_graph_fits, views_of
 
-__all__ = ["FusedChain", "backbone_view", "fused_chain_for", "input_offset"]
-
-
-def backbone_view(parts, start: int, stop: int, final_norm: bool) -> nn.Module | None:
-    """The backbone running only decoder layers start..stop-1 (its final norm where `final_norm`, else none): a
-    shallow copy sharing every parameter, whose forward is the backbone's own. None where the layers or the norm
-    are not the backbone's direct children."""
-    backbone, spec = parts.backbone, parts.spec
-    prefix = spec.backbone + "."
-    layers_name, norm_name = spec.layers.removeprefix(prefix), spec.norm.removeprefix(prefix)
-    if not (spec.layers.startswith(prefix) and spec.norm.startswith(prefix)) or "." in layers_name + norm_name:
-        return None
-    view = copy.copy(backbone)
-    view._modules = dict(backbone._modules)  # (copy.copy shares the dict: the backbone itself must not change)
-    view._modules[layers_name] = nn.ModuleList(list(parts.layers)[start:stop])
-    if not final_norm:
-        view._modules[norm_name] = nn.Identity()
-    return view
+__all__ = ["FusedChain", "fused_chain_for"]
 
 
 def _mask(positions: torch.Tensor, keys: int, dtype) -> torch.Tensor:
@@ -168,21 +150,6 @@ def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, contex
     return torch.cat([accepted.view(1), tokens[0]]), tokens.index_select(1, accepted.view(1)), context
 
 
-def input_offset(view: nn.Module, hidden: int, like: torch.Tensor) -> bool | None:
-    """What the backbone view `view` (no layers) adds to the input embeddings it is given, measured on random
-    states: False, nothing (they pass as they are); True, a term that does not depend on them (learned positions),
-    which the verification graph computes and takes off; None, it transforms them otherwise (e.g. scales them),
-    and cannot be given states."""
-    states = torch.randn(1, 3, hidden, dtype=like.dtype, device=like.device)
-    positions = torch.arange(3, device=like.device)[None]
-    with torch.no_grad():
-        out = view(inputs_embeds=states, position_ids=positions, use_cache=False).last_hidden_state
-        zero = view(inputs_embeds=torch.zeros_like(states), position_ids=positions, use_cache=False).last_hidden_state
-    if torch.equal(out, states):
-        return False
-    return True if torch.allclose(out - zero, states, atol=1e-5, rtol=1e-4) else None
-
-
 def fused_chain_for(session, input_ids, generation_config, logits_processor, cache, mask,
                     emitted: Emitted) -> FusedChain | None:
     """The fused chain for this call, its prompt prefilled, or None where the call takes the general loop: logits
@@ -195,11 +162,8 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
     # a tree the call named (a repo's tree gives way to a chain): the head's candidates for the next position
     tree = session.draft_topk if session.draft_topk > 1 and not session.fused_chain_first else 0
     if (processors is None or emitted.keeps_outputs or not session.spans.compiled
-            or not session.head_drafts or not parts.uniform_layers
-            or not parts.spec.tree_drafts or parts.post_norm is not None
-            or getattr(parts.backbone.config, "_attn_implementation", None) not in ("sdpa", "eager")
-            or not cache.layers or not all(is_static_layer(layer) for layer in cache.layers)
-            or (mask is not None and not bool(mask.all())) or input_ids.shape[1] < 2):
+            or not session.head_drafts or not parts.uniform_layers or not one_graph_fits(parts, cache, mask)
+            or input_ids.shape[1] < 2):
         return None
     session.verifier.prefill(input_ids)  # the cache holds all but the last token; the context
     if not all(layer.is_initialized for layer in cache.layers):
@@ -207,22 +171,13 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
     head = session.model.draft_function(session.draft_layer, session.draft_vocab_size)
     if head is None:
         return None
-    views = session.model.__dict__.setdefault("_fused_views", {})
-    key = session.draft_layer
-    if key not in views:
-        shallow = backbone_view(parts, 0, key + 1, final_norm=False)
-        deep = backbone_view(parts, key + 1, parts.num_layers, final_norm=True)
-        offset_view = backbone_view(parts, 0, 0, final_norm=False)
-        needed = None
-        if shallow is not None and deep is not None and offset_view is not None:
-            weight = next(parts.layers[0].parameters())
-            needed = input_offset(offset_view, parts.backbone.config.get_text_config().hidden_size, weight)
-        views[key] = None if needed is None else (shallow, deep, offset_view if needed else None)
-    if views[key] is None:
+    views = views_of(session.model, parts, (0, session.draft_layer + 1, parts.num_layers), (False, True))
+    if views is None:
         return None
+    (shallow, deep), offset = views
     if not tree:
         session.stats.draft_topk = 1
-    return FusedChain(session, head, cache, *views[key], processors, tree)
+    return FusedChain(session, head, cache, shallow, deep, offset, processors, tree)
 
 
 class FusedChain:

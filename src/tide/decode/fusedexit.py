@@ -5,7 +5,7 @@ forward, the capture of the layers' arguments and the head, on the host. Here, f
 full-attention cache with processors that run in the graph (`fused._Processors`), a step (`_exit_step`) is:
 
 1. the last emitted token x through layers 0..c1 (the first consulted checkpoint) by the backbone's own forward on a
-   view of those layers (`fused.backbone_view`), its position the static cache's length and its mask made inside the
+   view of those layers (`views.backbone_view`), its position the static cache's length and its mask made inside the
    graph, as the lossless cycles do;
 2. `exitgraph.cond_walk`: at each checkpoint `torch.cond` between the batched fill of every later layer's K/V and
    the next view's layers, nested; the rotary the fill needs is a row of a table of every position of the cache,
@@ -28,10 +28,10 @@ import torch
 from ..layers.calls import capture_layer_calls
 from ..layers.kvfill import fused_available, stack_for
 from ..layers.spans import dense
-from ..models.compat import is_static_layer
 from .accept import draw
-from .exitgraph import cond_walk
-from .fused import _mask, _Processors, _Stops, backbone_view, input_offset
+from .exitgraph import Fill, cond_walk
+from .fused import _mask, _Processors, _Stops
+from .views import one_graph_fits, views_of
 
 __all__ = ["FusedExit", "fused_exit_for"]
 
@@ -57,8 +57,7 @@ def _exit_step(views: tuple, offset, final_norm, logits_from_normed, cache, toke
 
     rotary = None if table is None else table.at(position)
     hidden = run(0, checkpoints[0] + 1, token, cache)
-    state, exit_layer = cond_walk(run, hidden, cache, checkpoints, tests,
-                                  lambda first, h: stack.kv(list(range(first, num_layers)), h, rotary), num_layers)
+    state, exit_layer = cond_walk(run, hidden, cache, checkpoints, tests, Fill(stack, rotary, num_layers), num_layers)
     logits = logits_from_normed(final_norm(state))[0]  # [1, V]
     where, suppressed = suppress
     logits = logits.masked_fill(where[:, None] & suppressed, float("-inf"))
@@ -112,25 +111,23 @@ def fused_exit_for(session, input_ids, generation_config, logits_processor, cach
     processors = _Processors.of(logits_processor, session.model.num_head_rows, input_ids.device,
                                 bool(generation_config.do_sample))
     if (input_ids.shape[0] != 1 or processors is None or emitted.keeps_outputs
-            or not parts.spec.tree_drafts or parts.post_norm is not None
-            or getattr(parts.backbone.config, "_attn_implementation", None) not in ("sdpa", "eager")
-            or not cache.layers or not all(is_static_layer(layer) and layer.is_initialized for layer in cache.layers)
-            or (mask is not None and not bool(mask.all()))):
+            or not one_graph_fits(parts, cache, mask) or not all(layer.is_initialized for layer in cache.layers)):
         return None
     checkpoints = graph.checkpoints
-    views = session.model.__dict__.setdefault("_fused_views", {})
-    key = ("exit", checkpoints)
-    if key not in views:
-        views[key] = _views(parts, checkpoints)
-    if views[key] is None:
+    bounds = (0,) + tuple(c + 1 for c in checkpoints) + (parts.num_layers,)
+    views = views_of(session.model, parts, bounds, (False,) * (len(bounds) - 1))
+    if views is None:
         return None
     keys, device = cache.layers[0].max_cache_len, input_ids.device
     weight = next(parts.layers[0].parameters())
-    stack = stack_for(parts, weight.new_zeros(1, 1, weight.shape[-1]))
+    like = weight.new_zeros(1, 1, weight.shape[-1])  # (the fill's stack is per device and dtype)
+    stack = stack_for(parts, like)
+    if stack is None:
+        return None
     layers = list(range(checkpoints[0] + 1, parts.num_layers))
     calls = capture_layer_calls(parts, input_ids=input_ids[:, -1:], position_ids=torch.tensor(
         [[input_ids.shape[1] - 1]], device=device), use_cache=False)
-    if stack is None or not fused_available(parts, calls, layers, weight.new_zeros(1, 1, weight.shape[-1])):
+    if not fused_available(parts, calls, layers, like):
         return None
     table = None
     if stack.rotary(calls, layers) is not None:
@@ -140,21 +137,7 @@ def fused_exit_for(session, input_ids, generation_config, logits_processor, cach
         table = tables[keys, device]
         if table is None:
             return None
-    return FusedExit(session, cache, *views[key], processors, stack, table)
-
-
-def _views(parts, checkpoints: tuple):
-    """(the backbone's views: layers 0..c1, then from each checkpoint to the next and to the last layer; what the
-    views add to input embeddings, or None), or None where the backbone does not fit views or transforms its
-    input embeddings otherwise."""
-    bounds = (0,) + tuple(c + 1 for c in checkpoints) + (parts.num_layers,)
-    views = tuple(backbone_view(parts, a, b, final_norm=False) for a, b in zip(bounds, bounds[1:]))
-    offset_view = backbone_view(parts, 0, 0, final_norm=False)
-    if any(v is None for v in views) or offset_view is None:
-        return None
-    weight = next(parts.layers[0].parameters())
-    needed = input_offset(offset_view, parts.backbone.config.get_text_config().hidden_size, weight)
-    return None if needed is None else (views, offset_view if needed else None)
+    return FusedExit(session, cache, *views, processors, stack, table)
 
 
 class FusedExit:
