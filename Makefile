@@ -19,15 +19,17 @@ setup: $(BIN)/.installed
 # The tests run with torch.compile's caches (inductor's and Triton's) in a fresh folder of their own, removed
 # afterwards: every run compiles what a fresh machine compiles, and takes the time a new user waits.
 # PYTEST_ARGS: more pytest arguments, e.g. `make test PYTEST_ARGS=tests/test_compile.py`.
+# TEST_WORKERS: pytest-xdist workers, one a core by default (each takes one thread; a test file stays on one worker).
 # The lint (ruff, configured in pyproject.toml) runs first: a finding fails `make test` before pytest starts.
 PYTEST_ARGS ?=
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 test: setup
 	@$(BIN)/ruff check src tests examples && \
 	caches=$$(mktemp -d "$${TMPDIR:-/tmp}/tide-test-caches.XXXXXX") && \
 	trap 'rm -rf "$$caches"' EXIT && trap 'exit 130' INT TERM && \
 	echo "torch.compile caches: $$caches (fresh, removed afterwards)" && \
 	TORCHINDUCTOR_CACHE_DIR="$$caches/inductor" TRITON_CACHE_DIR="$$caches/triton" \
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/tide demo

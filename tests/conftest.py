@@ -10,7 +10,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# Under pytest-xdist (`make test` runs a worker a core) each worker takes one thread: the tiny models gain
+# nothing from more, and two workers' threads on one core slow both.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,9 +26,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def eager_compiled_baseline(monkeypatch):
-    """`tide bench`'s compiled baseline (the base model's compiled static-cache decode) captured by dynamo as one
-    graph, without inductor's code generation (the eager backend): for tests that run the bench or the demo and read
-    nothing of inductor's code; inductor itself is tested in tests/test_compile.py."""
+    """`tide bench`'s compiled baseline (the base model's compiled static-cache decode) and its compiled lossless row
+    captured by dynamo without inductor's code generation (the eager backend): for tests that run the bench or the
+    demo and read nothing of inductor's code; inductor itself is tested in tests/test_compile.py."""
+    from transformers import CompileConfig
+
     import tide.tools.bench
 
     compiled = tide.tools.bench.compiled_static_decoder
@@ -36,6 +40,7 @@ def eager_compiled_baseline(monkeypatch):
         return compiled(*args, **kwargs)
 
     monkeypatch.setattr(tide.tools.bench, "compiled_static_decoder", eager_backend)
+    monkeypatch.setattr(tide.tools.bench, "TIDE_COMPILE_CONFIG", CompileConfig(backend="eager"))
 
 
 # ---------------------------------------------------------------------- fixed timings (tests/fixed_timing.py)

@@ -73,8 +73,8 @@ def test_bench_writes_json_and_plot(router_dir, text_file, tmp_path, eager_compi
         low, high = row["ratio_range"]
         assert low <= row["ratio_to_base"] <= high, name
         assert 0.0 <= row["greedy_token_match"] <= 1.0
-    if "lossless" in variants:
-        assert variants["lossless"]["greedy_identical"]
+    assert variants["lossless"]["greedy_identical"] and variants["lossless compile=True"]["greedy_identical"]
+    assert variants["lossless compile=True"]["ratio_to_compiled"] > 0 and results["tide_compile_s"] > 0
     assert {"checkpoint", "skipped_layer", "head", "layer_s"} <= set(results["costs"])
     assert results["oracle"]["exits"] > 0 and results["oracle"]["lens"] > 0
     trials = results["draft_selection"]["trials"]  # what calibration timed for lossless mode, chains and trees
