@@ -38,8 +38,9 @@ def _model(family="llama"):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # (GPT-2: learned positions, the cache by position)
 def test_exit_steps_as_one_graph_equal_the_walk(family):
     """Tokens leaving at either checkpoint or running every layer: the fused loop's tokens and exits are the eager
-    walk's, and so are the session's one-graph walk's (a repetition penalty keeps the call on generate's loop); no run
-    of layers was compiled alone."""
+    walk's, with a repetition penalty too (in the graph, on the tokens seen so far), and so are the session's
+    one-graph walk's (a processor that reads the sequence, no repeated bigram, keeps the call on generate's loop); no
+    run of layers was compiled alone."""
     model = _model(family)
     ids = prompt_ids()
     kwargs = dict(do_sample=False, max_new_tokens=20)
@@ -49,10 +50,13 @@ def test_exit_steps_as_one_graph_equal_the_walk(family):
     out = model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **kwargs)
     assert torch.equal(out, eager) and dict(model.last_stats.exits) == exits
     assert _graphs(model) == {"fused exit"}
-    penalised = {**kwargs, "repetition_penalty": 1.3}
-    eager = model.generate(ids, tide_config={"exit_threshold": 0.5}, **penalised)
-    assert torch.equal(model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **penalised), eager)
-    assert _graphs(model) == {"fused exit", "exit"}
+    for extra, graphs in (({"repetition_penalty": 1.3}, {"fused exit"}),
+                          ({"no_repeat_ngram_size": 2}, {"fused exit", "exit"})):
+        eager = model.generate(ids, tide_config={"exit_threshold": 0.5}, **kwargs, **extra)
+        assert not torch.equal(eager, out), extra  # (the processor changes the tokens)
+        assert torch.equal(model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **kwargs, **extra),
+                           eager), extra
+        assert _graphs(model) == graphs
     (runner,) = model.span_runners.values()
     assert not [key for key in runner._compiled if isinstance(key[0], int)]  # (compiled spans: tests/test_compile.py)
 

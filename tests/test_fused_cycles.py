@@ -142,20 +142,65 @@ def test_no_recompilation_across_prompt_lengths(warm, config):
 
 
 def test_calls_the_fused_cycle_does_not_serve_take_the_general_loop(warm, monkeypatch):
-    """Logits processors other than a minimum length, and per-token scores, decline (the general loop serves them,
-    correctly)."""
+    """Logits processors that read the sequence (no repeated bigram), a tree with a repetition penalty, and
+    per-token scores decline (the general loop serves them, correctly)."""
     model, base = warm
     ids = prompt_ids()
     built = []
     monkeypatch.setattr(tide.decode.lossless, "fused_chain_for",
                         lambda *a, **k: built.append(fused.fused_chain_for(*a, **k)) or built[-1])
-    assert torch.equal(generate(model, ids, max_new_tokens=8, repetition_penalty=1.3),
-                       base.generate(ids, do_sample=False, max_new_tokens=8, repetition_penalty=1.3))
+    for config, extra in ((LOSSLESS, {"no_repeat_ngram_size": 2}), (TREE, {"repetition_penalty": 1.3})):
+        assert torch.equal(generate(model, ids, config, max_new_tokens=8, **extra),
+                           base.generate(ids, do_sample=False, max_new_tokens=8, **extra))
     out = generate(model, ids, max_new_tokens=8, return_dict_in_generate=True, output_scores=True)
     assert len(out.scores) == 8
-    assert built == [None, None]
+    assert built == [None, None, None]
     generate(model, ids, max_new_tokens=8)
     assert built[-1] is not None
+
+
+def test_each_position_penalises_what_was_seen_and_drafted_before_it():
+    """The penalty's tokens at x and each draft: the sequence's, and the drafts before the position; and the penalty
+    as transformers' processor computes it."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    seen = torch.zeros(6, dtype=torch.bool)
+    seen[1] = True
+    rows = fused.seen_at(seen, torch.tensor([3, 1, 3, 5]))
+    assert rows.tolist() == [[i in held for i in range(6)] for held in ({1}, {1, 3}, {1, 3}, {1, 3}, {1, 3, 5})]
+    logits = torch.tensor([[1.0, -2.0, 0.5, 3.0, -1.0, 2.0]])
+    expected = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[3, 1]]), logits.clone())
+    assert torch.equal(fused.penalised(logits, torch.tensor(1.5), rows[1]), expected)
+
+
+def test_a_repetition_penalty_runs_in_the_graph(warm, monkeypatch):
+    """A repetition penalty (with a minimum length beside it, and a prompt part it ignores) runs inside the cycle's
+    graph, on the tokens seen so far and each position's drafts before it: the base model's tokens, greedy, one
+    launch a cycle; sampled with top-k, the full model's penalised top-k support."""
+    model, base = warm
+    ids = prompt_ids(8, seed=4)  # (a prompt where leaving out the drafts before a position changes the tokens)
+    for extra in ({"repetition_penalty": 2.0, "min_new_tokens": 4}, {"repetition_penalty": 0.5}):
+        ref = base.generate(ids, do_sample=False, max_new_tokens=24, **extra)
+        assert not torch.equal(ref, base.generate(ids, do_sample=False, max_new_tokens=24))  # (it changes tokens)
+        launches, reads = count_fused_work(monkeypatch)
+        assert torch.equal(generate(model, ids, max_new_tokens=24, **extra), ref), extra
+        stats = model.last_stats
+        assert launches[0] == stats.fused_cycles > 0 and 0 < stats.accepted < stats.drafted
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    ignoring = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=ids.shape[1])])
+    ref = base.generate(ids, do_sample=False, max_new_tokens=16, logits_processor=ignoring)
+    assert torch.equal(generate(model, ids, max_new_tokens=16, logits_processor=ignoring), ref)
+    assert model.last_stats.fused_cycles
+    torch.manual_seed(0)
+    out = model.generate(ids, do_sample=True, top_k=2, repetition_penalty=1.3, max_new_tokens=12,
+                         compile_config=EAGER_BACKEND, tide_config=LOSSLESS)
+    assert model.last_stats.fused_cycles
+    new = out[0, ids.shape[1]:]
+    for i in range(new.shape[0]):  # the full model's penalised top-2 before each new token
+        scores = RepetitionPenaltyLogitsProcessor(1.3)(out[:, : ids.shape[1] + i],
+                                                       base(out[:, : ids.shape[1] + i]).logits[:, -1])
+        assert new[i] in scores[0].topk(2).indices
 
 
 def test_a_compiled_call_drafts_the_fused_chain_unless_it_names_a_tree(warm):

@@ -21,8 +21,10 @@ one attention type), greedy or sampled, a cycle is one graph (one per chain widt
 
 A call that names `draft_topk` runs a tree instead, one graph a cycle too, greedy or sampled (`fusedtree.py`).
 
-The processors that run in the graph are generate's minimum length and, sampling, the warpers that read the
-scores alone (temperature, top-k, top-p, min-p); a call with any other takes the general loop. Drafted tokens that
+The processors that run in the graph are generate's minimum length, the repetition penalty (on the tokens seen so
+far: a mask of the vocabulary the loop keeps on the device, and in the graph each drafted position's drafts before
+it) and, sampling, the warpers that read the scores alone (temperature, top-k, top-p, min-p); a call with any other
+takes the general loop. Drafted tokens that
 would stop generation are not cut before verification (the emitted tokens are the full model's, whatever was
 drafted); the stopping criteria run on the emitted tokens, one at a time, and the tokens after the first that
 stops are dropped with their K/V. The deep view takes the layer-E states as its input embeddings; what the
@@ -36,6 +38,7 @@ import time
 
 import torch
 from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -102,15 +105,16 @@ def _certain(drafts: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, first_deep: int, suppress, warp,
-            drawn_from, valid):
+            drawn_from, valid, penalty=None):
     """A cycle's verification: layers E+1..L-1 over [x, drafts] from their layer-E `states` [1, k + 1, H]; the
     tokens to emit, the accepted count, the next context, and every cache layer cut back to the accepted path
     -> (tokens [1, k + 1], of which the first accepted + 1 are emitted; accepted []; context [1, H]).
     `suppress`: (where [k + 1] bool, tokens [V] bool): the tokens whose scores are -inf at those positions (a
     minimum length's end-of-sequence tokens). `valid` []: how many of the drafts count (the rest pad a shorter
-    n-gram continuation to the graph's width; never accepted). Greedy (`warp` None): the longest prefix of drafts
-    equal to the full model's argmax, then its token. Sampling: the speculative-sampling rule (`accept.py`) on
-    the full model's distributions after `warp` and the drafts' `drawn_from` [1, k, V]."""
+    n-gram continuation to the graph's width; never accepted). `penalty`: (p [], seen [V] bool) for a repetition
+    penalty, the tokens up to x seen; each position also sees the drafts before it. Greedy (`warp` None): the
+    longest prefix of drafts equal to the full model's argmax, then its token. Sampling: the speculative-sampling
+    rule (`accept.py`) on the full model's distributions after `warp` and the drafts' `drawn_from` [1, k, V]."""
     width = drafts.shape[1]
     positions = cache.layers[first_deep].cumulative_length + torch.arange(width + 1, device=states.device)
     if offset is not None:
@@ -122,6 +126,8 @@ def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, 
     logits = logits_from_normed(normed)
     where, suppressed = suppress
     logits = logits.masked_fill(where[None, :, None] & suppressed, float("-inf"))
+    if penalty is not None:
+        logits = penalised(logits.float(), penalty[0], seen_at(penalty[1], drafts[0]))
     counts = torch.arange(width, device=states.device) < valid  # [k]
     if warp is None:
         tokens = logits.argmax(-1)  # [1, k + 1]
@@ -135,8 +141,21 @@ def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, 
     return tokens, accepted, context
 
 
+def seen_at(seen: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """The tokens a repetition penalty counts at each position of [x, d1..dk]: those `seen` [V] up to x, and the
+    drafts before the position (`drafts` [k]) -> [k + 1, V] bool."""
+    before = torch.nn.functional.one_hot(drafts, seen.shape[0]).cumsum(0) > 0  # [k, V]: row j holds d1..d(j+1)
+    return seen | torch.cat([torch.zeros_like(seen)[None], before])
+
+
+def penalised(logits: torch.Tensor, strength: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """transformers' repetition penalty on fp32 `logits` [..., V]: where `seen` [..., V], a positive score divided
+    by `strength` [], any other multiplied by it."""
+    return torch.where(seen, torch.where(logits < 0, logits * strength, logits / strength), logits)
+
+
 def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, keys: int, dtype,
-           first_deep: int, suppress, warp, given, valid):
+           first_deep: int, suppress, warp, given, valid, penalty=None):
     """One cycle, drafts (from the head, or `given` [1, k] by the host, of which the first `valid` count) and
     verification, as one graph ->
     (accepted count then the k + 1 tokens of which the first accepted + 1 are emitted [k + 2]: what the host
@@ -146,7 +165,7 @@ def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, contex
     else:
         states, drafts, drawn_from = _given(shallow, cache, torch.cat([token, given], 1), keys, dtype, warp)
     tokens, accepted, context = _verify(deep, offset, logits_from_normed, cache, states, drafts, keys, first_deep,
-                                        suppress, warp, drawn_from, width if given is None else valid)
+                                        suppress, warp, drawn_from, width if given is None else valid, penalty)
     return torch.cat([accepted.view(1), tokens[0]]), tokens.index_select(1, accepted.view(1)), context
 
 
@@ -161,7 +180,8 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
                                 bool(generation_config.do_sample))
     # a tree the call named (a repo's tree gives way to a chain): the head's candidates for the next position
     tree = session.draft_topk if session.draft_topk > 1 and not session.fused_chain_first else 0
-    if (processors is None or emitted.keeps_outputs or not session.spans.compiled
+    if (processors is None or (tree and processors.penalty is not None) or emitted.keeps_outputs
+            or not session.spans.compiled
             or not session.head_drafts or not parts.uniform_layers or not one_graph_fits(parts, cache, mask)
             or input_ids.shape[1] < 2):
         return None
@@ -201,6 +221,7 @@ class FusedChain:
         dtype = next(session.parts.layers[0].parameters()).dtype
         if self.ngrams:
             self.ngrams.extend(tokens)
+        self.seen = self.processors.seen(tokens, input_ids.device)
         while True:
             start = time.perf_counter()
             # (the cache Tide lends a compiled call has room for a full draft after the last token: tokens past
@@ -220,6 +241,8 @@ class FusedChain:
             cached += accepted + 1
             new_ids = torch.tensor([new[:kept]], dtype=input_ids.dtype, device=input_ids.device)
             emitted.add(new_ids, None, None)
+            if self.seen is not None:
+                self.seen[new_ids[0]] = True
             stats.drafted += (self.tree + len(continuation)) if tree else (len(continuation) or width)
             stats.accepted += min(accepted, kept)  # (emitted: tokens past a stop are computed and dropped)
             stats.decode_tokens += kept
@@ -262,42 +285,61 @@ class FusedChain:
         else:
             continuation, given, valid = [], None, None
             width = max(0, min(self.cap, room))
-        kind = (width, self.processors.warp is not None, given is not None)  # one graph each
+        penalty = self.seen is not None and (self.processors.penalty, self.seen)
+        kind = (width, self.processors.warp is not None, given is not None, bool(penalty))  # one graph each
         return (*session.spans.graph(
-            ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2], *common,
-            width, self.keys, dtype, session.draft_layer + 1, self.processors.suppress(length, width),
-            self.processors.warp, given, valid), width, continuation, False)
+            ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2]
+            + "_penalised" * kind[3], *common, width, self.keys, dtype, session.draft_layer + 1,
+            self.processors.suppress(length, width), self.processors.warp, given, valid, penalty or None),
+            width, continuation, False)
 
 
 class _Processors:
     """The call's logits processors that run inside the cycle's graph: generate's minimum length (`min_length`,
-    `min_new_tokens`: the end-of-sequence tokens' scores set to -inf until the sequence is long enough) and, when
-    sampling, the warpers that are functions of the scores alone (temperature, top-k, top-p, min-p), in the
+    `min_new_tokens`: the end-of-sequence tokens' scores set to -inf until the sequence is long enough), one
+    repetition penalty (`penalty` [], after the prompt's first `ignore` tokens; it and the minimum commute) and,
+    when sampling, the warpers that are functions of the scores alone (temperature, top-k, top-p, min-p), in the
     call's order."""
 
     WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
-    def __init__(self, length: int, eos: torch.Tensor, warpers: tuple, sample: bool):
+    def __init__(self, length: int, eos: torch.Tensor, warpers: tuple, sample: bool,
+                 penalty: float | None = None, ignore: int = 0):
         self.length, self.eos = length, eos  # eos: [V] bool
+        self.penalty = None if penalty is None else torch.tensor(penalty, device=eos.device)
+        self.ignore = ignore
         self.warp = _Warp(warpers, eos.shape[0]) if sample else None
         self._past_minimum: dict[int, tuple] = {}  # width -> what `suppress` gives once no position is under it
 
     @classmethod
     def of(cls, logits_processor, vocab: int, device, sample: bool) -> _Processors | None:
-        """The processors of `logits_processor`; None where it holds any other (or a minimum after a warper)."""
-        length, eos, warpers = 0, set(), []
+        """The processors of `logits_processor`; None where it holds any other (or a minimum or a penalty after a
+        warper, a second penalty, or one that ignores a prompt length per row)."""
+        length, eos, warpers, penalty, ignore = 0, set(), [], None, 0
         for processor in logits_processor:
             if isinstance(processor, (MinNewTokensLengthLogitsProcessor, MinLengthLogitsProcessor)) and not warpers:
                 length = max(length, processor.prompt_length_to_skip + processor.min_new_tokens
                              if isinstance(processor, MinNewTokensLengthLogitsProcessor) else processor.min_length)
                 eos |= set(processor.eos_token_id.view(-1).tolist())
+            elif (isinstance(processor, RepetitionPenaltyLogitsProcessor) and not warpers and penalty is None
+                  and isinstance(processor.prompt_ignore_length, (int, type(None)))):
+                penalty, ignore = processor.penalty, processor.prompt_ignore_length or 0
             elif sample and isinstance(processor, cls.WARPERS):
                 warpers.append(processor)
             else:
                 return None
         mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         mask[[token for token in eos if 0 <= token < vocab]] = True
-        return cls(length, mask, tuple(warpers), sample)
+        return cls(length, mask, tuple(warpers), sample, penalty, ignore)
+
+    def seen(self, tokens: list[int], device) -> torch.Tensor | None:
+        """[V] bool: the tokens of `tokens` the repetition penalty counts (after the first `ignore`), for the loop to
+        keep on the device and mark each emitted token in; None without a penalty."""
+        if self.penalty is None:
+            return None
+        seen = torch.zeros(self.eos.shape[0], dtype=torch.bool, device=device)
+        seen[[t for t in tokens[self.ignore:] if 0 <= t < seen.shape[0]]] = True
+        return seen
 
     def suppress(self, length: int, width: int):
         """For a cycle whose first position follows a sequence of `length` tokens: ([width + 1] bool, the tokens):

@@ -30,16 +30,16 @@ from ..layers.kvfill import fused_available, stack_for
 from ..layers.spans import dense
 from .accept import draw
 from .exitgraph import Fill, cond_walk
-from .fused import _mask, _Processors, _Stops
+from .fused import _mask, _Processors, _Stops, penalised
 from .views import one_graph_fits, views_of
 
 __all__ = ["FusedExit", "fused_exit_for"]
 
 
 def _exit_step(views: tuple, offset, final_norm, logits_from_normed, cache, token, keys: int, dtype,
-               checkpoints: tuple, tests: tuple, stack, table, suppress, warp, num_layers: int):
+               checkpoints: tuple, tests: tuple, stack, table, suppress, warp, num_layers: int, penalty=None):
     """One step as one graph (module docstring) -> (the next token and x's exit layer [2]: what the host reads; the
-    next token [1, 1])."""
+    next token [1, 1]). `penalty`: (p [], the tokens seen so far [V] bool) for a repetition penalty."""
     position = cache.layers[0].cumulative_length.reshape(1).clone()  # (a copy: layer 0 moves its length on)
     mask = _mask(position, keys, dtype)
     starts = (0,) + tuple(c + 1 for c in checkpoints)
@@ -61,6 +61,8 @@ def _exit_step(views: tuple, offset, final_norm, logits_from_normed, cache, toke
     logits = logits_from_normed(final_norm(state))[0]  # [1, V]
     where, suppressed = suppress
     logits = logits.masked_fill(where[:, None] & suppressed, float("-inf"))
+    if penalty is not None:
+        logits = penalised(logits.float(), penalty[0], penalty[1][None])
     nxt = logits.argmax(-1, keepdim=True) if warp is None else draw(warp(logits.float()).softmax(-1))  # [1, 1]
     return torch.cat([nxt.view(1), exit_layer.view(1)]), nxt
 
@@ -154,14 +156,17 @@ class FusedExit:
         stops = _Stops(stopping_criteria, generation_config, input_ids.device)
         tokens, token = input_ids[0].tolist(), dense(input_ids[:, -1:])
         dtype, keys = next(parts.layers[0].parameters()).dtype, cache.layers[0].max_cache_len
-        graph = session.graph
+        graph, seen = session.graph, self.processors.seen(tokens, input_ids.device)
+        penalty = None if seen is None else (self.processors.penalty, seen)
         while True:
             start = time.perf_counter()
             read, token = session.spans.graph(
-                ("fused exit", graph.checkpoints, self.processors.warp is not None), _exit_step,
+                ("fused exit", graph.checkpoints, self.processors.warp is not None, seen is not None), _exit_step,
                 "tide_exit_step_fused", self.views, self.offset, parts.final_norm, parts.logits_from_normed, cache,
                 token, keys, dtype, graph.checkpoints, graph.tests, self.stack, self.table,
-                self.processors.suppress(len(tokens), 0), self.processors.warp, parts.num_layers, lean=True)
+                self.processors.suppress(len(tokens), 0), self.processors.warp, parts.num_layers, penalty, lean=True)
+            if seen is not None:
+                seen[token.view(-1)] = True  # (on the device: no read)
             new, exit_layer = read.tolist()  # the step's one host read
             kept, done = stops.emitted(tokens, [new])
             tokens.append(new)
