@@ -10,8 +10,9 @@ full-attention cache with processors that run in the graph (`fused._Processors`)
 2. `exitgraph.cond_walk`: at each checkpoint `torch.cond` between the batched fill of every later layer's K/V and
    the next view's layers, nested; the rotary the fill needs is a row of a table of every position of the cache,
    captured once per call (`_RotaryTable`);
-3. the final norm and head on the state the walk returns, a minimum length's end-of-sequence scores set to -inf,
-   and the next token: the argmax, or a draw after the call's warpers;
+3. the final norm and head on the state the walk returns, a minimum length's end-of-sequence scores set to -inf, a
+   repetition penalty on the tokens seen so far (a mask of the vocabulary the loop marks each new token in, on the
+   device), and the next token: the argmax, or a draw after the call's warpers;
 4. one host read by the loop: the token and x's exit layer, for the stopping criteria, the streamer and the stats
    (each `torch.cond` reads its predicate inside the graph: `exitgraph.py`).
 
