@@ -203,15 +203,15 @@ def test_compiled_calls_share_one_static_cache():
 
 
 def test_the_draft_head_runs_in_the_shallow_layers_graph():
-    """Compiled drafts of the general loop (here: a call with a logits processor) run the shallow layers and the
-    draft head as one graph; a `draft_logits` replaced on the model is called instead (eagerly), and both give the
-    base model's tokens."""
+    """Compiled drafts of the general loop (here: a call with a logits processor that reads the sequence) run the
+    shallow layers and the draft head as one graph; a `draft_logits` replaced on the model is called instead
+    (eagerly), and both give the base model's tokens."""
     model, base = noisy_tide("llama")
     ids = prompt_ids()
-    penalty = dict(do_sample=False, max_new_tokens=16, repetition_penalty=1.3)
-    ref = base.generate(ids, **penalty)
+    general = dict(do_sample=False, max_new_tokens=16, no_repeat_ngram_size=2)
+    ref = base.generate(ids, **general)
     config = {"mode": "lossless", "max_draft": 3, "compile": True}
-    out = model.generate(ids, **penalty, tide_config=config, compile_config=EAGER_BACKEND)
+    out = model.generate(ids, **general, tide_config=config, compile_config=EAGER_BACKEND)
     assert torch.equal(out, ref)
     (runner,) = model.span_runners.values()
     assert [key for key in runner._compiled if key[-1] == "then"], list(runner._compiled)
@@ -223,7 +223,7 @@ def test_the_draft_head_runs_in_the_shallow_layers_graph():
         return original(*args, **kwargs)
 
     model.draft_logits = replaced
-    out = model.generate(ids, **penalty, tide_config=config, compile_config=EAGER_BACKEND)
+    out = model.generate(ids, **general, tide_config=config, compile_config=EAGER_BACKEND)
     assert torch.equal(out, ref) and calls
 
 
