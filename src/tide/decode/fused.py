@@ -24,12 +24,11 @@ A call that names `draft_topk` runs a tree instead, one graph a cycle too, greed
 The processors that run in the graph are generate's minimum length, the repetition penalty (on the tokens seen so
 far: a mask of the vocabulary the loop keeps on the device, and in the graph each drafted position's drafts before
 it) and, sampling, the warpers that read the scores alone (temperature, top-k, top-p, min-p); a call with any other
-takes the general loop. Drafted tokens that
-would stop generation are not cut before verification (the emitted tokens are the full model's, whatever was
-drafted); the stopping criteria run on the emitted tokens, one at a time, and the tokens after the first that
-stops are dropped with their K/V. The deep view takes the layer-E states as its input embeddings; what the
-backbone adds to its inputs before layer 0 (learned positions) is measured once and taken off (`views.input_offset`),
-and a backbone that transforms them otherwise (e.g. scales them) is not used.
+takes the general loop. Drafted tokens that would stop generation are not cut before verification (the emitted
+tokens are the full model's, whatever was drafted); the stopping criteria run on the emitted tokens, one at a time,
+and the tokens after the first that stops are dropped with their K/V. The deep view takes the layer-E states as its
+input embeddings; what the backbone adds to its inputs before layer 0 (learned positions) is measured once and taken
+off (`views.input_offset`), and a backbone that transforms them otherwise (e.g. scales them) is not used.
 """
 
 from __future__ import annotations
@@ -38,10 +37,10 @@ import time
 
 import torch
 from transformers.generation.logits_process import (
-    RepetitionPenaltyLogitsProcessor,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -285,12 +284,12 @@ class FusedChain:
         else:
             continuation, given, valid = [], None, None
             width = max(0, min(self.cap, room))
-        penalty = self.seen is not None and (self.processors.penalty, self.seen)
-        kind = (width, self.processors.warp is not None, given is not None, bool(penalty))  # one graph each
+        penalty = None if self.seen is None else (self.processors.penalty, self.seen)
+        kind = (width, self.processors.warp is not None, given is not None, penalty is not None)  # one graph each
         return (*session.spans.graph(
             ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2]
             + "_penalised" * kind[3], *common, width, self.keys, dtype, session.draft_layer + 1,
-            self.processors.suppress(length, width), self.processors.warp, given, valid, penalty or None),
+            self.processors.suppress(length, width), self.processors.warp, given, valid, penalty),
             width, continuation, False)
 
 
