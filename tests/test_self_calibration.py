@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import tide
 from tide.calibration import headloss
 from tide.calibration.selftext import SelfText, generated_texts, prompt_texts
+from tide.heads.draftvocab import ranked_vocabulary
 from tide.models.architectures import resolve as model_parts
 from tiny_models import sample_texts, tiny_model, tiny_tokenizer
 
@@ -94,12 +95,27 @@ def test_large_vocabularies_train_their_heads_on_candidates():
     base = tiny_model("llama", vocab_size=8192)
     from tide.calibration import run, trainer
 
-    seen = []
+    seen, ranked = [], []
     original = trainer._Trainer._head_step
 
     def step(self):
         seen.append(self.candidates)
-        original(self)
+        # the draft heads learn over the tokens the full model predicted most so far, as many as the largest draft
+        # vocabulary; the exit heads over candidates
+        expected = ranked_vocabulary(self.predicted, 8192 // 4)
+        rows = self.parts.head_rows
+
+        def head_rows(ids):
+            if ids.numel() != headloss.NEGATIVES:
+                ranked.append(torch.equal(ids, expected))
+            return rows(ids)
+
+        self.parts.head_rows = head_rows
+        try:
+            original(self)
+        finally:
+            del self.parts.head_rows
+        assert self.draft_rows == 8192 // 4 and self.drafts
 
     trainer._Trainer._head_step = step
     try:
@@ -108,7 +124,7 @@ def test_large_vocabularies_train_their_heads_on_candidates():
                        measure_costs=False, progress=False)
     finally:
         trainer._Trainer._head_step = original
-    assert seen == [True] * 3
+    assert seen == [True] * 3 and ranked == [True] * 3
     default = trainer._Trainer(tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2)),
                                run.CalibrationOptions(), num_batches=4)
     assert default.candidates and default.head_steps_left == trainer.HEAD_STEPS[True] == 1000

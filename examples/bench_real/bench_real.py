@@ -139,6 +139,8 @@ def main(argv=None):
     cal.add_argument("--threads", type=int)
     cal.add_argument("--checkpoint-layers", type=int, nargs="+")
     cal.add_argument("--head-steps", type=int)
+    cal.add_argument("--prompt-samples", type=int, help="sampled answers to each question besides the greedy one "
+                     "(calibrate's prompt_samples; default 2)")
     cal.add_argument("--minibatch", type=int, default=256)
     cal.add_argument("--negatives", type=int, help="the candidate loss's shared negatives (tide.calibration.headloss)")
     cal.add_argument("--whole-vocabulary", action="store_true", help="train the heads over the whole vocabulary")
@@ -173,6 +175,8 @@ def main(argv=None):
         if args.whole_vocabulary:
             trainer.uses_candidates = lambda vocab_size, readable: False
         options = dict(head_steps=args.head_steps, minibatch=args.minibatch, compiled_trials=args.compiled_trials)
+        if args.prompt_samples is not None:
+            options["prompt_samples"] = args.prompt_samples
         if args.no_timing_budget:
             options["timing_budget_s"] = None
         if args.heads_only:
