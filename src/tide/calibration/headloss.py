@@ -6,8 +6,9 @@ every head on every training step, plus the teacher's: on a real model (49,152 t
 calibration's time. What a head must learn is the order of the tokens the full model ranks high against the
 tokens it could confuse them with. The candidate loss therefore compares the two distributions renormalised over
 each row's candidates: the full model's `TEACHER_TOP` best tokens for that row, plus `NEGATIVES` tokens shared by
-the minibatch, drawn by how often the full model predicts them (and uniformly). Pure tensor math; the trainer
-owns the buffers and the optimiser.
+the minibatch, drawn by how often the full model predicts them (and uniformly). Draft heads, which rank only a
+restricted vocabulary at generation, take the KL over that vocabulary instead (the trainer's `draft_rows`). Pure
+tensor math; the trainer owns the buffers and the optimiser.
 """
 
 from __future__ import annotations
