@@ -140,7 +140,7 @@ def main(argv=None):
     cal.add_argument("--checkpoint-layers", type=int, nargs="+")
     cal.add_argument("--head-steps", type=int)
     cal.add_argument("--prompt-samples", type=int, help="sampled answers to each question besides the greedy one "
-                     "(calibrate's prompt_samples; default 2)")
+                     "(calibrate's prompt_samples; default 6)")
     cal.add_argument("--minibatch", type=int, default=256)
     cal.add_argument("--negatives", type=int, help="the candidate loss's shared negatives (tide.calibration.headloss)")
     cal.add_argument("--whole-vocabulary", action="store_true", help="train the heads over the whole vocabulary")

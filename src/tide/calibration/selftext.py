@@ -19,7 +19,7 @@ class SelfText:
     (at `temperature`, top-p `top_p`), `batch_size` sequences a `generate` call. (Whether strings go through the
     chat template is `prompt_texts`' choice, made before.)"""
 
-    def __init__(self, new_tokens: int = 128, samples: int = 2, temperature: float = 0.8, top_p: float = 0.95,
+    def __init__(self, new_tokens: int = 128, samples: int = 6, temperature: float = 0.8, top_p: float = 0.95,
                  batch_size: int = 16):
         if not isinstance(new_tokens, int) or new_tokens < 1:
             raise ValueError(f"calibrate: prompt_new_tokens must be a positive integer, got {new_tokens!r}.")
