@@ -36,7 +36,7 @@ class CalibrationOptions:
     timing_budget_s: float | str | None = "auto"
     prompt_new_tokens: int = 128  # with `prompts`: tokens the base model writes after each prompt
     # with `prompts`: sampled continuations of each prompt, besides the greedy one (6 rather than 2 raised SmolLM2's
-    # held-out draft top-1 from 0.31 to 0.34: docs/benchmarks.md)
+    # held-out draft top-1 from 0.31-0.33 to 0.34-0.35: docs/benchmarks.md)
     prompt_samples: int = 6
     prompt_chat: bool | None = None  # with `prompts`: strings go through the chat template (None: where there is one)
     progress: bool = True
