@@ -86,6 +86,7 @@ class _Trainer:
         # with the candidate loss, draft heads learn over the tokens the full model has predicted most so far, as
         # many as the largest draft vocabulary (`heads.draftvocab`): they rank only those at generation
         self.draft_rows = max(candidate_sizes(tide.num_head_rows)) if self.candidates and self.drafts else None
+        self.draft_head = None  # the head's rows for them (`ModelParts.head_rows`), made again once the counts change
         params = self._head_params()
         self.head_optim = torch.optim.Adam(params, lr=opts.head_lr) if params else None
         steps = HEAD_STEPS[self.candidates] if opts.head_steps is None else opts.head_steps
@@ -110,6 +111,7 @@ class _Trainer:
         if self.top is not None:
             self.top[idx] = cap.top[-n:]
         self.predicted += torch.bincount(cap.full_top1, minlength=self.predicted.numel())
+        self.draft_head = None
         if self.context is not None:
             self.context[idx] = cap.context[-n:].float()
         self.cursor = (self.cursor + n) % self.size
@@ -138,15 +140,15 @@ class _Trainer:
         self.head_rows += pick.numel()
         candidates = (Candidates(self.top[pick], draw_negatives(self.predicted, self.generator))
                       if self.candidates else None)
-        draft_rows = (self.parts.head_rows(ranked_vocabulary(self.predicted, self.draft_rows))
-                      if self.draft_rows else None)
+        if self.draft_rows and self.draft_head is None:
+            self.draft_head = self.parts.head_rows(ranked_vocabulary(self.predicted, self.draft_rows))
         with torch.no_grad():
             teacher = self._logits(self.final[pick], candidates)  # [M, V] or [M, C]
-            draft_teacher = teacher if draft_rows is None else self._logits(self.final[pick], draft_rows)
+            draft_teacher = teacher if self.draft_head is None else self._logits(self.final[pick], self.draft_head)
         with torch.enable_grad():
             losses = [head_kl(self._logits(t(self.states[k][pick]), candidates), teacher)
                       for k, t in self.translators.items()]
-            losses += [head_kl(self._logits(d(self.states[k][pick], self.context[pick]), draft_rows or candidates),
+            losses += [head_kl(self._logits(d(self.states[k][pick], self.context[pick]), self.draft_head or candidates),
                                draft_teacher) for k, d in self.drafts.items()]
             loss = sum(losses) / len(losses)
             params = self._head_params()
