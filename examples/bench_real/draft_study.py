@@ -29,11 +29,13 @@ import realmodel
 import torch
 import torch.nn.functional as F
 
+from tide.calibration.headloss import TEACHER_TOP, Candidates, draw_negatives, head_kl
 from tide.calibration.selftext import SelfText, generated_texts, prompt_texts
 from tide.heads.draftvocab import ranked_vocabulary
 from tide.heads.router import DraftHead
+from tide.models.architectures import resolve as model_parts
 
-LAYER, VOCAB, TOP, NEGATIVES = 3, 1536, 32, 256
+LAYER, VOCAB = 3, 1536
 
 
 @torch.no_grad()
@@ -70,10 +72,6 @@ class AttentionHead(torch.nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def kl(student, teacher):
-    return F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=2)
@@ -103,7 +101,7 @@ def main(argv=None):
     finals = torch.cat([t[2] for t in train])
     predicted = torch.bincount((finals @ head_w.T).argmax(-1), minlength=head_w.shape[0])
     vocab = ranked_vocabulary(predicted, VOCAB)
-    norm = base.model.norm
+    norm, parts = base.model.norm, model_parts(base)
 
     def score(head) -> float:
         hits = total = 0
@@ -135,18 +133,11 @@ def main(argv=None):
             state, final = head(flat[0][pick], flat[1][pick]), flat[2][pick]
         if args.loss == "draft":
             rows = head_w[vocab]
-            loss = kl(norm(state) @ rows.T, final @ rows.T)
-        else:
-            top = (final @ head_w.T).topk(TOP, -1).indices
-            weights = predicted.float() / predicted.sum() + 1.0 / predicted.numel()
-            negatives = torch.multinomial(weights, NEGATIVES, replacement=False, generator=generator)
-            duplicate = (negatives[None, :, None] == top[:, None, :]).any(-1)
-
-            def logits(s):
-                own = torch.einsum("mh,mch->mc", s, head_w[top])
-                return torch.cat([own, (s @ head_w[negatives].T).masked_fill(duplicate, -1e4)], -1)
-
-            loss = kl(logits(norm(state)), logits(final).detach())
+            loss = head_kl(norm(state) @ rows.T, final @ rows.T)
+        else:  # calibration's own candidate loss (`tide.calibration.headloss`)
+            top = (final @ head_w.T).topk(TEACHER_TOP, -1).indices
+            candidates = Candidates(top, draw_negatives(predicted, generator))
+            loss = head_kl(candidates.logits(parts, norm(state)), candidates.logits(parts, final).detach())
         optim.zero_grad()
         loss.backward()
         optim.step()
