@@ -153,8 +153,11 @@ def bench_rows(base, model, prompts, tokens: int, configs: dict, repeats: int = 
     drafted tokens accepted per cycle)."""
     n = tokens
     greedy = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    compiled = compiled_static_decoder(base, max(p.shape[1] for p in prompts) + n)
-    compile_s, _ = timed(compiled, prompts[0], n)  # the first call compiles
+    # The first calls compile, on the longest prompt: the static cache Tide lends compiled calls grows to the longest
+    # call so far (as generate's own), and a shorter first call would have every graph made again at the next size.
+    longest = max(prompts, key=lambda ids: ids.shape[1])
+    compiled = compiled_static_decoder(base, longest.shape[1] + n)
+    compile_s, _ = timed(compiled, longest, n)
     rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n)}
     rows.update(extra_rows or {})
     for name, config in configs.items():
@@ -163,13 +166,11 @@ def bench_rows(base, model, prompts, tokens: int, configs: dict, repeats: int = 
     for name, config in configs.items() if compile else ():
         config = {**(config or {}), "compile": True}
         rows[f"{name} compiled"] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
-        compile_s[f"{name} compiled"], _ = timed(rows[f"{name} compiled"], prompts[0])  # the first call compiles
-    # Two untimed rounds of every row once all are set up, on the longest prompt: the static cache Tide lends compiled
-    # calls then has its final length (it grows to the longest call so far, as generate's own), so timed calls
-    # replay graphs of one shape. Tide's compiled base steps and the baseline's compile the same function (the base
-    # model's forward), so their graphs share one cache: the first rounds add entries for each other's inputs (the
-    # caches' lengths, the forwards Tide installs on its first call), none later.
-    longest = max(prompts, key=lambda ids: ids.shape[1])
+        compile_s[f"{name} compiled"], _ = timed(rows[f"{name} compiled"], longest)
+    # Two untimed rounds of every row once all are set up, on the longest prompt. Tide's compiled base steps and the
+    # baseline's compile the same function (the base model's forward), so their graphs share one cache: the first
+    # rounds add entries for each other's inputs (the caches' lengths, the forwards Tide installs on its first call),
+    # none later.
     for _ in range(2):
         for fn in rows.values():
             fn(longest)

@@ -96,21 +96,24 @@ def prompts_for(workload: str, tok, count: int) -> list[torch.Tensor]:
 
 
 def bench(routers: str, workload: str, prompts: int = 12, tokens: int = 64, repeats: int = 3, threads: int = 1,
-          schemes: dict | None = None, compile: bool = False) -> dict:
-    """The rows of one workload: both baselines, Tide's default, exit mode at its calibrated thresholds, and
-    `schemes` ({name: tide_config})."""
+          schemes: dict | None = None, compile: bool = False, device: str = "cpu", dtype: str | None = None,
+          exit_row: bool = True) -> dict:
+    """The rows of one workload: both baselines, Tide's default, exit mode at its calibrated thresholds (unless not
+    `exit_row`), and `schemes` ({name: tide_config}); the model on `device` in `dtype` (default float32)."""
     import tide
     from bench_baselines import bench_rows
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    base, tok = realmodel.load()
+    base, tok = realmodel.load(device, dtype)
     model = tide.TideForCausalLM.from_pretrained(routers, base_model=base)
-    configs = {"tide default": None, "tide exit (calibrated)": {"mode": "exit"}, **(schemes or {})}
+    configs = {"tide default": None, **({"tide exit (calibrated)": {"mode": "exit"}} if exit_row else {}),
+               **(schemes or {})}
     print(f"\n== {workload}: {prompts} held-out prompts, routers {routers}; defaults {model.config.generation}")
-    result = bench_rows(base, model, prompts_for(workload, tok, prompts), tokens, configs, repeats=repeats,
-                        compile=compile)
-    result.update(workload=workload, routers=str(routers), defaults=model.config.generation)
+    ids = [p.to(device) for p in prompts_for(workload, tok, prompts)]
+    result = bench_rows(base, model, ids, tokens, configs, repeats=repeats, compile=compile)
+    result.update(workload=workload, routers=str(routers), defaults=model.config.generation, device=device,
+                  dtype=str(base.dtype))
     return result
 
 
@@ -161,6 +164,9 @@ def main(argv=None):
     ben.add_argument("--threads", type=int, default=1)
     ben.add_argument("--config", action="append", default=[], help="NAME=JSON: a forced tide_config row")
     ben.add_argument("--compile", action="store_true", help="also each Tide row with compile=True")
+    ben.add_argument("--device", default="cpu", help="cpu or cuda")
+    ben.add_argument("--no-exit", action="store_true", help="leave out exit mode's row")
+    ben.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the model's dtype (default float32)")
     ben.add_argument("--json")
     every = sub.add_parser("all", help="convert, calibrate and bench both workloads")
     every.add_argument("--out", default="bench-real")
@@ -188,7 +194,7 @@ def main(argv=None):
     elif args.command == "bench":
         schemes = {name: json.loads(config) for name, config in (c.split("=", 1) for c in args.config)}
         result = bench(args.routers, args.workload, args.prompts, args.tokens, args.repeats, args.threads, schemes,
-                       args.compile)
+                       args.compile, args.device, args.dtype, not args.no_exit)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
     else:

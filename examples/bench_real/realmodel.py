@@ -46,12 +46,15 @@ def converted_model() -> Path:
     return folder
 
 
-def load():
-    """(model, tokenizer) of the converted model, in eval mode."""
+def load(device: str = "cpu", dtype: str | None = None):
+    """(model, tokenizer) of the converted model, in eval mode, on `device` in `dtype` (a torch dtype's name;
+    default float32)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = converted_model()
-    return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype or "float32"))
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
 
 
 def questions() -> tuple[list[str], list[str]]:

@@ -248,6 +248,8 @@ class FusedChain:
             stats.verify_passes += 1
             stats.decode_steps += 1
             stats.fused_cycles += 1
+            stats.tree_cycles += bool(tree)
+            stats.merged_cycles += bool(tree and continuation)
             stats.layer_passes += (session.draft_layer + 1) * width + session.parts.num_layers
             if continuation:
                 stats.ngram_drafted += len(continuation)
