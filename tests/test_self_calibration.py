@@ -109,12 +109,19 @@ def test_large_vocabularies_train_their_heads_on_candidates():
 
     trainer._Trainer._head_step = step
     try:
-        tide.calibrate(base, tiny_tokenizer(), dataset=sample_texts(16), config=tide.TideConfig(checkpoint_interval=2),
-                       num_samples=16, max_length=32, head_steps=3, passes=1, validation_tokens=0, draft_trials=0,
-                       measure_costs=False, progress=False)
+        model = tide.calibrate(base, tiny_tokenizer(), dataset=sample_texts(16),
+                               config=tide.TideConfig(checkpoint_interval=2), num_samples=16, max_length=32,
+                               head_steps=3, passes=1, validation_tokens=0, draft_trials=0, measure_costs=False,
+                               progress=False)
     finally:
         trainer._Trainer._head_step = original
     assert seen == [True] * 3 and ranked == [True] * 3
+    # no timing trials, no drafting scheme: the repo still keeps the ranked vocabulary, for a draft_vocab_size
+    assert model.draft_vocabulary is not None and model.draft_vocabulary.numel() == 8192 // 4
+    ids = torch.randint(3, 8192, (1, 6))
+    config = {"mode": "lossless", "draft_layer": 1, "max_draft": 2, "draft_vocab_size": 1024}
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=8, tide_config=config),
+                       base.generate(ids, do_sample=False, max_new_tokens=8))
     default = trainer._Trainer(tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2)),
                                run.CalibrationOptions(), num_batches=4)
     assert default.candidates and default.head_steps_left == trainer.HEAD_STEPS[True] == 1000

@@ -31,9 +31,11 @@ def choose_drafts(ctx: Context, held: Heldout, costs, ranked: torch.Tensor | Non
                   point: OperatingPoint) -> DraftSelection | None:
     """Time the best-estimated drafting schemes (on `held_texts`, all the held-out texts); keep the fastest that
     holds, and make lossless mode the default (`"auto"`) where it timed faster than exit mode (`point`). None where
-    no scheme was timed (`costs` None, or no `draft_trials`)."""
+    no scheme was timed (`costs` None, or no `draft_trials`): the repo then keeps the ranked vocabulary `ranked`, for
+    calls that name a `draft_vocab_size`, and no drafting scheme."""
     tide, opts = ctx.tide, ctx.opts
     if costs is None or not opts.draft_trials:
+        tide.draft_vocabulary = ranked
         return None
     max_draft = ctx.cfg.generation_config.max_draft or 8
     depth = min(max_draft, NGRAM_DEPTH)  # trees' n-gram branches, at most this deep

@@ -25,7 +25,7 @@ __all__ = ["train", "HEAD_STEPS"]
 
 def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.Tensor | None]:
     """Stream this process's training texts (`bar` counts them): exit heads, draft heads, then routers. (The
-    trainer, the ranked draft vocabulary or None: `heldout.ranked_draft_vocabulary`, with `draft_trials`.)"""
+    trainer, the ranked draft vocabulary or None: `heldout.ranked_draft_vocabulary`.)"""
     tide, opts, procs, phases = ctx.tide, ctx.opts, ctx.procs, ctx.phases
     local_batches = math.ceil(len(train_texts) / opts.batch_size)
     num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
@@ -39,7 +39,7 @@ def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.
         for _ in range(num_batches - local_batches):
             trainer.add(None)
         trainer.finish()
-        ranked = ranked_draft_vocabulary(tide, trainer, procs) if opts.draft_trials else None
+        ranked = ranked_draft_vocabulary(tide, trainer, procs)
     return trainer, ranked
 
 
