@@ -74,3 +74,20 @@ def test_the_real_model_bench_keeps_its_held_out_questions_apart(monkeypatch):
     assert not set(calibration) & set(held) and len(set(calibration)) == len(calibration)
     monkeypatch.setenv("TIDE_CACHE", "/somewhere")
     assert str(realmodel.cache_dir()) == "/somewhere/smollm2-135m-instruct"
+
+
+def test_the_real_model_bench_loads_the_model_in_the_dtype_asked(monkeypatch, tmp_path):
+    """`realmodel.load(device, dtype)` (the bench's --device and --dtype): the converted model in that dtype, float32
+    by default, with its tokenizer."""
+    import torch
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "bench_real"))
+    import realmodel
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setattr(realmodel, "converted_model", lambda: tmp_path)
+    model, tok = realmodel.load("cpu", "bfloat16")
+    assert model.dtype == torch.bfloat16 and not model.training and tok is not None
+    assert realmodel.load()[0].dtype == torch.float32
