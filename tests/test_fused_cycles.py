@@ -296,6 +296,8 @@ def test_fused_trees_equal_the_base_model(warm, config):
     assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
     assert stats.fused_cycles == stats.verify_passes > 0 and stats.draft_topk == config["draft_topk"]
     assert 0 < stats.tree_cycles <= stats.fused_cycles  # (a cycle near the length limit may verify a chain)
+    # the summary counts them, and claims no count of later children accepted (fused cycles do not count those)
+    assert f"{stats.tree_cycles} over trees)" in stats.summary() and "first child" not in stats.summary()
     assert 0 < stats.accepted < stats.drafted
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tide's checks for a machine with one CUDA GPU, in one command (10-15 minutes on an H100 or H200, most of it compiling):
+# Tide's checks for a machine with one CUDA GPU, in one command (10-15 minutes on an H100 or H200, mostly compiling):
 #   bash examples/gpu/run_gpu_checks.sh [OUT_DIR]
 # 1. builds the fused kernels (hub_kernels/tide_kernels/build_local.py) for this torch/CUDA into a temporary folder
 #    and points Tide at it (LOCAL_KERNELS);

@@ -35,7 +35,8 @@ class GenerationStats:
     merged_cycles: int = 0  # tree cycles whose tree held an n-gram branch besides the head's candidates
     tree_cycles: int = 0  # verification passes over a tree (the others verified a chain: a fallback)
     later_children_accepted: int = 0  # accepted tree nodes that were not their parent's first child (at x: the
-    #   head's top candidate): the head's lower candidates, an n-gram branch beside them
+    #   head's top candidate): the head's lower candidates, an n-gram branch beside them (the general loop's trees;
+    #   fused cycles do not count them)
     # layer arguments: backbone captures Tide's passes ran (`layers/args.py`: one per window of positions where
     # windows hold, else one per pass), and why windows did not hold (None: they did, or were never asked)
     arg_captures: int = 0
@@ -114,9 +115,7 @@ class GenerationStats:
                 ("drafted / accepted", f"{self.drafted} / {self.accepted} ({self.acceptance_rate:.1%})"
                  + (f"; n-gram drafts {self.ngram_drafted} / {self.ngram_accepted}" if self.ngram_drafted else "")
                  + (f"; {self.merged_cycles} merged trees" if self.merged_cycles else "")),
-                ("verification passes", str(self.verify_passes)
-                 + (f" ({self.tree_cycles} over trees; {self.later_children_accepted} accepted nodes not their "
-                    "parent's first child)" if self.tree_cycles else "")),
+                ("verification passes", str(self.verify_passes) + self._trees_text()),
                 ("layer passes per token", f"{self.layer_passes_per_token:.2f} (the base model: {self.num_layers})"),
             ]
             if self.fused_cycles:
@@ -147,6 +146,14 @@ class GenerationStats:
             rows.append((prefix + label, f"{n} ({n / total:.1%})"))
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+    def _trees_text(self) -> str:
+        """How many verification passes were over trees, and (the general loop's trees) the accepted later children."""
+        if not self.tree_cycles:
+            return ""
+        later = "" if self.fused_cycles else (f"; {self.later_children_accepted} accepted nodes not their parent's "
+                                              "first child")
+        return f" ({self.tree_cycles} over trees{later})"
 
     def __str__(self) -> str:
         return self.summary()
