@@ -64,6 +64,6 @@ step bench_1b "${BENCH_LIMIT_S:-240}" "$py" examples/bench_baselines/bench_basel
     --random-shape 1b --tokens 48 --prompts 3 --costs --schemes 3:1 --exit -1 --json "$out/bench_1b.json"
 if [ -n "${SMOLLM2_ROUTERS:-}" ]; then
     step bench_smollm2 "${SMOLLM2_LIMIT_S:-420}" "$py" examples/bench_real/bench_real.py bench \
-        --routers "$SMOLLM2_ROUTERS" --workload chat --prompts "${SMOLLM2_PROMPTS:-4}" --tokens 64 --repeats 2 --device cuda --dtype bfloat16 \
-        --compile --no-exit --json "$out/bench_smollm2.json"
+        --routers "$SMOLLM2_ROUTERS" --workload chat --prompts "${SMOLLM2_PROMPTS:-4}" --tokens 64 --repeats 2 \
+        --device cuda --dtype bfloat16 --compile --no-exit --json "$out/bench_smollm2.json"
 fi
