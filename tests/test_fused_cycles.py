@@ -298,6 +298,7 @@ def test_fused_trees_equal_the_base_model(warm, config):
     assert 0 < stats.tree_cycles <= stats.fused_cycles  # (a cycle near the length limit may verify a chain)
     # the summary counts them, and claims no count of later children accepted (fused cycles do not count those)
     assert f"{stats.tree_cycles} over trees)" in stats.summary() and "first child" not in stats.summary()
+    assert "ran all layers" not in stats.summary()  # (no exits in lossless mode: no count of them, not a zero)
     assert 0 < stats.accepted < stats.drafted
 
 
