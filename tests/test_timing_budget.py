@@ -3,6 +3,7 @@ the card say which were cut. Timings here advance a fake clock by TRIAL_S each, 
 
 import importlib
 import types
+import warnings
 
 import pytest
 import torch
@@ -39,13 +40,19 @@ def _calibrate(monkeypatch, budget, **options):
 
 
 def test_no_budget_times_everything_and_records_no_budget(monkeypatch):
-    model, timed = _calibrate(monkeypatch, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, timed = _calibrate(monkeypatch, None)
+    assert not [w for w in caught if "timing budget" in str(w.message)]
     assert "timing_budget" not in model.config.calibration
     assert len(model.config.calibration["draft_selection"]["trials"]) == 3
 
 
 def test_a_zero_budget_cuts_every_trial(monkeypatch):
-    model, timed = _calibrate(monkeypatch, 0.0)
+    # the caller hears of it, with the way round
+    with pytest.warns(UserWarning, match=r"timing budget \(0 s, timing_budget_s\) cut 5 timing trials: exit mode;.*"
+                                         r"timing_budget_s=None"):
+        model, timed = _calibrate(monkeypatch, 0.0)
     cal = model.config.calibration
     assert timed == [] and cal["exit_timing"] is None and cal["draft_selection"]["chosen"] is None
     budget = cal["timing_budget"]

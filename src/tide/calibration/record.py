@@ -4,6 +4,8 @@ selection and the timings, phase seconds, each process's share of the work, what
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..hub.card import draft_scheme_text
@@ -60,6 +62,11 @@ def build_record(ctx: Context, dataset: str, *, texts: Texts, trainer, held: Hel
         record.timing_budget = TimingBudget(round(budget.seconds, 2),
                                             round(phases.seconds["timing trials"], 2),
                                             procs.broadcast(_cut_trials(budget, draft_selection)))
+        if record.timing_budget.cut and procs.is_main:
+            warnings.warn(f"Calibration's timing budget ({budget.seconds:.0f} s, timing_budget_s) cut "
+                          f"{len(record.timing_budget.cut)} timing trials: {'; '.join(record.timing_budget.cut)}. "
+                          "The repo keeps the fastest of those timed; pass timing_budget_s=None (or more seconds) "
+                          "to time them all.", stacklevel=3)
     return record
 
 
