@@ -34,8 +34,10 @@ def choose_drafts(ctx: Context, held: Heldout, costs, ranked: torch.Tensor | Non
     no scheme was timed (`costs` None, or no `draft_trials`): the repo then keeps the ranked vocabulary `ranked`, for
     calls that name a `draft_vocab_size`, and no drafting scheme."""
     tide, opts = ctx.tide, ctx.opts
+    # kept whole (the largest candidate size, a few KB), timed schemes or not: the trials and the chosen drafts read
+    # its first `draft_vocab_size` ids, and a call may ask for another `draft_vocab_size`
+    tide.draft_vocabulary = ranked
     if costs is None or not opts.draft_trials:
-        tide.draft_vocabulary = ranked
         return None
     max_draft = ctx.cfg.generation_config.max_draft or 8
     depth = min(max_draft, NGRAM_DEPTH)  # trees' n-gram branches, at most this deep
@@ -43,7 +45,6 @@ def choose_drafts(ctx: Context, held: Heldout, costs, ranked: torch.Tensor | Non
                                                 chain_ranks=held.chain_ranks(), restricted=held.restricted(),
                                                 head_rows=tide.num_head_rows, ngram=NGRAM, ngram_depth=depth),
                                opts.draft_trials)
-    tide.draft_vocabulary = ranked  # for the trials; cut to the chosen scheme's below
     # the trials cut by the seconds it has left
     options = {"left": ctx.budget.left} if ctx.budget.seconds is not None else {}
     if depth != NGRAM_DEPTH:  # a configured max_draft below it
@@ -60,9 +61,6 @@ def choose_drafts(ctx: Context, held: Heldout, costs, ranked: torch.Tensor | Non
     exit_speed = exit_timing.measured if exit_timing and exit_timing.active else 1.0
     lossless_wins = chosen is not None and chosen.measured > exit_speed
     vocab = (chosen.draft_vocab_size or 0) if chosen else 0
-    # kept whole (the largest candidate size, a few KB): the chosen drafts read its first `vocab` ids, and a
-    # call may ask for another `draft_vocab_size`
-    tide.draft_vocabulary = ranked
     ctx.cfg.set_generation_defaults(draft_layer=chosen.draft_layer if chosen else None,
                                     max_draft=chosen.max_draft if chosen else 0,
                                     draft_topk=chosen.draft_topk if chosen else 1,

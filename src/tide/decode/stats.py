@@ -136,14 +136,16 @@ class GenerationStats:
         ]
         if self.switches:
             rows.append(("switches", ", ".join(f"{k}={v}" for k, v in self.switches.items())))
-        total = max(sum(self.exits.values()), 1)
-        label = "draft layer" if self.mode == "lossless" else "checkpoints consulted"
-        rows.append((label, ", ".join(map(str, self.checkpoints)) or "none"))
-        keys = [str(k) for k in self.checkpoints if self.exits.get(str(k))] + ["full"]
-        for key in keys if self.mode != "lossless" else ():  # (lossless: every token is the full model's, no exits)
-            n = self.exits.get(key, 0)
-            label = f"exits after layer {key}" if key != "full" else "ran all layers"
-            rows.append((label, f"{n} ({n / total:.1%})"))
+        checkpoints = ", ".join(map(str, self.checkpoints)) or "none"
+        if self.mode == "lossless":  # (every token is the full model's: no exits to count)
+            rows.append(("draft layer", checkpoints))
+        else:
+            rows.append(("checkpoints consulted", checkpoints))
+            total = max(sum(self.exits.values()), 1)
+            for key in [str(k) for k in self.checkpoints if self.exits.get(str(k))] + ["full"]:
+                n = self.exits.get(key, 0)
+                label = f"exits after layer {key}" if key != "full" else "ran all layers"
+                rows.append((label, f"{n} ({n / total:.1%})"))
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
