@@ -241,7 +241,8 @@ def test_saved_files_get_the_permissions_the_umask_gives(tmp_path, umask):
 
 def test_the_shipped_smollm2_routers_load_and_draft_exactly():
     """examples/bench_real/routers-smollm2 (SmolLM2-135M-Instruct's routers, the benchmark of record's) loads onto a
-    random model of SmolLM2's shape (narrower MLP), and its compiled chain drafts the base model's tokens."""
+    random model of SmolLM2's shape (narrower MLP), and the chain it keeps for compiled calls, run eagerly here,
+    gives the base model's tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     repo = Path(__file__).resolve().parents[1] / "examples" / "bench_real" / "routers-smollm2"
