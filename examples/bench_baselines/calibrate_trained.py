@@ -17,8 +17,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tide
-from tide.tools.demo import DEMO_CHECKPOINT_INTERVAL, DEMO_TARGET_AGREEMENT
+from tide.tools.demo import _calibrate
 from tide.tools.demo_corpus import split_corpus
 
 
@@ -31,10 +30,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     base = AutoModelForCausalLM.from_pretrained(args.model).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    config = tide.TideConfig(checkpoint_interval=DEMO_CHECKPOINT_INTERVAL, target_agreement=DEMO_TARGET_AGREEMENT)
     start = time.perf_counter()
-    model = tide.calibrate(base, tokenizer, dataset=split_corpus()[0], config=config, num_samples=args.num_samples,
-                           max_length=128, batch_size=16, compiled_trials=True, timing_budget_s=None)
+    model = _calibrate(base, tokenizer, split_corpus()[0], args.num_samples, compiled_trials=True, timing_budget_s=None)
     model.save_pretrained(args.out)
     print(f"calibrated in {time.perf_counter() - start:.0f} s; repo defaults {model.config.generation}")
 

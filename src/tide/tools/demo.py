@@ -38,11 +38,13 @@ def _load_base():
     return AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR).eval(), AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
 
 
-def _calibrate(base, tokenizer, train, num_samples: int, quick: bool = False):
+def _calibrate(base, tokenizer, train, num_samples: int, quick: bool = False, **options):
+    """The demo's calibration recipe on `train` (`options`: more of calibrate's options, as the examples' trained
+    models take it with `compiled_trials`)."""
     config = TideConfig(checkpoint_interval=DEMO_CHECKPOINT_INTERVAL, target_agreement=DEMO_TARGET_AGREEMENT)
     light = dict(head_steps=60, validation_tokens=256, draft_trials=1) if quick else {}
     return calibrate(base, tokenizer, dataset=train, config=config, num_samples=num_samples, max_length=128,
-                          batch_size=16, **light)
+                     batch_size=16, **light, **options)
 
 
 def demo_model_and_texts(routers: str | None = None, num_samples: int = 1024):
