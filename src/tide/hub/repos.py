@@ -25,6 +25,19 @@ from .. import __version__
 from ..config import TideConfig
 from ..models.architectures import resolve
 from .card import model_card
+from .folder import (
+    CARD_NAME,
+    CONFIG_NAME,
+    CUSTOM_GENERATE_FILES,
+    CUSTOM_GENERATE_NAME,
+    CUSTOM_REQUIREMENTS_NAME,
+    DISTRIBUTION,
+    REPO_FILES,
+    ROUTERS_NAME,
+    check_save_directory,
+    remove_custom_generate,
+    replace_all,
+)
 
 __all__ = [
     "CONFIG_NAME",
@@ -33,21 +46,13 @@ __all__ = [
     "REPO_FILES",
     "CUSTOM_GENERATE_FILES",
     "repo_files",
+    "check_save_directory",
     "save_router_repo",
     "load_router_repo",
     "push_router_repo",
 ]
 
-CONFIG_NAME = "config.json"
-ROUTERS_NAME = "routers.safetensors"
-CARD_NAME = "README.md"
 DRAFT_VOCABULARY_KEY = "draft_vocabulary"  # optional in routers.safetensors: int64 token ids, most predicted first
-REPO_FILES = (CONFIG_NAME, ROUTERS_NAME, CARD_NAME)
-# What `generate(custom_generate=<repo>, trust_remote_code=True)` runs, and what it needs installed.
-CUSTOM_GENERATE_NAME = "custom_generate/generate.py"
-CUSTOM_REQUIREMENTS_NAME = "custom_generate/requirements.txt"
-CUSTOM_GENERATE_FILES = (CUSTOM_GENERATE_NAME, CUSTOM_REQUIREMENTS_NAME)
-DISTRIBUTION = "tide-transformers"
 _TEMPLATE = Path(__file__).parent / "templates" / "generate.py"
 
 # from_pretrained kwargs that address the router repo itself; everything else goes to the base model.
@@ -64,60 +69,21 @@ def router_state_dict(model) -> dict[str, torch.Tensor]:
     }
 
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
-
-
-def check_save_directory(out: Path) -> None:
-    """Refuse a directory that holds another model (weights or config) or a README Tide did not write."""
-    if not out.is_dir():
-        return
-    weights = sorted(p.name for p in out.iterdir()
-                     if p.name != ROUTERS_NAME and (p.suffix in _WEIGHT_SUFFIXES or p.name.endswith(".index.json")))
-    if weights:
-        raise ValueError(f"{out} holds model weights ({', '.join(weights[:3])}); "
-                         "a router repo needs a directory of its own (saving here would replace that model's "
-                         "config.json): choose another directory.")
-    config = out / CONFIG_NAME
-    if config.is_file():
-        data = _read_json(config, quiet=True)
-        if not isinstance(data, dict) or data.get("model_type") != "tide":
-            kind = data.get("model_type") if isinstance(data, dict) else None
-            raise ValueError(f"{config} belongs to another model (model_type {kind!r}); save the routers to a "
-                             "directory of their own.")
-    card = out / CARD_NAME
-    if card.is_file() and "library_name: tide-transformers" not in card.read_text(errors="replace"):
-        raise ValueError(f"{card} was not written by Tide and would be overwritten; save the routers to a directory "
-                         "of their own, or move that README.")
-    script = out / CUSTOM_GENERATE_NAME
-    if script.is_file() and not _written_by_tide(script):
-        raise ValueError(f"{script} was not written by Tide and would be replaced; save the routers to a directory "
-                         "of their own, or move that file.")
-
-
-def _written_by_tide(script: Path) -> bool:
-    """Whether `script` is a `custom_generate/generate.py` that Tide wrote (its docstring says so)."""
-    return "written by Tide" in script.read_text(errors="replace")
-
-
 def save_router_repo(model, save_directory, custom_generate: bool = True) -> Path:
     """Write the repo files into a temporary folder beside `save_directory`, then move them into place: a save
-    that fails part-way leaves the repo that was there as it was. `custom_generate=False`: without the
-    `custom_generate/` files (those an earlier save wrote are removed)."""
+    that fails part-way leaves the repo that was there as it was. Files Tide did not write are never replaced or
+    removed (`folder.check_save_directory`). `custom_generate=False`: without the `custom_generate/` files (those an
+    earlier save wrote are removed)."""
     out = Path(save_directory)
-    check_save_directory(out)
+    check_save_directory(out, custom_generate)
     parent = out.resolve().parent  # (beside the real folder where `out` is a link: the moves stay on one disk)
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tide-save-", dir=parent))
     try:
         write_router_files(model, tmp, custom_generate)
-        mode = _created_mode(tmp)
-        out.mkdir(exist_ok=True)
-        for name in repo_files(custom_generate):
-            (out / name).parent.mkdir(exist_ok=True)
-            os.chmod(tmp / name, mode)  # (a writer may have used a private temporary file: safetensors does)
-            os.replace(tmp / name, out / name)
+        replace_all(tmp, out, repo_files(custom_generate), _created_mode(tmp))
         if not custom_generate:
-            _remove_custom_generate(out)
+            remove_custom_generate(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -126,15 +92,6 @@ def save_router_repo(model, save_directory, custom_generate: bool = True) -> Pat
 def repo_files(custom_generate: bool = True) -> tuple[str, ...]:
     """The files a router repo holds (relative paths), with or without its `custom_generate/` files."""
     return REPO_FILES + (CUSTOM_GENERATE_FILES if custom_generate else ())
-
-
-def _remove_custom_generate(out: Path) -> None:
-    """Remove the `custom_generate/` files an earlier save wrote (checked to be Tide's), and the folder if empty."""
-    for name in CUSTOM_GENERATE_FILES:
-        (out / name).unlink(missing_ok=True)
-    folder = out / Path(CUSTOM_GENERATE_NAME).parent
-    if folder.is_dir() and not any(folder.iterdir()):
-        folder.rmdir()
 
 
 def _created_mode(directory: Path) -> int:
