@@ -21,6 +21,7 @@ from .operating import OperatingPoint, choose_thresholds, cost_measurement, oper
 from .options import CalibrationOptions, options_from
 from .phases import Context
 from .record import build_record
+from .selftext import check_prompts
 from .texts import Texts, data_name, read_texts
 from .thresholds import allowed_errors, next_budget  # noqa: F401 - imported from here (docs/scaling.md, tests)
 from .timing import choose_drafts, time_default_compiled
@@ -52,6 +53,8 @@ def calibrate(
     decode from. Extra keyword arguments set `CalibrationOptions` fields.
     """
     opts = options_from(options)
+    if prompts is not None:
+        prompts = check_prompts(prompts, opts.prompt_chat)  # before any work: a string, blank prompts, bad messages
     if dataset is None and not prompts:
         raise ValueError("calibrate needs text: pass dataset=... (a Hub name, local files, a datasets.Dataset or a "
                          "list of strings) and/or prompts=[...] for the model to answer.")

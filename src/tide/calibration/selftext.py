@@ -9,9 +9,11 @@ This module knows nothing about routers or thresholds.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-__all__ = ["SelfText", "prompt_texts", "generated_texts"]
+__all__ = ["SelfText", "check_prompts", "prompt_texts", "check_lengths", "max_positions", "generated_texts"]
 
 
 class SelfText:
@@ -29,12 +31,49 @@ class SelfText:
         self.batch_size = batch_size
 
 
+def check_prompts(prompts, chat=None) -> list:
+    """`prompts` as a list, each checked to be a non-blank string or a conversation (a list of chat messages, each
+    {"role": <a non-empty string>, "content": <text>}, some of it non-blank), and `chat` (`prompt_chat`) to be True,
+    False or None; an error says what to pass instead."""
+    if chat is not None and not isinstance(chat, bool):
+        raise ValueError(f"calibrate: prompt_chat must be True, False or None (through the chat template where the "
+                         f"tokenizer has one), got {chat!r}.")
+    if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"calibrate: prompts must be a list of prompts (strings, or conversations: lists of chat "
+                         f"messages), got {type(prompts).__name__}; for one prompt pass [prompt]. At least 2 are "
+                         "needed (one is held out).")
+    if prompts and all(isinstance(p, dict) for p in prompts):
+        raise ValueError("calibrate: prompts holds chat messages, not conversations; pass a list of conversations, "
+                         "each a list of messages: prompts=[[{'role': 'user', 'content': ...}], ...].")
+    for i, prompt in enumerate(prompts):
+        problem = _prompt_problem(prompt)
+        if problem:
+            raise ValueError(f"calibrate: prompts[{i}] ({str(prompt)[:60]!r}) {problem}")
+    return list(prompts)
+
+
+def _prompt_problem(prompt) -> str | None:
+    """What is wrong with one prompt (a sentence that says what to pass), or None."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "is blank; leave it out, or write the question it stands for."
+    if not isinstance(prompt, list):
+        return (f"is a {type(prompt).__name__}; a prompt is a string or a list of chat messages "
+                "[{'role': 'user', 'content': ...}].")
+    for j, message in enumerate(prompt):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and message["role"].strip()
+                and isinstance(message.get("content"), (str, list))):
+            return (f"message {j} ({str(message)[:60]!r}) is not a chat message: each needs a 'role' ('system', "
+                    "'user', ...) and a 'content' (its text).")
+    if not any(m["content"].strip() if isinstance(m["content"], str) else m["content"] for m in prompt):
+        return "holds no text: give at least one message some content."
+    return None
+
+
 def prompt_texts(tokenizer, prompts, chat: bool | None = None) -> list[str]:
     """Each prompt as the text the model is asked to continue: a string, or a list of chat messages
     ([{"role": ..., "content": ...}]); strings go through the chat template where `chat` (None: the tokenizer has
-    one), messages always."""
-    if isinstance(prompts, str) or not all(isinstance(p, (str, list)) for p in prompts):
-        raise ValueError("calibrate: prompts must be a list of strings or of chat message lists.")
+    one), messages always. `check_prompts` checks them first."""
+    prompts = check_prompts(prompts, chat)
     has_template = getattr(tokenizer, "chat_template", None) is not None
     chat = has_template if chat is None else chat
     out = []
@@ -47,6 +86,38 @@ def prompt_texts(tokenizer, prompts, chat: bool | None = None) -> list[str]:
             prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         out.append(prompt)
     return out
+
+
+def check_lengths(tokenizer, model, texts: list[str], new_tokens: int, max_length: int) -> None:
+    """Raise where a prompt text and its `new_tokens` would run past the model's positions; warn where prompt texts
+    fill calibration's `max_length` tokens, so that none of the model's answer is read after them (raise where
+    every one does)."""
+    lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    limit = max_positions(model)
+    longest = max(range(len(texts)), key=lengths.__getitem__)
+    if limit is not None and lengths[longest] + new_tokens > limit:
+        raise ValueError(f"calibrate: a prompt of {lengths[longest]} tokens ({texts[longest][:60]!r}) and its "
+                         f"prompt_new_tokens={new_tokens} answer tokens would run past the model's {limit} positions; "
+                         f"shorten the prompt, or lower prompt_new_tokens, to {limit} tokens together at most.")
+    full = sum(len(tokenizer(text)["input_ids"]) >= max_length for text in texts)
+    if not full:
+        return
+    message = (f"calibrate: {full} of {len(texts)} prompts are {max_length} tokens or longer (max_length), so their "
+               "calibration texts are cut before the model's answer")
+    if full == len(texts):
+        raise ValueError(f"{message}: calibration would read none of the model's answers. Raise max_length above "
+                         "the prompts' length, or shorten the prompts.")
+    warnings.warn(f"{message}, which calibration then does not read; raise max_length, or shorten those prompts.")
+
+
+def max_positions(model) -> int | None:
+    """The most positions `model` takes (its config's `max_position_embeddings` or `n_positions`), or None."""
+    config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import torch
 from .data import load_texts, take_samples
 from .options import CalibrationOptions
 from .phases import Context
-from .selftext import SelfText, generated_texts, prompt_texts
+from .selftext import SelfText, check_lengths, generated_texts, prompt_texts
 
 __all__ = ["Texts", "read_texts", "batches", "data_name"]
 
@@ -59,7 +59,8 @@ def _answers(ctx: Context, prompts) -> tuple[list[str], list[str], list[str]]:
     """(training texts, held-out texts, held-out prompts): the prompts split as texts are, and continued by the
     base model (`selftext`); every process writes the answers of all prompts (the same, from the same seed)."""
     opts, tokenizer, base = ctx.opts, ctx.tokenizer, ctx.tide.base
-    prompts = prompt_texts(tokenizer, list(prompts), opts.prompt_chat)
+    prompts = prompt_texts(tokenizer, prompts, opts.prompt_chat)
+    check_lengths(tokenizer, base, prompts, opts.prompt_new_tokens, opts.max_length)
     random.Random(opts.seed).shuffle(prompts)
     if len(prompts) < 2:
         raise ValueError(f"Calibration from prompts needs at least 2 prompts (one held out); got {len(prompts)}.")
