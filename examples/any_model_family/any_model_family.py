@@ -40,8 +40,9 @@ for name in names:
     greedy = dict(max_new_tokens=24, do_sample=False)
     reference = model.generate(**inputs, **greedy, tide_config=False)  # the plain base model
     model.generate(**inputs, **greedy, tide_config={"mode": "exit"})  # calibrated thresholds
-    stats = model.last_stats  # None: calibration timed the exits slower than the base model and turned them off
-    exit_layers = f"{stats.mean_layers:.2f} of {model.parts.num_layers}" if stats else "exits off (not faster)"
+    stats = model.last_stats  # mode "base": calibration timed the exits slower than the base model, turned them off
+    exit_layers = (f"{stats.mean_layers:.2f} of {model.parts.num_layers}" if stats.mode != "base"
+                   else "exits off (not faster)")
     same = torch.equal(model.generate(**inputs, **greedy, tide_config={"mode": "lossless"}), reference)
     lossless = "identical to the base" if same else "DIFFERS from the base"
     rows.append((base.config.model_type, str(model.checkpoints), exit_layers, lossless))

@@ -45,8 +45,8 @@ prompt, greedy = "The assignment statement", dict(max_new_tokens=24, do_sample=F
 for label, tide_config in [("base model", False), ("calibrated", None), ("threshold 0.5", {"exit_threshold": 0.5}),
                            ("lossless", {"mode": "lossless"})]:
     text = generator(prompt, tide_config=tide_config, **greedy)[0]["generated_text"]
-    stats = model.last_stats  # None when the plain base model ran
-    if stats is None:
+    stats = model.last_stats  # mode "base" when the plain base model ran
+    if stats.mode == "base":
         note = "every layer"
     elif stats.mode == "lossless":
         note = f"{stats.accepted}/{stats.drafted} drafts kept"

@@ -51,13 +51,13 @@ model = tide.TideForCausalLM.from_pretrained(args.out, dtype="auto").to(device) 
 inputs = tok("The assignment statement", return_tensors="pt").to(device)
 out = model.generate(**inputs, max_new_tokens=24, do_sample=False, tide_config={"mode": "exit"})
 print("\nexit mode:", repr(tok.decode(out[0], skip_special_tokens=True)))
-print(model.last_stats.summary() if model.last_stats else
+print(model.last_stats.summary() if model.last_stats.mode != "base" else
       "(calibration timed exit mode slower than the base model here and turned its exits off: the base model ran)")
 
 # 4. Lossless mode: the same tokens as the base model, drafted from an exit head and verified.
 lossless = model.generate(**inputs, max_new_tokens=24, do_sample=False, tide_config={"mode": "lossless"})
 stats = model.last_stats
-if stats is None:  # calibration timed the drafting schemes and none beat the base model here
+if stats.mode == "base":  # calibration timed the drafting schemes and none beat the base model here
     print("\nlossless mode: no draft pays on this model and machine; the base model ran unchanged")
 else:
     print(f"\nlossless mode: {stats.drafted} tokens drafted from layer {stats.checkpoints[0]}, "

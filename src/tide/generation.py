@@ -18,7 +18,7 @@ import time
 import torch
 
 from .config import TideGenerationConfig
-from .decode import exit_decode, generate_with_loop, lossless_decode
+from .decode import compilecache, exit_decode, generate_with_loop, lossless_decode
 from .decode.baseline import BaseSession
 from .decode.dispatch import activated, install
 from .decode.exitsession import ExitSession
@@ -27,7 +27,7 @@ from .decode.speculative import LosslessSession
 from .decode.stats import GenerationStats
 from .heads.kernels import kernel_mode
 from .layers.spans import SpanRunner, compile_options, options_key
-from .models.compat import is_static_layer
+from .models.compat import CompileWatch, is_static_layer
 
 __all__ = ["generate_with_tide", "plan_call", "CallPlan", "attach_stats", "lossless_problem"]
 
@@ -35,6 +35,9 @@ __all__ = ["generate_with_tide", "plan_call", "CallPlan", "attach_stats", "lossl
 def generate_with_tide(model, tide_config, *args, **kwargs):
     """`model.generate` with Tide: the call's plan (`decode.plan.plan_call`), its session, the run."""
     model.last_stats = None
+    if "custom_generate" in kwargs:
+        raise ValueError("This model already has Tide routers (a TideForCausalLM), and runs its decoding itself: call "
+                         "its generate without custom_generate, or pass custom_generate to its base model (.base).")
     plan = plan_call(model, tide_config, args, kwargs)
     if plan.cache_length is None:
         return _execute(model, plan, args, kwargs)
@@ -48,7 +51,7 @@ def _execute(model, plan: CallPlan, args, kwargs):
     if plan.kv_cache and "use_cache" not in kwargs and not no_cache(kwargs):
         _ask(kwargs, "use_cache", True)  # Tide decodes on the KV cache, also for models whose config turns it off
     if plan.kind == "base":
-        return model.base.generate(*args, **kwargs)
+        return _run_base(model, plan, args, kwargs)
     if plan.kind == "base (compiled)":
         return _run(model, plan, BaseSession(model, _compile_options(model, kwargs)), exit_decode, args, kwargs)
     run = plan.options
@@ -66,15 +69,34 @@ def _run(model, plan: CallPlan, session, loop, args, kwargs):
     the output and the model."""
     session.stats.plan = plan.reason
     start = time.perf_counter()
-    if loop is exit_decode and (option(model, kwargs, "num_beams") or 1) > 1:
-        install(model.base)  # beams: transformers' beam loop, with this session's forward in this context
-        with activated(session):
-            output = model.base.generate(*args, **kwargs)
-    else:
-        output = generate_with_loop(model.base, session, loop, args, kwargs)
+    with CompileWatch() as watch:  # (compiled calls: their compiling, in the stats)
+        if loop is exit_decode and (option(model, kwargs, "num_beams") or 1) > 1:
+            install(model.base)  # beams: transformers' beam loop, with this session's forward in this context
+            with activated(session):
+                output = model.base.generate(*args, **kwargs)
+        else:
+            output = generate_with_loop(model.base, session, loop, args, kwargs)
     session.stats.wall_time_s = time.perf_counter() - start
+    if plan.compile:
+        stats = session.stats
+        stats.compiled, stats.compile_s = True, watch.seconds
+        stats.graphs_compiled, stats.recompiles = watch.graphs, watch.recompiles
     model.last_stats = session.stats
     return attach_stats(output, session.stats)
+
+
+def _run_base(model, plan: CallPlan, args, kwargs):
+    """The base model's own `generate`, timed; stats that say so (`GenerationStats.base_run`: every token ran every
+    layer) on the output and the model, as for Tide's modes."""
+    start = time.perf_counter()
+    output = model.base.generate(*args, **kwargs)
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    inputs = call_inputs(args, kwargs)
+    prompt = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
+    stats = GenerationStats.base_run(model.parts.num_layers, sequences.shape[0], prompt, sequences.shape[1] - prompt)
+    stats.plan, stats.wall_time_s = plan.reason, time.perf_counter() - start
+    model.last_stats = stats
+    return attach_stats(output, stats)
 
 
 def _compile_options(model, kwargs: dict) -> dict:
@@ -114,6 +136,7 @@ def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
     options = _compile_options(model, kwargs)
     key = options_key(options)
     if key not in model.span_runners:
+        compilecache.load(model, options, model.base.device)  # (what an earlier process compiled, where persisted)
         model.span_runners[key] = SpanRunner(model.parts, options)
     return model.span_runners[key]
 

@@ -180,7 +180,11 @@ class TideConfig(PreTrainedConfig):
         unknown = sorted(set(self.generation or {}) - set(GENERATION_FIELDS))
         if unknown:
             raise ValueError(f"TideConfig.generation: unknown key(s) {unknown}; it accepts {list(GENERATION_FIELDS)}.")
-        generation = self.generation_config  # validates the defaults
+        try:
+            generation = self.generation_config  # validates the defaults
+        except ValueError as err:
+            raise ValueError(f"TideConfig.generation (the repo's default generation options, \"generation\" in its "
+                             f"config.json) is not valid: {err} Fix or remove that entry, or recalibrate.") from err
         for key, value in (self.thresholds or {}).items():
             check_number(f"thresholds[{key!r}]", value)
         if self.checkpoint_layers is not None:

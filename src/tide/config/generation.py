@@ -136,10 +136,11 @@ class TideGenerationConfig:
         self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
         self.draft_vocab_size, self.compile, self.compiled_modes = draft_vocab_size, compile, compiled_modes
         self.draft_ngram, self.head_drafts = draft_ngram, head_drafts
-        self.compiled_chain = None if compiled_chain is None else dict(compiled_chain)
+        # (copies of the dicts given; anything else is kept for `validate` to name)
+        self.compiled_chain = dict(compiled_chain) if isinstance(compiled_chain, dict) else compiled_chain
         self.row_skipping, self.kernels, self.kv_fill = row_skipping, kernels, kv_fill
         self.few_row_layout = few_row_layout
-        self.thresholds = None if thresholds is None else {str(k): v for k, v in thresholds.items()}
+        self.thresholds = {str(k): v for k, v in thresholds.items()} if isinstance(thresholds, dict) else thresholds
         self.validate()
 
     @classmethod
@@ -203,8 +204,15 @@ class TideGenerationConfig:
             if self.exit_threshold > 1.0:
                 raise ValueError(f"tide_config.exit_threshold must be <= 1.0 (1.0 never exits), "
                                  f"got {self.exit_threshold}.")
+        if self.thresholds is not None and not isinstance(self.thresholds, dict):
+            raise ValueError(f"tide_config.thresholds must be None or a dict of thresholds keyed by checkpoint layer "
+                             f"(e.g. {{'3': 0.9}}), got {self.thresholds!r}.")
         for key, value in (self.thresholds or {}).items():
             check_number(f"thresholds[{key!r}]", value, owner="tide_config")
+        if self.mode == "lossless" and self.exit_threshold is not None:
+            raise ValueError("tide_config: exit_threshold applies to mode='exit'. Lossless mode drafts from the exit "
+                             "head at draft_layer, up to max_draft tokens per verification; set those instead, or "
+                             "mode='exit' to exit at that threshold.")
         chain = self.compiled_chain
         if chain is not None:
             if not isinstance(chain, dict) or set(chain) - set(CHAIN_FIELDS) or "draft_layer" not in chain:

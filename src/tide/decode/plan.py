@@ -18,7 +18,8 @@ from ..config import TideConfig, TideGenerationConfig
 from ..models.compat import cache_layer_kinds
 from .speculative import LosslessUnavailable
 
-__all__ = ["CallPlan", "KINDS", "plan_call", "call_options", "lossless_problem", "call_inputs", "no_cache", "option"]
+__all__ = ["CallPlan", "KINDS", "plan_call", "call_options", "lossless_problem", "per_layer_outputs", "call_inputs",
+           "no_cache", "option"]
 
 KINDS = ("base", "base (compiled)", "exit", "lossless")
 
@@ -32,8 +33,10 @@ _DRAFT_OPTIONS = {"max_draft", "draft_layer", "draft_topk", "draft_vocab_size", 
 _OWN_SCHEME = {"draft_topk"}  # a compiled call that sets it drafts that way, not the fused chain
 # What a compiled call drafting the repo's `compiled_chain` sets besides the chain's own fields.
 _CHAIN_CALL = {"mode": "auto", "draft_topk": 1, "head_drafts": True, "draft_vocab_size": 0, "draft_ngram": 0}
-_NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", "prompt_lookup_num_tokens", "output_hidden_states",
-                      "output_attentions")
+_NOT_WITH_LOSSLESS = ("assistant_model", "assistant_early_exit", "prompt_lookup_num_tokens")
+# generate's per-layer outputs, which Tide's modes do not return (exited tokens skip layers; verification runs several
+# positions a pass): a call that asks for them (and a dict output) runs the base model or is refused.
+_PER_LAYER_OUTPUTS = ("output_hidden_states", "output_attentions")
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,6 @@ def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
     if tide_config is False:
         return CallPlan("base", None, False, None, "the call passed tide_config=False")
     call, options, given, chain = call_options(model, tide_config)
-    if isinstance(call, dict) and call.get("mode") == "lossless" and "exit_threshold" in call:
-        raise ValueError(
-            "tide_config: exit_threshold applies to mode='exit'. Lossless mode drafts from the exit head at "
-            "draft_layer, up to max_draft tokens per verification; set those instead."
-        )
     options.validate(checkpoints=model.checkpoints)
     model.check_draft_vocab_size(options.draft_vocab_size)
     if options.mode == "auto" and _EXIT_OPTIONS & given:
@@ -111,8 +109,9 @@ def _mode_plan(model, options, given: set, length, reason: str, args, kwargs) ->
         problem = lossless_problem(model, args, static if compiled and (lent or "past_key_values" not in kwargs)
                                    else kwargs)
         options.mode = "exit" if problem else "lossless"
-        if problem and (not options.has_operating_point or no_cache(kwargs)):
-            ends = "exit mode needs the KV cache" if options.has_operating_point else "exit mode has no thresholds"
+        if problem and (not options.has_operating_point or no_cache(kwargs) or per_layer_outputs(model, kwargs)):
+            ends = ("exit mode has no thresholds" if not options.has_operating_point else "exit mode needs the KV "
+                    "cache" if no_cache(kwargs) else "exit mode does not return them either")
             return _base(model, options, length, kwargs, f"lossless cannot run the call and {ends}: {problem}")
         reason += f", but lossless cannot run the call: {problem}" if problem else ", and lossless can run the call"
     if options.mode == "exit" and _batch_exits_off(model, options, given, args, kwargs):
@@ -126,6 +125,10 @@ def _mode_plan(model, options, given: set, length, reason: str, args, kwargs) ->
                          "(max_draft=0)", kv_cache=True)
         return CallPlan("lossless", options, compiled, length, reason, kv_cache=True,
                         fused_chains=compiled and not _OWN_SCHEME & given)
+    outputs = per_layer_outputs(model, kwargs)
+    if outputs:
+        raise ValueError(f"Tide's exit mode does not return {outputs} (exited tokens skip layers); drop them, or "
+                         "pass tide_config=False for the base model's own generate, which returns them.")
     if no_cache(kwargs):
         raise ValueError("Tide's exit mode decodes on the KV cache (skipped layers still get their K/V); drop "
                          "use_cache=False, or pass tide_config=False to run the base model without exits.")
@@ -135,7 +138,7 @@ def _mode_plan(model, options, given: set, length, reason: str, args, kwargs) ->
 def _base(model, options, length, kwargs, reason: str, kv_cache: bool = False) -> CallPlan:
     """The base model runs: compiled (`decode.baseline.BaseSession`, the baseline a compiled call is measured by)
     where the call compiles and runs no beams, else its own `generate` (beams: transformers' own beam search)."""
-    if options.compile and (option(model, kwargs, "num_beams") or 1) <= 1:
+    if options.compile and (option(model, kwargs, "num_beams") or 1) <= 1 and not per_layer_outputs(model, kwargs):
         return CallPlan("base (compiled)", options, True, length, reason, kv_cache=kv_cache)
     return CallPlan("base", options, False, length, reason, kv_cache=kv_cache)
 
@@ -209,7 +212,7 @@ def lossless_problem(model, args, kwargs) -> str | None:
         return "mode='lossless' supports greedy and sampling with one sequence (no beams, num_return_sequences=1)."
     if kwargs.get("inputs_embeds") is not None:
         return "mode='lossless' drafts from token ids; pass input_ids instead of inputs_embeds."
-    given = [name for name in _NOT_WITH_LOSSLESS if kwargs.get(name)]
+    given = [name for name in _NOT_WITH_LOSSLESS if option(model, kwargs, name)] + per_layer_outputs(model, kwargs)
     if given:
         return f"mode='lossless' is Tide's own speculative decoding and does not combine with {given}; drop them."
     if no_cache(kwargs):
@@ -220,6 +223,14 @@ def lossless_problem(model, args, kwargs) -> str | None:
                 f"{layers} of this call's cache (a static one) drop evicted positions at once. Pass a DynamicCache "
                 "(or none) and let generate create it, or use mode='exit'.")
     return ((model.config.calibration or {}).get("draft_selection") or {}).get("unavailable")
+
+
+def per_layer_outputs(model, kwargs) -> list[str]:
+    """The per-layer outputs (hidden states, attentions) the call asks generate to return, as keywords or in its
+    generation config (the call's or the model's); none where it returns no dict, which would not hold them."""
+    if not option(model, kwargs, "return_dict_in_generate"):
+        return []
+    return [name for name in _PER_LAYER_OUTPUTS if option(model, kwargs, name)]
 
 
 def _layers_without_rollback(model, kwargs) -> list[int]:

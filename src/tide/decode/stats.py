@@ -44,10 +44,28 @@ class GenerationStats:
     # compiled greedy chains (`decode/fused.py`): cycles run as one graph and one host read each
     fused_cycles: int = 0
     fused_graph_s: float = 0.0  # of `decode_time_s`: inside those graphs (their launch, guards and host read too)
+    # compile=True: torch.compile's work during the call (`models.compat.CompileWatch`): seconds spent compiling (in
+    #   `wall_time_s`), graphs compiled, and of those recompilations (a graph made again: its guards failed)
+    compiled: bool = False
+    compile_s: float = 0.0
+    graphs_compiled: int = 0
+    recompiles: int = 0
     # the engine switches the call ran with (`TideGenerationConfig.switches`: row_skipping, kernels, kv_fill,
     # few_row_layout); empty where the base model's own decode ran
     switches: dict = field(default_factory=dict)
     plan: str | None = None  # why the call ran what it ran (`decode.plan.CallPlan.reason`)
+
+    @classmethod
+    def base_run(cls, num_layers: int, rows: int, prompt_tokens: int, new_tokens: int) -> "GenerationStats":
+        """The stats of a call that ran the base model's own `generate` (mode "base"): `rows` sequences of
+        `prompt_tokens` continued by `new_tokens`, the first from the prompt's pass, every later one a step that ran
+        every layer. Its time is the call's wall time alone."""
+        steps = max(new_tokens - 1, 0)
+        stats = cls(num_layers=num_layers, checkpoints=[], mode="base", prefill_tokens=rows * prompt_tokens)
+        stats.decode_steps, stats.layer_passes = steps, steps * num_layers
+        if steps:
+            stats.record_exits([num_layers - 1] * (rows * steps))
+        return stats
 
     def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0) -> None:
         """Count one exit-mode decode step: where its tokens left and the layer work it ran."""
@@ -104,6 +122,12 @@ class GenerationStats:
     def summary(self) -> str:
         """A readable table of the run."""
         rows = [("plan", self.plan)] if self.plan else []
+        if self.mode == "base":
+            return _table(rows + [
+                ("mode", "base (the base model's own generate: every token ran every layer)"),
+                ("decode tokens", f"{self.decode_tokens} in {self.decode_steps} steps"),
+                ("wall time", f"{self.wall_time_s:.3f} s"),
+            ])
         rows += [
             ("mode / kv strategy", f"{self.mode} / {self.kv_strategy}"),
             ("decode tokens", f"{self.decode_tokens} in {self.decode_steps} steps"),
@@ -130,6 +154,8 @@ class GenerationStats:
         rows.append(("KV-only layer passes", str(self.kv_only_passes)))
         if self.kv_strategy == "recompute":
             rows.append(("recomputed K/V entries", str(self.recomputed_positions)))
+        if self.compiled:
+            rows.append(("compiling", self.compile_text()))
         rows += [
             ("wall time", f"{self.wall_time_s:.3f} s (decode {self.decode_time_s:.3f} s)"),
             ("decode tokens/s", f"{self.tokens_per_s:.1f}"),
@@ -146,8 +172,12 @@ class GenerationStats:
                 n = self.exits.get(key, 0)
                 label = f"exits after layer {key}" if key != "full" else "ran all layers"
                 rows.append((label, f"{n} ({n / total:.1%})"))
-        width = max(len(r[0]) for r in rows)
-        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+        return _table(rows)
+
+    def compile_text(self) -> str:
+        """The call's compiling in words: seconds, graphs compiled, recompiles."""
+        return (f"{self.compile_s:.1f} s, {self.graphs_compiled} graph{'s' * (self.graphs_compiled != 1)} compiled, "
+                f"{self.recompiles} recompile{'s' * (self.recompiles != 1)}")
 
     def _trees_text(self) -> str:
         """How many verification passes were over trees, and (the general loop's trees) the accepted later children."""
@@ -159,3 +189,9 @@ class GenerationStats:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    """Rows of (name, value) as aligned lines."""
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -200,7 +200,7 @@ def _time_variants(model, variants: dict, generate, prompt_ids, new_tokens: int,
             for name in names[repeat % len(names):] + names[: repeat % len(names)]:
                 cfg = variants[name]
                 times[name].append(sum(_decode_seconds(generate(cfg, name), ids, new_tokens) for ids in prompt_ids))
-                if cfg is not None and model.last_stats is not None:
+                if cfg is not None and model.last_stats.mode != "base":
                     extra[name] = _stats_extra(model.last_stats)
     return times, extra, outputs
 
@@ -301,14 +301,14 @@ def batch_throughput(model, tokenizer, texts: list[str], batch_size: int, new_to
         for _ in range(repeats):
             for name, fn in runs.items():
                 times[name].append(_decode_seconds(fn, ids, new_tokens))
-        stats = model.last_stats  # None where calibration turned exits off for batches: the base model ran
+        stats = model.last_stats  # mode "base" where calibration turned exits off for batches: the base model ran
     tokens = new_tokens * ids.shape[0]
     ratios = [b / t for b, t in zip(times["base"], times["tide"])]
     return {"batch_size": ids.shape[0], "base_tokens_per_s": tokens / statistics.median(times["base"]),
             "tide_tokens_per_s": tokens / statistics.median(times["tide"]), "ratio_to_base": statistics.median(ratios),
-            "ratio_range": [min(ratios), max(ratios)], "exits_ran": stats is not None,
-            "mean_layers": stats.mean_layers if stats else model.parts.num_layers,
-            "exits": stats.exits if stats else {}}
+            "ratio_range": [min(ratios), max(ratios)], "exits_ran": stats.mode != "base",
+            "mean_layers": stats.mean_layers if stats.mode != "base" else model.parts.num_layers,
+            "exits": stats.exits if stats.mode != "base" else {}}
 
 
 def _prefill_effect(model, token_lists) -> dict:

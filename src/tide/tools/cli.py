@@ -1,4 +1,4 @@
-"""The `tide` command line: calibrate, generate, bench, import-tide, demo.
+"""The `tide` command line: calibrate, generate, bench, import-tide, demo, warmup.
 
 Each subcommand is a thin layer over the library; errors are printed as one line that says what to do.
 """
@@ -114,11 +114,9 @@ def cmd_generate(args) -> None:
     out = model.generate(**inputs, **kwargs)
     if not args.stream:
         print(tokenizer.decode(out[0], skip_special_tokens=True))
-    stats = getattr(model, "last_stats", None)
+    stats = getattr(model, "last_stats", None)  # (its plan says why, where the base model ran unchanged)
     if stats is not None:
         print("\n" + stats.summary())
-    elif isinstance(model, TideForCausalLM):
-        print("\n(the base model ran unchanged: no exits or drafts pay here, or none were configured)")
 
 
 def _read_heldout(path: str) -> list[str]:
@@ -160,6 +158,19 @@ def cmd_import_tide(args) -> None:
 
 def cmd_demo(args) -> None:
     run_demo(out_dir=args.out, quick=args.quick)
+
+
+def cmd_warmup(args) -> None:
+    from .warmup import warmup  # (imported here: `tide --help` stays fast)
+
+    model, tokenizer = _load(args.model)
+    if not isinstance(model, TideForCausalLM):
+        raise ValueError(f"{args.model} is not a router repo; tide warmup compiles a router repo's compiled calls.")
+    report = warmup(model, tokenizer, sampled=args.sample, new_tokens=args.new_tokens)
+    for run in report["calls"]:
+        print(f"{run['prompt_tokens']:>4} prompt tokens{' (sampled)' * run['sampled']}: {run['compile_s']:.1f} s "
+              f"compiling, {run['graphs_compiled']} graphs, {run['recompiles']} recompiles ({run['plan']})")
+    print(f"compiled work saved: {report['file'] or 'nothing to save'} ({report['seconds']:.1f} s in all)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -294,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="tide-demo-routers", help="where to write the router repo")
     p.add_argument("--quick", action="store_true", help="fewer calibration samples (for smoke tests)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("warmup", help="compile a router repo's compile=True calls once; save the compiled work "
+                                      "for later processes")
+    p.add_argument("model", help="router repo (local directory or Hub id)")
+    p.add_argument("--sample", action="store_true", help="also compile the sampled calls' graphs")
+    p.add_argument("--new-tokens", type=_integer(1), default=48)
+    p.set_defaults(func=cmd_warmup)
     return parser
 
 

@@ -116,7 +116,8 @@ def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
                            streamer=TextStreamer(tokenizer, skip_special_tokens=True), tide_config={"mode": mode})
             stats = model.last_stats
             why = "no exit pays" if mode == "exit" else "no draft pays"
-            print(stats.summary() if stats else f"({why} on this model and machine: the base model ran unchanged)")
+            print(stats.summary() if stats.mode != "base" else
+                  f"({why} on this model and machine: the base model ran unchanged)")
             print()
 
     section("5. Speed and quality against the base model")
