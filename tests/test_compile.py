@@ -161,8 +161,10 @@ def test_compiled_base_leaves_beam_search_to_transformers():
 
 def test_compiled_calls_share_one_static_cache():
     """Compiled calls decode on one lent static cache (the same tensors call after call: CUDA graphs captured on
-    its addresses replay), reset each call and never shorter than the last; a call that returns its cache, and a
-    call while the cache is lent, get one of their own."""
+    its addresses replay), reset each call, its length rounded up to a bucket (calls of nearby lengths share it); a
+    call that returns its cache, and a call while the cache is lent, get one of their own."""
+    from tide.decode.cachepool import MIN_BUCKET, bucket
+
     model, base = noisy_tide("llama")
     ids, longer = prompt_ids(), prompt_ids(length=12, seed=1)
     seen, original = [], model.static_caches.lend
@@ -181,12 +183,14 @@ def test_compiled_calls_share_one_static_cache():
                            base.generate(prompt, do_sample=False, max_new_tokens=new))
     assert len(seen) == 3 and seen[0] is seen[1] is seen[2]
     held, keys = seen[0], seen[0].layers[0].keys
-    # as generate sizes it (max_length - 1), and room for a whole draft (max_draft + 1) after the last token
-    assert held.layers[0].max_cache_len == ids.shape[1] + 20 - 1 + 3 + 1
+    # as generate sizes it (max_length - 1), and room for a whole draft (max_draft + 1) after the last token, in a
+    # bucket: a power of two, at least MIN_BUCKET
+    assert held.layers[0].max_cache_len == MIN_BUCKET == bucket(ids.shape[1] + 20 - 1 + 3 + 1)
+    assert [bucket(n) for n in (1, 256, 257, 1000, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
     out = model.generate(ids, max_new_tokens=20, return_dict_in_generate=True, **run)
     assert len(seen) == 3 and out.past_key_values is not held  # a returned cache: generate made it, not lent
     with original(base.config, 8, 1, next(base.parameters())) as taken:
-        assert taken is held  # the free one: at least 8 positions (the longest lent so far)
+        assert taken is held  # the free one of that bucket
         assert torch.equal(model.generate(ids, max_new_tokens=20, **run),
                            base.generate(ids, do_sample=False, max_new_tokens=20))
         assert seen[-1] is not held  # lent elsewhere meanwhile: a cache of its own
@@ -197,9 +201,9 @@ def test_compiled_calls_share_one_static_cache():
         with original(base.config, 8, rows, next(base.parameters())):
             pass
     assert len(pool._free) == pool.KEEP and all(key[1] > 1 for key in pool._free)
-    model.static_caches.clear()  # frees them: the next call gets a new one, sized for itself
+    model.static_caches.clear()  # frees them: the next call gets a new one
     model.generate(ids, max_new_tokens=8, **run)
-    assert seen[-1] is not held and seen[-1].layers[0].max_cache_len == ids.shape[1] + 8 - 1 + 3 + 1
+    assert seen[-1] is not held and seen[-1].layers[0].max_cache_len == MIN_BUCKET
 
 
 def test_the_draft_head_runs_in_the_shallow_layers_graph():

@@ -18,7 +18,7 @@ import time
 import torch
 
 from .config import TideGenerationConfig
-from .decode import exit_decode, generate_with_loop, lossless_decode
+from .decode import compilecache, exit_decode, generate_with_loop, lossless_decode
 from .decode.baseline import BaseSession
 from .decode.dispatch import activated, install
 from .decode.exitsession import ExitSession
@@ -27,7 +27,7 @@ from .decode.speculative import LosslessSession
 from .decode.stats import GenerationStats
 from .heads.kernels import kernel_mode
 from .layers.spans import SpanRunner, compile_options, options_key
-from .models.compat import is_static_layer
+from .models.compat import CompileWatch, is_static_layer
 
 __all__ = ["generate_with_tide", "plan_call", "CallPlan", "attach_stats", "lossless_problem"]
 
@@ -69,13 +69,18 @@ def _run(model, plan: CallPlan, session, loop, args, kwargs):
     the output and the model."""
     session.stats.plan = plan.reason
     start = time.perf_counter()
-    if loop is exit_decode and (option(model, kwargs, "num_beams") or 1) > 1:
-        install(model.base)  # beams: transformers' beam loop, with this session's forward in this context
-        with activated(session):
-            output = model.base.generate(*args, **kwargs)
-    else:
-        output = generate_with_loop(model.base, session, loop, args, kwargs)
+    with CompileWatch() as watch:  # (compiled calls: their compiling, in the stats)
+        if loop is exit_decode and (option(model, kwargs, "num_beams") or 1) > 1:
+            install(model.base)  # beams: transformers' beam loop, with this session's forward in this context
+            with activated(session):
+                output = model.base.generate(*args, **kwargs)
+        else:
+            output = generate_with_loop(model.base, session, loop, args, kwargs)
     session.stats.wall_time_s = time.perf_counter() - start
+    if plan.compile:
+        stats = session.stats
+        stats.compiled, stats.compile_s = True, watch.seconds
+        stats.graphs_compiled, stats.recompiles = watch.graphs, watch.recompiles
     model.last_stats = session.stats
     return attach_stats(output, session.stats)
 
@@ -131,6 +136,7 @@ def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
     options = _compile_options(model, kwargs)
     key = options_key(options)
     if key not in model.span_runners:
+        compilecache.load(model, options, model.base.device)  # (what an earlier process compiled, where persisted)
         model.span_runners[key] = SpanRunner(model.parts, options)
     return model.span_runners[key]
 

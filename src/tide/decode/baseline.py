@@ -16,6 +16,7 @@ import torch
 from transformers import StaticCache
 
 from ..layers.spans import options_key
+from . import compilecache
 from .stats import GenerationStats
 
 __all__ = ["BaseSession", "compiled_forward", "compiled_static_decoder"]
@@ -25,6 +26,7 @@ def compiled_forward(model, options: dict):
     """`torch.compile(model.base.forward, **options)`, made once per set of options and kept on the model."""
     key = ("forward",) + options_key(options)
     if key not in model.span_runners:
+        compilecache.load(model, options, model.base.device)  # (what an earlier process compiled, where persisted)
         model.span_runners[key] = torch.compile(model.base.forward, **options)
     return model.span_runners[key]
 

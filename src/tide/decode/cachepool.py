@@ -4,8 +4,11 @@ A compiled call (`tide_config={"compile": True}`) decodes on a static cache. tra
 `StaticCache` on every call; its tensors are marked as static addresses, and on a GPU every CUDA graph that was
 captured on the last call's cache is recorded again on the new one, at every call. `StaticCachePool` keeps a
 model's static caches between calls and lends one to each call that would have asked `generate` for a fresh one,
-reset (its tensors zeroed in place), sized as `generate` sizes it, never shorter than the last (one shape for
-compiled graphs, as `generate` keeps `_previous_max_cache_length`). A lent cache belongs to one call at a time:
+reset (its tensors zeroed in place), at least as long as `generate` would make it, rounded up to a bucket
+(`bucket`: a power of two, at least `MIN_BUCKET` positions), so that calls of nearby lengths share one cache and
+one shape. Tide's one-graph cycles read the cache's length from its tensors, marked as a dynamic dimension
+(`dynamic_length`), so one graph serves every bucket: a longer prompt makes no graph again. A lent cache belongs to
+one call at a time:
 concurrent calls get caches of their own. Calls that return their cache (`return_dict_in_generate`) get a fresh
 one from `generate`, so that no later call overwrites it. The free caches stay allocated between calls (as
 transformers' own generate once kept one); `model.static_caches.clear()` frees them.
@@ -19,18 +22,40 @@ from contextlib import contextmanager
 import torch
 from transformers import StaticCache
 
-__all__ = ["StaticCachePool"]
+__all__ = ["MIN_BUCKET", "StaticCachePool", "bucket", "dynamic_length", "slots"]
+
+MIN_BUCKET = 256
+
+
+def bucket(length: int) -> int:
+    """The cache length lent for `length` positions: the next power of two, at least `MIN_BUCKET`."""
+    return max(MIN_BUCKET, 1 << max(int(length) - 1, 0).bit_length())
+
+
+def dynamic_length(cache) -> None:
+    """Mark the length dimension of every initialised layer's keys and values of a static `cache` as dynamic, for
+    graphs that read it with `slots`: compiled once, they serve caches of any length (where the backend cannot keep
+    it dynamic, it specialises, as before)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            for tensor in (layer.keys, layer.values):
+                torch._dynamo.maybe_mark_dynamic(tensor, 2)
+
+
+def slots(cache) -> int:
+    """The positions a static `cache` holds, read from its tensors (inside a graph: the dynamic dimension)."""
+    return cache.layers[0].keys.shape[2]
 
 
 class StaticCachePool:
-    """The free static caches of one model, by (length, rows, dtype, device): the `KEEP` most recently returned."""
+    """The free static caches of one model, by (bucket, rows, dtype, device): the `KEEP` most recently returned."""
 
     KEEP = 4
 
     def __init__(self):
         self._free: dict[tuple, StaticCache] = {}
         self._lock = threading.Lock()
-        self.length = 0  # the longest cache lent so far: later calls get at least this (one shape)
+        self.length = 0  # the longest cache lent so far
 
     def __deepcopy__(self, memo):  # a copied model gets an empty pool of its own (a lock cannot be copied)
         return StaticCachePool()
@@ -49,11 +74,11 @@ class StaticCachePool:
 
     @contextmanager
     def lend(self, config, length: int, rows: int, like: torch.Tensor):
-        """A reset static cache of at least `length` positions for `rows` sequences, for the `with` block; `like`:
+        """A reset static cache of `bucket(length)` positions for `rows` sequences, for the `with` block; `like`:
         a parameter of the model (its dtype and device, which the cache takes on its first update)."""
         with self._lock:
-            self.length = max(self.length, length)
-            key = (self.length, rows, like.dtype, like.device)
+            self.length = max(self.length, bucket(length))
+            key = (bucket(length), rows, like.dtype, like.device)
             cache = self._free.pop(key, None)
         if cache is None:
             cache = StaticCache(config=config, max_cache_len=key[0])
@@ -63,8 +88,7 @@ class StaticCachePool:
             yield cache
         finally:
             with self._lock:
-                if key[0] == self.length:  # a shorter one would not be lent again
-                    self._free.pop(key, None)
-                    self._free[key] = cache  # (the newest last)
-                    while len(self._free) > self.KEEP:  # batch sizes, dtypes, devices seen long ago
-                        self._free.pop(next(iter(self._free)))
+                self._free.pop(key, None)
+                self._free[key] = cache  # (the newest last)
+                while len(self._free) > self.KEEP:  # lengths, batch sizes, dtypes, devices seen long ago
+                    self._free.pop(next(iter(self._free)))

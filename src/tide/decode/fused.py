@@ -51,6 +51,7 @@ from ..layers.spans import dense
 from ..models.compat import crop_cache
 from .accept import draw, sampling_verdict_on_device
 from .emit import Emitted
+from .cachepool import dynamic_length, slots
 from .fusedtree import TreeShape, tree_cycle
 from .ngram import NgramLookup
 from .speculative import next_cap
@@ -153,12 +154,14 @@ def penalised(logits: torch.Tensor, strength: torch.Tensor, seen: torch.Tensor) 
     return torch.where(seen, torch.where(logits < 0, logits * strength, logits / strength), logits)
 
 
-def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, keys: int, dtype,
+def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, dtype,
            first_deep: int, suppress, warp, given, valid, penalty=None):
     """One cycle, drafts (from the head, or `given` [1, k] by the host, of which the first `valid` count) and
     verification, as one graph ->
     (accepted count then the k + 1 tokens of which the first accepted + 1 are emitted [k + 2]: what the host
-    reads; the next cycle's token x [1, 1]; its context [1, H])."""
+    reads; the next cycle's token x [1, 1]; its context [1, H]). The cache's length is read from its tensors, a
+    dynamic dimension of the graph (`cachepool.dynamic_length`): one graph for every cache length."""
+    keys = slots(cache)
     if given is None:
         states, drafts, drawn_from = _draft(shallow, head, cache, token, context, width, keys, dtype, warp)
     else:
@@ -207,6 +210,7 @@ class FusedChain:
         self.ngrams = NgramLookup(session.draft_ngram) if session.draft_ngram else None
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
+        dynamic_length(cache)  # (one graph for every cache length)
         self.cap = session.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
         self.tree = tree  # a tree's candidates for the next position (0: a chain)
 
@@ -278,7 +282,7 @@ class FusedChain:
             return (*session.spans.graph(
                 ("tree", *shape.key(), self.processors.warp is not None), tree_cycle,
                 "tide_tree_{}_{}".format(*shape.key()) + "_sampled" * (self.processors.warp is not None), *common,
-                shape, self.keys, dtype, self.processors.suppress(length, shape.max_depth), self.processors.warp, given,
+                shape, dtype, self.processors.suppress(length, shape.max_depth), self.processors.warp, given,
                 torch.tensor(len(continuation), device=device)), 1, continuation, True)
         if continuation and room >= session.max_draft:  # padded to one width: one graph for every continuation
             width, valid = session.max_draft, torch.tensor(len(continuation), device=device)
@@ -290,7 +294,7 @@ class FusedChain:
         kind = (width, self.processors.warp is not None, given is not None, penalty is not None)  # one graph each
         return (*session.spans.graph(
             ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2]
-            + "_penalised" * kind[3], *common, width, self.keys, dtype, session.draft_layer + 1,
+            + "_penalised" * kind[3], *common, width, dtype, session.draft_layer + 1,
             self.processors.suppress(length, width), self.processors.warp, given, valid, penalty),
             width, continuation, False)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .accept import draw
+from .cachepool import slots
 
 __all__ = ["TreeShape", "sampled_path", "tree_cycle"]
 
@@ -75,13 +76,13 @@ def _pass(view, shape: TreeShape, cache, nodes: list[int], start, keys: int, dty
                 past_key_values=cache, use_cache=True, **inputs).last_hidden_state
 
 
-def tree_cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, shape: TreeShape, keys: int,
-               dtype, suppress, warp, given, valid):
+def tree_cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, shape: TreeShape, dtype,
+               suppress, warp, given, valid):
     """One tree cycle as one graph (module docstring). `token` [1, 1] x; `context` [1, H]; `given` [1, ngram] the
     n-gram branch (padding past `valid` []; None without one); `suppress` (where [D + 1] bool by depth, tokens [V]
     bool): scores set to -inf; `warp`: None (greedy) or the call's warpers (sampling) -> (accepted count then D + 1
     tokens, of which the first accepted + 1 are emitted [D + 2]; the next x [1, 1]; the next context [1, H])."""
-    k, m, device = shape.siblings, shape.ngram, token.device
+    k, m, device, keys = shape.siblings, shape.ngram, token.device, slots(cache)  # (the length: a dynamic dimension)
     start = cache.layers[0].cumulative_length.clone()  # (every layer's, at the cycle's start)
     states = [_pass(shallow, shape, cache, [0], start, keys, dtype, input_ids=token)]
     logits, _ = head(states[0][:, -1], context)

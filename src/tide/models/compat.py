@@ -13,6 +13,9 @@
   repo's name; a router repo's `generate.py` reads it from the running `GenerationMixin.generate`'s local
   `custom_generate`.
 
+And one private piece of torch: dynamo's compile callbacks (`torch._dynamo.callback_handler`), through which
+`CompileWatch` counts a call's compilations, recompilations and seconds spent compiling.
+
 `check()` verifies them against the installed transformers and raises an error naming the piece that
 changed; the test suite calls it.
 """
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
+import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -31,7 +36,7 @@ from transformers.integrations import sdpa_attention
 __all__ = ["stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "layer_length",
            "crop_cache", "keep_path", "keep_of_tail", "plain_dynamic_layers", "is_static_layer", "keep_one_of_tail",
            "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of",
-           "grouped_query_attention_in_place", "custom_generate_repo", "check"]
+           "grouped_query_attention_in_place", "custom_generate_repo", "CompileWatch", "check"]
 
 
 def stop_strings_as_criteria(base, kwargs: dict) -> dict:
@@ -270,6 +275,43 @@ def grouped_query_attention_in_place():
         _GQA_IN_PLACE.reset(token)
 
 
+class CompileWatch:
+    """torch.compile's work while the `with` block runs, from dynamo's compile callbacks: `seconds` spent compiling
+    (CUDA graph recordings included), `graphs` (frames dynamo compiled) and `recompiles` (of those, a function
+    compiled again because its guards failed). The callbacks are process-wide: compilations by another thread in
+    the meantime count too."""
+
+    def __init__(self):
+        self.seconds, self.graphs, self.recompiles = 0.0, 0, 0
+        self._started = 0.0
+
+    def _start(self, args) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self, args) -> None:
+        self.seconds += time.perf_counter() - self._started
+        if getattr(args.callback_trigger, "name", "") == "DYNAMO":
+            self.graphs += 1
+            match = re.search(r"(\d+)/(\d+)", str(args.compile_id))
+            self.recompiles += bool(match and int(match.group(2)) > 0)
+
+    def __enter__(self) -> CompileWatch:
+        handler = getattr(torch._dynamo, "callback_handler", None)
+        if handler is not None:
+            handler.register_start_callback(self._start)
+            handler.register_end_callback(self._end)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        handler = getattr(torch._dynamo, "callback_handler", None)
+        for remove, callback in ((getattr(handler, "remove_start_callback", None), self._start),
+                                 (getattr(handler, "remove_end_callback", None), self._end)):
+            try:
+                remove(callback)
+            except (TypeError, ValueError):  # (`torch._dynamo.reset()` clears the callbacks)
+                pass
+
+
 def check() -> None:
     """Raise RuntimeError naming every private transformers piece above that is missing or changed."""
     from transformers import DynamicCache, GenerationMixin, LlamaConfig
@@ -305,5 +347,9 @@ def check() -> None:
         problems.append("transformers.integrations.sdpa_attention.use_gqa_in_sdpa(attention_mask, key, value) changed")
     elif "use_gqa_in_sdpa" not in sdpa_attention.sdpa_attention_forward.__code__.co_names:
         problems.append("sdpa_attention_forward no longer asks use_gqa_in_sdpa whether to repeat K/V heads")
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    if not all(hasattr(handler, name) for name in ("register_start_callback", "register_end_callback",
+                                                   "remove_start_callback", "remove_end_callback")):
+        problems.append("torch._dynamo.callback_handler (compile callbacks, which count compilations) changed")
     if problems:
         raise RuntimeError("Tide relies on transformers internals that changed: " + "; ".join(problems) + ".")

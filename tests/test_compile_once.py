@@ -1,0 +1,100 @@
+"""Compiled calls compile once: the lent static cache's length is a dynamic dimension of the one-graph cycles (calls
+whose prompts grow make no graph again), each call's stats count its compiling, and compiled work persists in Tide's
+cache folder (`decode/compilecache.py`), a stale or foreign file ignored with a log line."""
+
+import json
+import logging
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from tide.decode import compilecache
+from tide.decode.cachepool import bucket
+from tide.layers.spans import compile_options
+from tiny_models import noisy_tide, prompt_ids
+
+EAGER_BACKEND = CompileConfig(backend="eager")
+CHAIN = {"mode": "lossless", "max_draft": 1, "compile": True}
+TREE = {"mode": "lossless", "max_draft": 1, "draft_topk": 2, "compile": True}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("config", [CHAIN, TREE], ids=["chain", "tree"])
+def test_growing_prompts_compile_no_graph_again(config):
+    """Calls whose prompts and lengths grow across cache buckets (256, 512, 1,024 positions): the first call's
+    graphs serve them all (0 graphs and 0 recompiles after it), every output the base model's; a chain call
+    compiles one graph (its prefill runs eagerly), a tree call at most 3."""
+    model, base = noisy_tide("llama", model_overrides=dict(max_position_embeddings=2048))
+    lengths = [(8, 16), (40, 24), (300, 20), (700, 16), (12, 8)]
+    assert len({bucket(n + new + 4) for n, new in lengths}) == 3
+    for i, (n, new) in enumerate(lengths):
+        ids = prompt_ids(n, seed=n)
+        out = model.generate(ids, do_sample=False, max_new_tokens=new, compile_config=EAGER_BACKEND,
+                             tide_config=config)
+        stats = model.last_stats
+        assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=new)), (n, new)
+        assert stats.fused_cycles and stats.compiled and stats.recompiles == 0, (n, stats.compile_text())
+        if i == 0:
+            assert 1 <= stats.graphs_compiled <= (1 if config is CHAIN else 3) and stats.compile_s > 0
+            assert "compiling" in stats.summary() and "graph" in stats.compile_text()
+        else:
+            assert stats.graphs_compiled == 0, (n, stats.compile_text())
+
+
+def test_persisted_artifacts_load_once_and_a_stale_or_foreign_file_is_ignored(tmp_path, monkeypatch, caplog):
+    """`save` writes torch's artifacts under a key of the model, torch version, device and options; the first
+    compiled call of a model loads them (once); a file made for another key, or one torch cannot load, is skipped
+    with a log line and the call runs."""
+    monkeypatch.setenv("TIDE_CACHE", str(tmp_path))
+    model, base = noisy_tide("llama")
+    options = compile_options(EAGER_BACKEND)
+    loaded = []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled\nwork", None))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    path = compilecache.save(model, options, "cpu")
+    assert path.parent == tmp_path / "compiled" and path.is_file()
+    ids = prompt_ids()
+    model.generate(ids, do_sample=False, max_new_tokens=4, compile_config=EAGER_BACKEND, tide_config=CHAIN)
+    model.generate(ids, do_sample=False, max_new_tokens=4, compile_config=EAGER_BACKEND, tide_config=CHAIN)
+    assert loaded == [b"compiled\nwork"]  # once, the payload after the header line
+
+    other, _ = noisy_tide("llama")
+    key = compilecache.artifact_key(other, options, "cpu")
+    stale = dict(key, torch="0.0.1")
+    compilecache.artifact_path(key).write_bytes(json.dumps(stale).encode() + b"\nold")
+    with caplog.at_level(logging.WARNING, logger=compilecache.__name__):
+        assert not compilecache.load(other, options, "cpu")
+    assert "another torch" in caplog.text and loaded == [b"compiled\nwork"]
+
+    def refuses(payload):
+        raise RuntimeError("bad artifacts")
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", refuses)
+    third, _ = noisy_tide("llama")
+    compilecache.save(third, options, "cpu")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=compilecache.__name__):
+        out = third.generate(ids, do_sample=False, max_new_tokens=6, compile_config=EAGER_BACKEND, tide_config=CHAIN)
+    assert "could not load" in caplog.text
+    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=6))
+
+
+def test_warmup_runs_the_compiled_calls_and_saves(tmp_path, monkeypatch):
+    """`tide warmup`'s function: the repo's compiled call on its prompts, then the save (here: torch's artifacts
+    faked, the graphs traced without inductor)."""
+    from tide.tools.warmup import warmup
+
+    monkeypatch.setenv("TIDE_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"work", None))
+    model, _ = noisy_tide("llama")
+    model.config.set_generation_defaults(mode="lossless", max_draft=2)
+    report = warmup(model, new_tokens=8, compile_config=EAGER_BACKEND)
+    assert report["file"] and len(report["calls"]) == 2
+    assert report["calls"][0]["graphs_compiled"] >= 1 and all(run["recompiles"] == 0 for run in report["calls"])
