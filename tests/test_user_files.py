@@ -103,3 +103,13 @@ def test_calibrate_to_an_existing_file_fails_before_calibrating(tmp_path, capsys
     assert main(argv) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
     assert (tmp_path / "out").read_text() == "mine"
+
+
+def test_the_demo_checks_its_folder_before_calibrating(tmp_path, capsys, monkeypatch):
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibration ran")
+
+    monkeypatch.setattr(tide.tools.demo, "_calibrate", no_calibration)
+    (tmp_path / "out").write_text("mine")
+    assert main(["demo", "--out", str(tmp_path / "out"), "--quick"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 from ..calibration.run import calibrate
 from ..config import TideConfig
 from ..hub.card import calibration_table
+from ..hub.repos import check_save_directory
 from ..modeling import TideForCausalLM
 from .bench import run_bench
 from .demo_corpus import split_corpus
@@ -84,6 +85,7 @@ class _Sections:
 
 
 def run_demo(out_dir: str = "tide-demo-routers", quick: bool = False) -> dict:
+    check_save_directory(Path(out_dir))  # before calibrating: out_dir must be a folder a router repo may go into
     torch.manual_seed(0)
     section = _Sections()
     section("1. The shipped model")
