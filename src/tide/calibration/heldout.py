@@ -26,7 +26,7 @@ def score_heldout(ctx: Context, held_texts: list[str], ranked: torch.Tensor | No
     for batch in phases.counted("data", batches(held_texts, ctx.tokenizer, ctx.opts, tide.base.device)):
         with phases("held-out scoring"):
             held.add(_score(tide, capture(tide, batch), ctx.cfg, ranked))
-        bar.update(batch["input_ids"].shape[0])
+        bar.update(batch["texts"])
     local = (len(held_texts), held.num_tokens if held_texts else 0)
     with phases("held-out scoring"):
         return held.gathered(ctx.procs), local

@@ -11,6 +11,9 @@ __all__ = ["CalibrationOptions", "options_from"]
 @dataclass
 class CalibrationOptions:
     num_samples: int = 512
+    # the training stream's budget in tokens (a conversation's answer positions; a plain text's tokens): the first
+    # shuffled training texts that hold it are read (None: every training text)
+    train_tokens: int | None = None
     max_length: int = 256
     batch_size: int = 8
     heldout_fraction: float = 0.2
@@ -50,6 +53,9 @@ class CalibrationOptions:
             minimum = 1 if name in ("num_samples", "max_length", "batch_size", "minibatch") else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"calibrate: {name} must be an integer >= {minimum}, got {value!r}.")
+        if self.train_tokens is not None and (isinstance(self.train_tokens, bool) or
+                                              not isinstance(self.train_tokens, int) or self.train_tokens < 1):
+            raise ValueError(f"calibrate: train_tokens must be a positive integer or None, got {self.train_tokens!r}.")
         if self.buffer_size is not None and (not isinstance(self.buffer_size, int) or self.buffer_size < 1):
             raise ValueError(f"calibrate: buffer_size must be a positive integer or None, got {self.buffer_size!r}.")
         if not isinstance(self.heldout_fraction, (int, float)) or not 0.0 < self.heldout_fraction < 1.0:

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .chat import ChatText, answer_mask
 from .data import load_texts, take_samples
 from .options import CalibrationOptions
 from .phases import Context
 from .selftext import SelfText, check_lengths, generated_texts, prompt_texts
 
-__all__ = ["Texts", "read_texts", "batches", "data_name"]
+__all__ = ["Texts", "read_texts", "batches", "data_name", "within_budget", "training_tokens", "stream_size"]
 
 
 @dataclass
@@ -37,21 +38,25 @@ def read_texts(ctx: Context, dataset, prompts=None, **load) -> Texts:
     texts = []
     if dataset is not None:
         with ctx.phases("data"):
-            texts = load_texts(dataset, **load)
+            texts = load_texts(dataset, tokenizer=ctx.tokenizer, **load)
         random.Random(opts.seed).shuffle(texts)
         texts = take_samples(texts, opts.num_samples)
         if len(texts) < 2:
             raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
     n_held = _held_count(len(texts), opts.heldout_fraction) if texts else 0
     train_texts, held_texts = texts[n_held:], texts[:n_held]
-    timing_texts = None
+    # conversations: the timing trials answer the held-out ones' first questions
+    timing_texts = [t.prompt for t in held_texts] if held_texts and all(isinstance(t, ChatText) for t in
+                                                                        held_texts) else None
     if prompts:
-        train_own, held_own, timing_texts = _answers(ctx, prompts)
+        train_own, held_own, own_timing = _answers(ctx, prompts)
+        timing_texts = (timing_texts or []) + own_timing
         train_texts, held_texts = train_texts + train_own, held_texts + held_own
         texts = train_texts + held_texts
     if procs.world > min(len(train_texts), len(held_texts)):
         raise ValueError(f"Calibration on {procs.world} processes needs at least {procs.world} training and "
                          f"{procs.world} held-out texts; got {len(train_texts)} and {len(held_texts)}.")
+    train_texts = within_budget(train_texts, ctx.tokenizer, opts)
     return Texts(procs.shard(train_texts), procs.shard(held_texts), held_texts, timing_texts, len(texts))
 
 
@@ -84,15 +89,73 @@ def data_name(dataset, prompts) -> str:
     return " + ".join(n for n in (name, own) if n)
 
 
+def within_budget(texts: list[str], tokenizer, opts: CalibrationOptions) -> list[str]:
+    """The first training texts that hold `opts.train_tokens` training tokens (all of them where it is None)."""
+    if opts.train_tokens is None:
+        return texts
+    total = 0
+    for i, text in enumerate(texts):
+        total += training_tokens(text, tokenizer, opts.max_length)
+        if total >= opts.train_tokens:
+            return texts[:i + 1]
+    return texts
+
+
+def stream_size(texts: list[str], tokenizer, max_length: int) -> tuple[int, int]:
+    """(rows, training tokens) that `batches` makes of `texts`."""
+    rows = tokens = 0
+    for text in texts:
+        for _, mask in _rows(text, tokenizer, max_length):
+            rows, tokens = rows + 1, tokens + int(mask.sum())
+    return rows, tokens
+
+
+def training_tokens(text: str, tokenizer, max_length: int) -> int:
+    """The positions of `text` calibration trains on: a conversation's answer positions (in every window), a plain
+    text's tokens up to `max_length`."""
+    return sum(int(mask.sum()) for _, mask in _rows(text, tokenizer, max_length))
+
+
+def _rows(text: str, tokenizer, max_length: int):
+    """(ids [T], trained positions [T] bool) of a text: a plain text once, truncated to `max_length` tokens; a
+    conversation (`ChatText`) in windows of `max_length` tokens, each with an answer position, its answer positions
+    marked (`chat.answer_mask`)."""
+    if not isinstance(text, ChatText):
+        ids = torch.tensor(tokenizer(text, truncation=True, max_length=max_length)["input_ids"], dtype=torch.long)
+        yield ids, torch.ones_like(ids, dtype=torch.bool)
+        return
+    encoded = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    ids, mask = torch.tensor(encoded["input_ids"], dtype=torch.long), answer_mask(text, encoded["offset_mapping"])
+    for start in range(0, max(len(ids) - 1, 1), max_length):
+        if mask[start:start + max_length].any():
+            yield ids[start:start + max_length], mask[start:start + max_length]
+
+
 def batches(texts, tokenizer, opts: CalibrationOptions, device):
-    """Right-padded token batches; works for tokenizers without a pad token."""
-    for start in range(0, len(texts), opts.batch_size):
-        encoded = tokenizer(texts[start : start + opts.batch_size], truncation=True, max_length=opts.max_length)
-        rows = [ids for ids in encoded["input_ids"] if len(ids) > 1] or encoded["input_ids"]
-        width = max(len(ids) for ids in rows)
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, ids in enumerate(rows):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            mask[i, : len(ids)] = 1
-        yield {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+    """Right-padded token batches of `opts.batch_size` rows (a conversation gives a row a window); `trained`
+    marks the positions calibration trains and scores on (real tokens; a conversation's answer positions);
+    `texts` counts the texts a batch finished. Works for tokenizers without a pad token."""
+    rows, finished = [], 0
+    for text in texts:
+        for row in _rows(text, tokenizer, opts.max_length):
+            if len(rows) == opts.batch_size:
+                yield _batch(rows, device, finished)
+                rows, finished = [], 0
+            rows.append(row)
+        finished += 1
+    if rows:
+        yield _batch(rows, device, finished)
+
+
+def _batch(rows: list, device, texts: int) -> dict:
+    rows = [row for row in rows if len(row[0]) > 1] or rows  # a one-token text has nothing to predict
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    trained = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (ids, keep) in enumerate(rows):
+        input_ids[i, : len(ids)] = ids
+        mask[i, : len(ids)] = 1
+        trained[i, : len(ids)] = keep
+    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device), "trained": trained.to(device),
+            "texts": texts}

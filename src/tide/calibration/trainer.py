@@ -18,7 +18,7 @@ from .headloss import TEACHER_TOP, Candidates, draw_negatives, head_kl, uses_can
 from .heldout import ranked_draft_vocabulary
 from .options import CalibrationOptions
 from .phases import Context
-from .texts import batches
+from .texts import batches, stream_size
 
 __all__ = ["train", "HEAD_STEPS"]
 
@@ -27,13 +27,15 @@ def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.
     """Stream this process's training texts (`bar` counts them): exit heads, draft heads, then routers. (The
     trainer, the ranked draft vocabulary or None: `heldout.ranked_draft_vocabulary`.)"""
     tide, opts, procs, phases = ctx.tide, ctx.opts, ctx.procs, ctx.phases
-    local_batches = math.ceil(len(train_texts) / opts.batch_size)
+    rows, tokens = stream_size(train_texts, ctx.tokenizer, opts.max_length)
+    local_batches = math.ceil(rows / opts.batch_size)
     num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
-    trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs)
+    trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs,
+                       train_tokens=procs.max_int(tokens) * procs.world)
     for batch in phases.counted("data", batches(train_texts, ctx.tokenizer, opts, tide.base.device)):
         with phases("training"):
             trainer.add(capture(tide, batch, top=trainer.candidates))
-        bar.update(batch["input_ids"].shape[0])
+        bar.update(batch["texts"])
         bar.set_postfix(kl=f"{trainer.last_kl:.3f}")
     with phases("training"):
         for _ in range(num_batches - local_batches):
@@ -45,8 +47,10 @@ def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.
 
 # The heads' default Adam steps, by loss: {candidates: steps}. A candidate step costs a fraction of a step over the
 # whole vocabulary, and on SmolLM2-135M-Instruct 1,000 of them raised draft acceptance at layer 3 from 36% to 47%
-# over 200 (docs/benchmarks.md).
+# over 200 (docs/benchmarks.md). A longer stream takes more: at least one step per TOKENS_PER_HEAD_STEP training
+# tokens (half a pass over the stream at the default minibatch of 256).
 HEAD_STEPS = {False: 200, True: 1000}
+TOKENS_PER_HEAD_STEP = 512
 
 
 class _Trainer:
@@ -62,7 +66,7 @@ class _Trainer:
     """
 
     def __init__(self, tide: TideForCausalLM, opts: CalibrationOptions, num_batches: int,
-                 procs: Processes | None = None):
+                 procs: Processes | None = None, train_tokens: int = 0):
         self.tide, self.opts, self.parts = tide, opts, tide.parts
         self.procs = procs or Processes()
         self.layers = list(tide.checkpoints)
@@ -89,7 +93,9 @@ class _Trainer:
         self.draft_head = None  # the head's rows for them (`ModelParts.head_rows`), made again once the counts change
         params = self._head_params()
         self.head_optim = torch.optim.Adam(params, lr=opts.head_lr) if params else None
-        steps = HEAD_STEPS[self.candidates] if opts.head_steps is None else opts.head_steps
+        steps = opts.head_steps
+        if steps is None:
+            steps = max(HEAD_STEPS[self.candidates], math.ceil(train_tokens / TOKENS_PER_HEAD_STEP))
         self.steps_per_batch = math.ceil(steps / max(num_batches, 1))
         self.head_steps_left = steps if params else 0
         self.generator = torch.Generator(device="cpu").manual_seed(opts.seed)

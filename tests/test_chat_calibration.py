@@ -1,0 +1,140 @@
+"""Calibration on conversations (`tide.calibration.chat`): ShareGPT records and message lists through the chat
+template, trained on the answers only, teacher-forced; a ShareGPT file read record by record, cut short included;
+the token budget."""
+
+import json
+
+import pytest
+import torch
+
+import tide
+from tide.calibration.chat import ChatText, answer_mask, chat_texts, sharegpt_records
+from tide.calibration.options import CalibrationOptions
+from tide.calibration.texts import batches, stream_size, within_budget
+from tiny_models import sample_texts, tiny_model, tiny_tokenizer
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _tok():
+    tok = tiny_tokenizer()
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def _records(n: int) -> list[dict]:
+    texts = sample_texts(2 * n)
+    return [{"id": str(i), "conversations": [{"from": "human", "value": texts[2 * i][:40]},
+                                             {"from": "gpt", "value": texts[2 * i + 1][:120]}]} for i in range(n)]
+
+
+def test_a_sharegpt_record_renders_through_the_template_with_its_answer_marked():
+    tok = _tok()
+    [text] = chat_texts(tok, [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}])
+    assert text == "<user>hi\n<assistant>yo\n" and text.prompt == "<user>hi\n<assistant>"
+    assert [text[a:b] for a, b in text.answers] == ["yo"]
+    encoded = tok(text, return_offsets_mapping=True, add_special_tokens=False)
+    mask = answer_mask(text, encoded["offset_mapping"])
+    # a marked position predicts a token that starts inside the answer; the last position predicts nothing
+    starts = [s for s, _ in encoded["offset_mapping"]]
+    assert mask.any() and not mask[-1]
+    assert all((text.answers[0][0] <= starts[i + 1] < text.answers[0][1]) == bool(mask[i])
+               for i in range(len(starts) - 1))
+
+
+def test_message_lists_and_records_with_messages_give_the_same_text():
+    tok = _tok()
+    messages = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"}]
+    assert chat_texts(tok, [messages]) == chat_texts(tok, [{"messages": messages}])
+
+
+def test_a_conversation_without_an_answer_is_left_out_with_a_warning():
+    tok = _tok()
+    with pytest.warns(UserWarning, match="1 conversation"):
+        texts = chat_texts(tok, [[{"role": "user", "content": "q"}], [{"role": "user", "content": "q"},
+                                                                    {"role": "assistant", "content": "a"}]])
+    assert len(texts) == 1
+
+
+@pytest.mark.parametrize("message", [{"content": "hi"}, {"role": "user"}, {"role": "alien", "content": "x"}])
+def test_a_message_without_a_role_or_content_is_an_error_that_says_what_is_needed(message):
+    with pytest.raises(ValueError, match="needs a role"):
+        chat_texts(_tok(), [[message, {"role": "assistant", "content": "a"}]])
+
+
+def test_conversations_need_a_chat_template():
+    with pytest.raises(ValueError, match="chat template"):
+        chat_texts(tiny_tokenizer(), _records(2))
+
+
+def test_a_sharegpt_file_is_read_record_by_record_and_a_cut_file_ends_at_its_last_whole_record(tmp_path):
+    records = _records(5)
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(records))
+    assert list(sharegpt_records(whole)) == records
+    assert list(sharegpt_records(whole, 1, 3)) == records[1:3]
+    cut = tmp_path / "cut.json"
+    text = json.dumps(records, indent=1)
+    cut.write_text(text[:text.index('"id": "3"') + 20])  # inside record 3
+    assert list(sharegpt_records(cut)) == records[:3]
+    (tmp_path / "bad.json").write_text('{"not": "an array"}')
+    with pytest.raises(ValueError, match="JSON array"):
+        list(sharegpt_records(tmp_path / "bad.json"))
+
+
+def test_batches_train_on_answer_positions_only_in_windows_of_a_long_conversation():
+    tok = _tok()
+    texts = chat_texts(tok, _records(3))
+    opts = CalibrationOptions(max_length=16, batch_size=4)
+    rows, tokens = stream_size(texts, tok, opts.max_length)
+    got = list(batches(texts, tok, opts, "cpu"))
+    assert sum(b["input_ids"].shape[0] for b in got) == rows and rows > 3  # windows of 16 tokens
+    assert sum(int(b["trained"].sum()) for b in got) == tokens
+    assert sum(b["texts"] for b in got) == 3
+    for b in got:
+        assert not (b["trained"] & ~b["attention_mask"].bool()).any()
+    # plain strings: every real token, one row a text, as before
+    plain = list(batches(["one two three", "four five"], tok, opts, "cpu"))
+    assert plain[0]["trained"].equal(plain[0]["attention_mask"].bool())
+
+
+def test_the_token_budget_keeps_the_first_texts_that_hold_it():
+    tok = _tok()
+    texts = chat_texts(tok, _records(6))
+    opts = CalibrationOptions(max_length=64, train_tokens=1)
+    assert within_budget(texts, tok, opts) == texts[:1]
+    assert within_budget(texts, tok, CalibrationOptions(max_length=64)) == texts
+    with pytest.raises(ValueError, match="train_tokens"):
+        CalibrationOptions(train_tokens=0)
+
+
+def test_calibration_on_conversations_trains_on_answers_and_times_on_held_out_questions():
+    torch.manual_seed(0)
+    tok = _tok()
+    records = _records(12)
+    model = tide.calibrate(tiny_model("llama"), tok, dataset=records,
+                           config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.5), max_length=48,
+                           head_steps=4, passes=1, validation_tokens=0, draft_trials=0, measure_costs=False,
+                           progress=False)
+    cal = model.config.calibration
+    texts = chat_texts(tok, records)
+    answers = sum(stream_size([t], tok, 48)[1] for t in texts)
+    assert 0 < cal["train_tokens"] < answers  # answer positions of the training conversations only
+    # a datasets.Dataset with a "conversations" column reads the same
+    import datasets
+
+    ds = datasets.Dataset.from_list(records)
+    again = tide.calibrate(tiny_model("llama"), tok, dataset=ds,
+                           config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.5), max_length=48,
+                           head_steps=4, passes=1, validation_tokens=0, draft_trials=0, measure_costs=False,
+                           progress=False)
+    assert again.config.calibration["train_tokens"] == cal["train_tokens"]
+
+
+def test_a_chat_text_survives_pickling_with_its_spans():
+    import pickle
+
+    text = ChatText("<user>q\n<assistant>a\n", [(19, 20)], "<user>q\n<assistant>")
+    again = pickle.loads(pickle.dumps(text))
+    assert again == text and again.answers == text.answers and again.prompt == text.prompt
