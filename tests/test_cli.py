@@ -75,6 +75,7 @@ def test_bench_writes_json_and_plot(router_dir, text_file, tmp_path, eager_compi
         assert 0.0 <= row["greedy_token_match"] <= 1.0
     assert variants["lossless"]["greedy_identical"] and variants["lossless compile=True"]["greedy_identical"]
     assert variants["lossless compile=True"]["ratio_to_compiled"] > 0 and results["tide_compile_s"] > 0
+    assert results["tide_compiling"]["graphs_compiled"] >= 1 and results["tide_compiling"]["compile_s"] > 0
     assert {"checkpoint", "skipped_layer", "head", "layer_s"} <= set(results["costs"])
     assert results["oracle"]["exits"] > 0 and results["oracle"]["lens"] > 0
     trials = results["draft_selection"]["trials"]  # what calibration timed for lossless mode, chains and trees

@@ -184,9 +184,11 @@ def test_compiled_calls_share_one_static_cache():
     assert len(seen) == 3 and seen[0] is seen[1] is seen[2]
     held, keys = seen[0], seen[0].layers[0].keys
     # as generate sizes it (max_length - 1), and room for a whole draft (max_draft + 1) after the last token, in a
-    # bucket: a power of two, at least MIN_BUCKET
+    # bucket: at least MIN_BUCKET, above it four a doubling (at most a quarter more positions than asked)
     assert held.layers[0].max_cache_len == MIN_BUCKET == bucket(ids.shape[1] + 20 - 1 + 3 + 1)
-    assert [bucket(n) for n in (1, 256, 257, 1000, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
+    assert [bucket(n) for n in (1, 256, 257, 321, 1000, 1024, 1025, 3000)] == [256, 256, 320, 384, 1024, 1024,
+                                                                             1280, 3072]
+    assert all(n <= bucket(n) <= max(256, n * 1.25) for n in range(1, 5000))
     out = model.generate(ids, max_new_tokens=20, return_dict_in_generate=True, **run)
     assert len(seen) == 3 and out.past_key_values is not held  # a returned cache: generate made it, not lent
     with original(base.config, 8, 1, next(base.parameters())) as taken:

@@ -28,7 +28,7 @@ def _fresh_dynamo():
 
 @pytest.mark.parametrize("config", [CHAIN, TREE], ids=["chain", "tree"])
 def test_growing_prompts_compile_no_graph_again(config):
-    """Calls whose prompts and lengths grow across cache buckets (256, 512, 1,024 positions): the first call's
+    """Calls whose prompts and lengths grow across cache buckets (256, 384 and 768 positions): the first call's
     graphs serve them all (0 graphs and 0 recompiles after it), every output the base model's; a chain call
     compiles one graph (its prefill runs eagerly), a tree call at most 3."""
     model, base = noisy_tide("llama", model_overrides=dict(max_position_embeddings=2048))

@@ -5,13 +5,13 @@ A compiled call (`tide_config={"compile": True}`) decodes on a static cache. tra
 captured on the last call's cache is recorded again on the new one, at every call. `StaticCachePool` keeps a
 model's static caches between calls and lends one to each call that would have asked `generate` for a fresh one,
 reset (its tensors zeroed in place), at least as long as `generate` would make it, rounded up to a bucket
-(`bucket`: a power of two, at least `MIN_BUCKET` positions), so that calls of nearby lengths share one cache and
-one shape. Tide's one-graph cycles read the cache's length from its tensors, marked as a dynamic dimension
-(`dynamic_length`), so one graph serves every bucket: a longer prompt makes no graph again. A lent cache belongs to
-one call at a time:
-concurrent calls get caches of their own. Calls that return their cache (`return_dict_in_generate`) get a fresh
-one from `generate`, so that no later call overwrites it. The free caches stay allocated between calls (as
-transformers' own generate once kept one); `model.static_caches.clear()` frees them.
+(`bucket`: at least `MIN_BUCKET` positions, four buckets a doubling above it), so that calls of nearby lengths share
+one cache and one shape. Tide's one-graph cycles read the cache's length from its tensors, marked as a dynamic
+dimension (`dynamic_length`), so one graph serves every bucket: a longer prompt makes no graph again. A lent cache
+belongs to one call at a time: concurrent calls get caches of their own. Calls that return their cache
+(`return_dict_in_generate`) get a fresh one from `generate`, so that no later call overwrites it. The free caches
+stay allocated between calls (as transformers' own generate once kept one); `model.static_caches.clear()` frees
+them. This module neither compiles nor decides what a call runs.
 """
 
 from __future__ import annotations
@@ -28,8 +28,14 @@ MIN_BUCKET = 256
 
 
 def bucket(length: int) -> int:
-    """The cache length lent for `length` positions: the next power of two, at least `MIN_BUCKET`."""
-    return max(MIN_BUCKET, 1 << max(int(length) - 1, 0).bit_length())
+    """The cache length lent for `length` positions: at least `MIN_BUCKET`, and above it four buckets a doubling
+    (a length in (2^k, 2^(k+1)] rounded up to a multiple of 2^(k-2)): at most a quarter more positions than asked,
+    each of which costs attention time every cycle, and few shapes (on a GPU each is a CUDA graph recorded once)."""
+    length = int(length)
+    if length <= MIN_BUCKET:
+        return MIN_BUCKET
+    step = 1 << ((length - 1).bit_length() - 3)
+    return -(-length // step) * step
 
 
 def dynamic_length(cache) -> None:

@@ -184,17 +184,23 @@ def _time_variants(model, variants: dict, generate, prompt_ids, new_tokens: int,
             generate(None, COMPILED_BASE)(prompt_ids[0], 2)
             results["compile_s"] = time.perf_counter() - start
             progress(f"{COMPILED_BASE}: first call (compiling) {results['compile_s']:.1f} s")
-        # The greedy outputs, longest prompt first: a compiled call's lent static cache only grows (`decode.cachepool`),
-        # so every warm-up call then runs at the size the timed calls run at, and compiles what they will run.
+        # The greedy outputs, longest prompt first (the warm-up calls compile what the timed calls will run)
         order = sorted(range(len(prompt_ids)), key=lambda i: -prompt_ids[i].shape[1])
         for name, cfg in variants.items():
-            start = time.perf_counter()
-            ran = {i: generate(cfg, name)(prompt_ids[i], new_tokens + 1)[0, prompt_ids[i].shape[1]:] for i in order}
+            start, ran, compiling = time.perf_counter(), {}, [0.0, 0, 0]
+            for i in order:
+                ran[i] = generate(cfg, name)(prompt_ids[i], new_tokens + 1)[0, prompt_ids[i].shape[1]:]
+                if cfg is not None and model.last_stats is not None and model.last_stats.compiled:
+                    stats = model.last_stats
+                    compiling = [compiling[0] + stats.compile_s, compiling[1] + stats.graphs_compiled,
+                                 compiling[2] + stats.recompiles]
             outputs[name] = [ran[i] for i in range(len(prompt_ids))]
             if name == COMPILED_LOSSLESS:
                 results["tide_compile_s"] = time.perf_counter() - start
-                progress(f"{COMPILED_LOSSLESS}: first calls (compiling, {len(prompt_ids)} prompts) "
-                         f"{results['tide_compile_s']:.1f} s")
+                results["tide_compiling"] = dict(zip(("compile_s", "graphs_compiled", "recompiles"), compiling))
+                progress(f"{COMPILED_LOSSLESS}: first calls ({len(prompt_ids)} prompts) "
+                         f"{results['tide_compile_s']:.1f} s, of which compiling {compiling[0]:.1f} s: "
+                         f"{compiling[1]} graphs compiled, {compiling[2]} recompiles")
         names = list(variants)
         for repeat in range(repeats):
             for name in names[repeat % len(names):] + names[: repeat % len(names)]:
@@ -213,6 +219,8 @@ def _stats_extra(s) -> dict:
         extra.update(acceptance_rate=s.acceptance_rate, drafted=s.drafted, accepted=s.accepted,
                      verify_passes=s.verify_passes, mean_draft=s.drafted / max(s.verify_passes, 1),
                      draft_topk=s.draft_topk)
+    if s.compiled:  # (a timed call: compiling here would be a graph the warm-up calls did not make)
+        extra.update(graphs_compiled=s.graphs_compiled, recompiles=s.recompiles)
     return extra
 
 
