@@ -1,7 +1,8 @@
 """`TideForCausalLM.generate`: the call's plan, the session that runs it, the run.
 
 `decode.plan.plan_call` decides once what a call runs (the base model's own `generate`, its compiled static-cache
-decode, exit mode or lossless mode) and why; this module builds that plan's session and runs it. Every call runs
+decode, exit mode or lossless mode) and why, and `decode.machinecheck.review` whether the repo's drafting scheme pays
+on this machine (else the base model runs); this module builds that plan's session and runs it. Every call runs
 the base model's own `generate`: Tide's modes hand decoding to one of Tide's loops (`decode/`, through
 `custom_generate`): exit mode's walk per step over an `ExitSession` (exitsession.py), or lossless mode's
 draft-verify cycles over a `LosslessSession` (speculative.py). Each call's session lives in its own loop, so
@@ -18,7 +19,7 @@ import time
 import torch
 
 from .config import TideGenerationConfig
-from .decode import compilecache, exit_decode, generate_with_loop, lossless_decode
+from .decode import compilecache, exit_decode, generate_with_loop, lossless_decode, machinecheck
 from .decode.baseline import BaseSession
 from .decode.dispatch import activated, install
 from .decode.exitsession import ExitSession
@@ -38,7 +39,7 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     if "custom_generate" in kwargs:
         raise ValueError("This model already has Tide routers (a TideForCausalLM), and runs its decoding itself: call "
                          "its generate without custom_generate, or pass custom_generate to its base model (.base).")
-    plan = plan_call(model, tide_config, args, kwargs)
+    plan = machinecheck.review(model, plan_call(model, tide_config, args, kwargs))  # (the scheme pays here?)
     if plan.cache_length is None:
         return _execute(model, plan, args, kwargs)
     rows = call_inputs(args, kwargs).shape[0] * (option(model, kwargs, "num_return_sequences") or 1)

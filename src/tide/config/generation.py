@@ -20,8 +20,8 @@ FEW_ROW_LAYOUTS = ("auto", "plain", "transposed", "packed")
 # The options of one generate call (`TideGenerationConfig`), in `generate(..., tide_config=...)`.
 GENERATION_FIELDS = ("exit_threshold", "thresholds", "min_layers", "kv_strategy", "mode", "prefill_exit", "batch_exits",
                      "max_draft", "draft_layer", "draft_topk", "draft_vocab_size", "draft_ngram", "head_drafts",
-                     "compile", "compiled_modes", "compiled_chain", "row_skipping", "kernels", "kv_fill",
-                     "few_row_layout")
+                     "compile", "compiled_modes", "compiled_chain", "machine_check", "row_skipping", "kernels",
+                     "kv_fill", "few_row_layout")
 # The fields of `TideGenerationConfig.compiled_chain`: greedy drafts (a chain, or with `draft_topk` a tree), what a
 # compiled call drafts.
 CHAIN_FIELDS = ("draft_layer", "max_draft", "draft_vocab_size", "draft_ngram", "draft_topk")
@@ -105,6 +105,12 @@ class TideGenerationConfig:
             Calibration with `compiled_trials` sets it where such a chain timed faster than both the base model's
             compiled static-cache decode and the default mode compiled; a compiled call that sets no mode,
             thresholds, exit or draft option then runs it.
+        machine_check (`bool`, *optional*, defaults to `True`):
+            Lossless mode at the repo's own drafting scheme (a call that names no mode or draft option): weigh the
+            tokens a cycle is expected to emit (the repo's calibration record) against what a cycle costs on this
+            machine in base steps, measured once per machine, repo, scheme, dtype, device and eager or compiled
+            and kept in Tide's cache folder (`tide.decode.machinecheck`); where the scheme does not pay here, the
+            call runs the base model, and its stats' `plan` says why. `False` runs the scheme unweighed.
         row_skipping (`bool`, *optional*, defaults to `True`):
             Exit mode on a batch, `kv_strategy="propagate"`: a row that exits leaves the running batch (its later
             layers' K/V filled at once from its state). `False`: exited rows ride along until every row has left,
@@ -128,7 +134,8 @@ class TideGenerationConfig:
                  kv_strategy: str = "propagate", mode: str = "exit", prefill_exit: bool = False,
                  batch_exits: bool = True, max_draft: int = 8, draft_layer: int | None = None, draft_topk: int = 1,
                  draft_vocab_size: int = 0, draft_ngram: int = 0, head_drafts: bool = True, compile: bool = False,
-                 compiled_modes: bool = True, compiled_chain: dict | None = None, row_skipping: bool = True,
+                 compiled_modes: bool = True, compiled_chain: dict | None = None, machine_check: bool = True,
+                 row_skipping: bool = True,
                  kernels: str = "auto", kv_fill: str = "auto", few_row_layout: str = "auto"):
         self.exit_threshold, self.min_layers = exit_threshold, min_layers
         self.kv_strategy, self.mode = kv_strategy, mode
@@ -136,6 +143,7 @@ class TideGenerationConfig:
         self.max_draft, self.draft_layer, self.draft_topk = max_draft, draft_layer, draft_topk
         self.draft_vocab_size, self.compile, self.compiled_modes = draft_vocab_size, compile, compiled_modes
         self.draft_ngram, self.head_drafts = draft_ngram, head_drafts
+        self.machine_check = machine_check
         # (copies of the dicts given; anything else is kept for `validate` to name)
         self.compiled_chain = dict(compiled_chain) if isinstance(compiled_chain, dict) else compiled_chain
         self.row_skipping, self.kernels, self.kv_fill = row_skipping, kernels, kv_fill
@@ -196,7 +204,8 @@ class TideGenerationConfig:
         if 0 < self.draft_vocab_size < MAX_DRAFT_TOPK:
             raise ValueError(f"tide_config.draft_vocab_size must be 0 (the whole vocabulary) or at least "
                              f"{MAX_DRAFT_TOPK} (the most candidates a draft offers), got {self.draft_vocab_size}.")
-        for name in ("prefill_exit", "batch_exits", "head_drafts", "compile", "compiled_modes", "row_skipping"):
+        for name in ("prefill_exit", "batch_exits", "head_drafts", "compile", "compiled_modes", "machine_check",
+                     "row_skipping"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"tide_config.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.exit_threshold is not None:

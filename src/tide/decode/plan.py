@@ -8,6 +8,7 @@ run. `tide.generation` then builds the plan's session and runs it.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -54,6 +55,8 @@ class CallPlan:
         (one graph a cycle too, `decode/fusedtree.py`).
     kv_cache: Tide asks generate for the KV cache where the call leaves `use_cache` unset (Tide's loops decode on
         it, also for models whose config turns it off, such as MPT).
+    repo_scheme: lossless: the call drafts the repo's own scheme (it names no mode or draft option), which
+        `decode.machinecheck.review` weighs against this machine's costs.
     """
 
     kind: str
@@ -63,6 +66,7 @@ class CallPlan:
     reason: str
     fused_chains: bool = False
     kv_cache: bool = False
+    repo_scheme: bool = False
 
 
 def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
@@ -98,7 +102,10 @@ def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
         reason = "the call set exit options" if _EXIT_OPTIONS & given else "thresholds, and exit mode is the default"
     else:
         reason = f"the default mode is {options.mode}"
-    return _mode_plan(model, options, given, length, reason, args, kwargs)
+    plan = _mode_plan(model, options, given, length, reason, args, kwargs)
+    if plan.kind == "lossless" and (chain or not (_ASKS_A_MODE | _DRAFT_OPTIONS) & given):
+        plan = dataclasses.replace(plan, repo_scheme=True)
+    return plan
 
 
 def _mode_plan(model, options, given: set, length, reason: str, args, kwargs) -> CallPlan:

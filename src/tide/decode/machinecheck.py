@@ -1,0 +1,255 @@
+"""Whether a router repo's drafting scheme pays on the machine a call runs on, measured once and cached.
+
+Calibration chose the repo's scheme by timing it on the machine that calibrated. What a cycle costs against a base
+step depends on the CPU: a verification pass over a few positions streams the same weights as a step over one, but
+the matrix kernels for a few rows can cost several single rows on one CPU and about one on another. So, before a
+lossless call at the repo's defaults runs, `review` weighs the tokens a cycle is expected to emit (from the repo's
+calibration record: `accepted_per_cycle`, the drafts its timings accepted a cycle) against what a cycle costs here
+in base steps (`measure_cycle`); where the scheme does not pay by `MARGIN`, the call runs the base model instead (as
+`max_draft=0` or `compiled_modes=False` do), and its plan's reason says why.
+
+The measurement times the model's own linear layers in order (each decoder layer's, then the head), over one row
+and over a cycle's verification width: the weights a pass streams, which is where a few positions cost more than
+one on a CPU. A pass's other work (attention over the cache, norms, the framework's time per op) is about the same
+for one position or a few and is left out of both sides. Eager calls compute the rows in the layout the call uses
+(`layers/fewrows.py`); compiled calls as compiled graphs do (plain `F.linear`): an eager proxy of the compiled
+graphs, since timing those would compile both the cycle and the base decode. A cycle is one verification over its
+width plus its drafts (each `draft_layer + 1` layers' linears and the head's share over `draft_vocab_size` rows).
+
+A measurement is kept in Tide's cache folder (`machine/` beside `decode/compilecache.py`'s `compiled/`), one file
+per key: the machine (CPU model or GPU name, threads), torch version, base and router configs, scheme, dtype, device,
+eager or compiled, layout. A file that cannot be read or was made for another key is ignored with a log line. This
+module does not change the scheme, time `generate` or write the router repo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.fewrows import few_row_linears
+from ..records import CalibrationRecord
+from . import compilecache
+
+__all__ = ["MARGIN", "Scheme", "review", "check", "measure_cycle", "expected_tokens", "scheme_of", "cache_path",
+           "decision_text"]
+
+logger = logging.getLogger(__name__)
+_FORMAT = "tide-machine-1"
+# A scheme pays where the tokens a cycle emits over its cost in base steps reach this (the timings' own 2%).
+MARGIN = 1.02
+REPEATS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """A drafting scheme as the check weighs it: `drafts` head drafts a cycle, verified over `width` positions."""
+
+    draft_layer: int
+    max_draft: int
+    draft_topk: int = 1
+    draft_vocab_size: int = 0
+    draft_ngram: int = 0
+    tree: bool = False  # one verification tree of `draft_topk` candidates (else a chain)
+
+    @property
+    def width(self) -> int:
+        if self.tree:
+            return 1 + self.draft_topk + (self.max_draft if self.draft_ngram else 0)
+        return 1 + self.max_draft
+
+    @property
+    def drafts(self) -> int:
+        return 1 if self.tree else self.max_draft
+
+    def record_key(self) -> tuple:
+        return self.draft_layer, self.max_draft, self.draft_topk, self.draft_vocab_size or 0, self.draft_ngram or 0
+
+
+def scheme_of(model, plan) -> Scheme:
+    """The drafting scheme a lossless `plan` runs."""
+    options = plan.options
+    layer = options.resolve_draft_layer(model.checkpoints, model.parts.num_layers)
+    return Scheme(layer, options.max_draft, options.draft_topk, options.draft_vocab_size or 0,
+                  options.draft_ngram or 0, tree=options.draft_topk > 1 and not plan.fused_chains)
+
+
+def expected_tokens(model, scheme: Scheme) -> float | None:
+    """Tokens a cycle of `scheme` emits, from the repo's calibration record: 1 + the drafts its timing of that scheme
+    accepted a cycle (`accepted_per_cycle`, compiled chains first); None where the record holds no such figure."""
+    record = CalibrationRecord.from_dict(model.config.calibration or {})
+    entries = [(chain.get("chain") or {}, chain) for chain in record.compiled_chains or []]
+    selection = record.draft_selection
+    drafts = ([selection.chosen] if selection and selection.chosen else []) + (selection.trials if selection else [])
+    entries += [(dataclasses.asdict(d), dataclasses.asdict(d)) for d in drafts]
+    for fields, entry in entries:
+        found = (fields.get("draft_layer"), fields.get("max_draft"), fields.get("draft_topk") or 1,
+                 fields.get("draft_vocab_size") or 0, fields.get("draft_ngram") or 0)
+        if found == scheme.record_key() and entry.get("accepted_per_cycle") is not None:
+            return 1.0 + float(entry["accepted_per_cycle"])
+    return None
+
+
+def review(model, plan):
+    """`plan` (a `CallPlan`) as it runs on this machine: a lossless plan of the repo's own scheme becomes the base
+    model's run where the scheme does not pay here (`check`); its reason says what was weighed."""
+    if plan.kind != "lossless" or not plan.repo_scheme or not plan.options.machine_check:
+        return plan
+    verdict = check(model, scheme_of(model, plan), plan.compile, plan.options.few_row_layout)
+    if verdict is None:
+        return plan
+    if verdict["pays"]:
+        return dataclasses.replace(plan, reason=f"{plan.reason}; {decision_text(verdict)}")
+    kind = "base (compiled)" if plan.compile else "base"
+    return dataclasses.replace(plan, kind=kind, reason=decision_text(verdict), fused_chains=False)
+
+
+def decision_text(verdict: dict) -> str:
+    """The check's verdict in words."""
+    what = "the chain" if verdict["scheme"].get("tree") is False else "the tree"
+    weighed = (f"a cycle costs {verdict['cycle_steps']:.2f} base steps, {verdict['tokens_expected']:.2f} tokens "
+               "expected")
+    return f"{what} {'pays' if verdict['pays'] else 'does not pay'} on this machine: {weighed}"
+
+
+def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure: bool = False) -> dict | None:
+    """The verdict on `scheme` here: {"pays", "cycle_steps", "tokens_expected", "scheme", "key", "measured_s"};
+    None where the record holds no figure to weigh. Measured once per key (kept on the model and in the cache
+    folder), unless `remeasure`."""
+    tokens = expected_tokens(model, scheme)
+    if tokens is None:
+        return None
+    key = _key(model, scheme, compiled, layout)
+    name = _digest(key)
+    memo = model.__dict__.setdefault("_tide_machine_checks", {})
+    cost = None if remeasure else memo.get(name) or _read(key)
+    if cost is None:
+        start = time.perf_counter()
+        cost = {"cycle_steps": measure_cycle(model, scheme, compiled, layout),
+                "measured_s": round(time.perf_counter() - start, 3)}
+        _write(key, cost)
+    memo[name] = cost
+    return {"pays": tokens / cost["cycle_steps"] >= MARGIN, "cycle_steps": cost["cycle_steps"],
+            "tokens_expected": tokens, "scheme": dataclasses.asdict(scheme), "key": key,
+            "measured_s": cost.get("measured_s")}
+
+
+@torch.no_grad()
+def measure_cycle(model, scheme: Scheme, compiled: bool, layout: str = "auto", repeats: int = REPEATS) -> float:
+    """What a cycle of `scheme` costs here in base steps, from the model's linears timed over one row and over the
+    cycle's width (interleaved, medians of `repeats` after two warm-ups)."""
+    parts = model.parts
+    layers = [m for layer in parts.layers for m in layer.modules() if isinstance(m, nn.Linear)]
+    head = [m for m in parts.lm_head.modules() if isinstance(m, nn.Linear)]
+    times = {(rows, part): [] for rows in (1, scheme.width) for part in ("layers", "head")}
+    with few_row_linears(parts, "plain" if compiled else layout):
+        for i in range(repeats + 2):
+            for rows in (1, scheme.width):
+                for part, linears in (("layers", layers), ("head", head)):
+                    seconds = _pass_seconds(linears, rows, compiled)
+                    if i >= 2:
+                        times[rows, part].append(seconds)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    step = med[1, "layers"] + med[1, "head"]
+    vocab = scheme.draft_vocab_size / _head_rows(head) if scheme.draft_vocab_size else 1.0
+    draft = (scheme.draft_layer + 1) / parts.num_layers * med[1, "layers"] + vocab * med[1, "head"]
+    verify = med[scheme.width, "layers"] + med[scheme.width, "head"]
+    return (verify + scheme.drafts * draft) / step
+
+
+def _pass_seconds(linears: list, rows: int, plain: bool) -> float:
+    """One pass of `rows` rows through `linears` in order: the modules' own forward (eager, the few-row layout in
+    force), or `F.linear` (as compiled graphs compute them)."""
+    if not linears:
+        return 0.0
+    weight = linears[0].weight
+    inputs = [torch.randn(1, rows, m.in_features, dtype=weight.dtype, device=m.weight.device) for m in linears]
+    _sync(weight.device)
+    start = time.perf_counter()
+    for module, x in zip(linears, inputs):
+        F.linear(x, module.weight, module.bias) if plain else module(x)
+    _sync(weight.device)
+    return time.perf_counter() - start
+
+
+def _head_rows(head: list) -> int:
+    return max((m.out_features for m in head), default=1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _machine(device: torch.device) -> str:
+    """The processor a measurement holds for: a GPU's name, else the CPU's model and the threads torch uses."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{device.type}:{name}:{torch.get_num_threads()} threads"
+
+
+def _key(model, scheme: Scheme, compiled: bool, layout: str) -> dict:
+    """What a measurement depends on, as a dict (hashed into the file name)."""
+    weight = next(model.base.parameters())
+    base, routers = model.base.config.to_dict(), model.config.to_dict()
+    for config in (base, routers):
+        for volatile in ("_name_or_path", "transformers_version", "calibration", "generation"):
+            config.pop(volatile, None)
+    return {"format": _FORMAT, "torch": torch.__version__, "machine": _machine(weight.device),
+            "base": _digest(base), "routers": _digest(routers), "scheme": dataclasses.asdict(scheme),
+            "dtype": str(weight.dtype), "compiled": compiled, "layout": "plain" if compiled else layout}
+
+
+def cache_path(key: dict) -> Path:
+    """The file of a measurement: `machine/` in Tide's cache folder (`$TIDE_CACHE`, else `~/.cache/tide`)."""
+    return compilecache.cache_folder().parent / "machine" / f"{_digest(key)[:24]}.json"
+
+
+def _read(key: dict) -> dict | None:
+    path = cache_path(key)
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        cost = saved["cost"]
+        if saved["key"] != json.loads(json.dumps(key)):
+            logger.warning("Tide: ignoring the machine check %s made for another key", path)
+            return None
+        if not float(cost["cycle_steps"]) > 0:
+            raise ValueError(f"cycle_steps {cost['cycle_steps']!r}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        logger.warning("Tide: ignoring an unreadable machine check %s (%s)", path, err)
+        return None
+    return cost
+
+
+def _write(key: dict, cost: dict) -> None:
+    path = cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_text(json.dumps({"key": key, "cost": cost}, sort_keys=True))
+        partial.replace(path)  # (atomic: a reader never sees half a file)
+    except OSError as err:  # a read-only cache folder: the check holds for this process only
+        logger.warning("Tide: could not keep the machine check in %s (%s)", path, err)
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()

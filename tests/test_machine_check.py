@@ -1,0 +1,133 @@
+"""Whether the repo's drafting scheme pays on this machine (`tide.decode.machinecheck`): measured once, cached in
+Tide's cache folder, and where it does not pay the call runs the base model."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from tide.decode import machinecheck
+from tiny_models import llama_repo, short_ids
+
+GREEDY = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+SCHEME = {"draft_layer": 1, "max_draft": 2}
+
+
+@pytest.fixture(autouse=True)
+def cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIDE_CACHE", str(tmp_path))
+    return tmp_path / "machine"
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Every measurement counted, and its cost in base steps fixed (`cost[0]`)."""
+    calls, cost = [], [1.0]
+
+    def fake(model, scheme, compiled, layout="auto", repeats=machinecheck.REPEATS):
+        calls.append((scheme, compiled))
+        return cost[0]
+
+    monkeypatch.setattr(machinecheck, "measure_cycle", fake)
+    return calls, cost
+
+
+def _repo(accepted=0.5, scheme=SCHEME):
+    """A tiny repo whose default is lossless mode drafting `scheme`, its calibration record saying its timings
+    accepted `accepted` drafts a cycle (None: no figure)."""
+    model = llama_repo(thresholds=False, mode="lossless", **scheme)
+    chosen = {**scheme, "draft_topk": 1, "measured": 1.1}
+    if accepted is not None:
+        chosen["accepted_per_cycle"] = accepted
+    model.config.calibration = {"draft_selection": {"trials": [chosen], "chosen": chosen}}
+    return model
+
+
+def test_the_check_is_cached_and_reused(measured, cache_folder):
+    calls, _ = measured
+    model = _repo()
+    model.generate(short_ids(), **GREEDY)
+    assert model.last_stats.mode == "lossless" and len(calls) == 1
+    assert "the chain pays on this machine: a cycle costs 1.00 base steps, 1.50 tokens expected" in \
+        model.last_stats.plan
+    model.generate(short_ids(), **GREEDY)
+    assert len(calls) == 1  # the same process: kept on the model
+    files = list(cache_folder.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["cost"]["cycle_steps"] == 1.0
+    again = _repo()  # another model object (as in a later process): read from the cache folder
+    again.generate(short_ids(), **GREEDY)
+    assert len(calls) == 1 and again.last_stats.mode == "lossless"
+    other = _repo(scheme={**SCHEME, "max_draft": 3})  # another scheme: measured again
+    other.generate(short_ids(), **GREEDY)
+    assert len(calls) == 2
+
+
+def test_a_scheme_that_does_not_pay_runs_the_base_model(measured):
+    _, cost = measured
+    cost[0] = 1.95
+    model = _repo(accepted=0.56)
+    out = model.generate(short_ids(), **GREEDY)
+    stats = model.last_stats
+    assert stats.mode == "base"
+    assert stats.plan == "the chain does not pay on this machine: a cycle costs 1.95 base steps, 1.56 tokens expected"
+    assert torch.equal(out, model.base.generate(short_ids(), **GREEDY))
+
+
+def test_a_compiled_chain_that_does_not_pay_runs_the_compiled_base(measured):
+    calls, cost = measured
+    cost[0] = 3.0
+    chain = {"draft_layer": 1, "max_draft": 1, "draft_vocab_size": 0, "draft_ngram": 0}
+    model = llama_repo(thresholds=False, compiled_chain=chain)
+    model.config.calibration = {"compiled_chains": [{"chain": chain, "measured": 1.1, "active": True,
+                                                     "timings": [1.1], "accepted_per_cycle": 0.4}]}
+    plan = machinecheck.review(model, _plan(model, {"compile": True}))
+    assert (plan.kind, plan.compile, plan.fused_chains) == ("base (compiled)", True, False)
+    assert plan.reason.startswith("the chain does not pay on this machine") and calls[-1][1] is True
+
+
+def test_the_opt_out_and_a_call_that_names_its_scheme_are_not_checked(measured):
+    calls, cost = measured
+    cost[0] = 5.0
+    model = _repo()
+    model.generate(short_ids(), **GREEDY, tide_config={"machine_check": False})
+    assert model.last_stats.mode == "lossless" and "on this machine" not in model.last_stats.plan
+    model.generate(short_ids(), **GREEDY, tide_config={"mode": "lossless"})
+    model.generate(short_ids(), **GREEDY, tide_config={"max_draft": 2})
+    assert model.last_stats.mode == "lossless" and not calls
+
+
+def test_a_repo_without_a_recorded_figure_is_not_checked(measured):
+    calls, _ = measured
+    model = _repo(accepted=None)
+    model.generate(short_ids(), **GREEDY)
+    assert model.last_stats.mode == "lossless" and not calls
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"key": {"format": "other"}, "cost": {"cycle_steps": 9}}),
+                                     json.dumps({"cost": {}}), "{}"])
+def test_a_stale_or_corrupt_cache_file_is_ignored_with_a_log_line(measured, content, caplog):
+    calls, _ = measured
+    model = _repo()
+    scheme = machinecheck.Scheme(1, 2)
+    path = machinecheck.cache_path(machinecheck._key(model, scheme, False, "auto"))
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="tide.decode.machinecheck"):
+        model.generate(short_ids(), **GREEDY)
+    assert model.last_stats.mode == "lossless" and len(calls) == 1
+    assert "ignoring" in caplog.text and str(path) in caplog.text
+    assert json.loads(path.read_text())["cost"]["cycle_steps"] == 1.0  # measured again, and kept
+
+
+def test_the_measurement_runs_on_a_tiny_model():
+    model = _repo()
+    for compiled in (False, True):
+        cost = machinecheck.measure_cycle(model, machinecheck.Scheme(1, 2), compiled, repeats=1)
+        assert 0.5 < cost < 50
+
+
+def _plan(model, tide_config):
+    from tide.decode.plan import plan_call
+
+    return plan_call(model, tide_config, (short_ids(),), dict(GREEDY))
