@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="tide-demo-routers", help="where to write the router repo")
     p.add_argument("--quick", action="store_true", help="fewer calibration samples (for smoke tests)")
 
+    p = sub.add_parser("check", help="measure whether a router repo's drafting scheme pays on this machine (what "
+                                     "a lossless call at the repo's defaults checks once and caches)")
+    p.add_argument("model", help="router repo (local directory or Hub id)")
+    p.add_argument("--dtype", type=_dtype, default="auto", help="auto, or a torch dtype: float32, bfloat16, float16")
+    p.add_argument("--remeasure", action="store_true", help="measure again and replace the cached measurement")
+
     p = sub.add_parser("warmup", help="compile a router repo's compile=True calls once; save the compiled work "
                                       "for later processes")
     p.add_argument("model", help="router repo (local directory or Hub id)")

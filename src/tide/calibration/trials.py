@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from contextvars import ContextVar
 
 import torch
 
@@ -39,7 +40,8 @@ def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_
     returned. `bar`: the repeats stop once more than half of them timed below it (the median of all `repeats`
     would be below it too, so the mode is not kept either way); the median of those timed is returned.
     Eager runs warm up on the first prompt (one call makes what later calls reuse); compiled runs on each prompt
-    (a prompt length may make another graph).
+    (a prompt length may make another graph). Inside `kept(accepted=True)`, each Tide run's accepted drafts and
+    verification passes are counted (`_COUNTS`).
     """
     if baseline not in ("generate", "compiled"):
         raise ValueError(f"baseline must be 'generate' or 'compiled', got {baseline!r}.")
@@ -50,8 +52,14 @@ def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_
     def seconds(fn):
         return sum(seconds_of(lambda ids=ids: fn(ids)) for ids in prompts)
 
+    counts = _COUNTS.get()
+
     def tide_run(ids):
-        return model.generate(ids, tide_config=tide_config, **kwargs)
+        out = model.generate(ids, tide_config=tide_config, **kwargs)
+        if counts is not None and model.last_stats is not None:
+            counts["accepted"] = counts.get("accepted", 0) + model.last_stats.accepted
+            counts["cycles"] = counts.get("cycles", 0) + model.last_stats.verify_passes
+        return out
 
     def base_run(ids):
         if baseline == "compiled":
@@ -102,26 +110,40 @@ def timed(tide, prompts, tide_config: dict, baseline: str = "generate", bar: flo
     return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5, baseline=baseline, bar=bar)
 
 
+# Inside `kept(accepted=True)`: the Tide runs' accepted drafts and verification passes ({"accepted", "cycles"}).
+_COUNTS: ContextVar = ContextVar("tide_trial_counts", default=None)
+
+
 def kept(tide, prompts, tide_config: dict, first: float | None = None, baseline: str = "generate",
-         bar: float = KEEP_SPEEDUP) -> dict:
+         bar: float = KEEP_SPEEDUP, accepted: bool = False) -> dict:
     """Time `tide_config` against the base model here (`first`: a timing already made); it is kept only when
     two timings both find it `bar` (`KEEP_SPEEDUP`) times faster. {"measured": the lower timing, "timings",
     "active"}.
 
     One timing is not enough on a shared machine: on the shipped model, the layer-wise engine with no exit (the
     base model's work) timed x0.88-1.04 in six runs of `timed`, and exits that run about 5% slower timed
-    x1.054 once and were kept (docs/benchmarks.md)."""
-    timings = [timed(tide, prompts, tide_config, baseline, bar) if first is None else first]
-    if timings[0] >= bar:
-        timings.append(timed(tide, prompts, tide_config, baseline, bar))
-    return {"measured": min(timings), "timings": timings, "active": min(timings) >= bar}
+    x1.054 once and were kept (docs/benchmarks.md).
+
+    `accepted`: also "accepted_per_cycle", the drafts the lossless runs timed here accepted a cycle (where they
+    drafted), which `decode/machinecheck.py` weighs against another machine's costs."""
+    counts = {} if accepted else None
+    token = _COUNTS.set(counts)
+    try:
+        timings = [timed(tide, prompts, tide_config, baseline, bar) if first is None else first]
+        if timings[0] >= bar:
+            timings.append(timed(tide, prompts, tide_config, baseline, bar))
+    finally:
+        _COUNTS.reset(token)
+    cycles = (counts or {}).get("cycles")
+    return {"measured": min(timings), "timings": timings, "active": min(timings) >= bar,
+            **({"accepted_per_cycle": counts["accepted"] / cycles} if cycles else {})}
 
 
 def time_compiled(tide, prompts, tide_config: dict) -> dict:
     """Time the repo's default mode (`tide_config`) compiled against the base model's compiled static-cache
     decode, the baseline of a call with `compile=True` (`kept`); `tide_config` then runs compiled only where it
     is kept (`compiled_modes`). The first call of each compiles; the timings are of later calls."""
-    return kept(tide, prompts, tide_config, baseline="compiled")
+    return kept(tide, prompts, tide_config, baseline="compiled", accepted=True)
 
 
 def time_exit(tide, prompts, batch, thresholds) -> dict:
@@ -230,13 +252,15 @@ def choose_draft(tide, tokenizer, texts, candidates, left=None, procs=None, ngra
         if start and not room.fits(1):  # the fastest always gets its second timing
             break
         round_ = ranked[start: start + procs.world]
-        timings = procs.deal(round_, lambda trial: kept(tide, prompts, lossless_config(trial), first=trial["measured"]))
+        timings = procs.deal(round_, lambda trial: kept(tide, prompts, lossless_config(trial), first=trial["measured"],
+                                                        accepted=True))
         for rank in range(len(round_)):
             timed_by[rank] += 1
         for trial, timing in zip(round_, timings):
             trial["timings"] = timing["timings"]
-        chosen = next(({**trial, "measured": timing["measured"]} for trial, timing in zip(round_, timings)
-                       if timing["active"]), None)
+        chosen = next(({**trial, "measured": timing["measured"],
+                        **{k: v for k, v in timing.items() if k == "accepted_per_cycle"}}
+                       for trial, timing in zip(round_, timings) if timing["active"]), None)
         if chosen is not None:
             selection = {"trials": trials, "chosen": chosen, **({"cut": cut} if cut else {}), **_shares(timed_by)}
             if chosen.get("draft_ngram"):  # a tree with n-gram branches: timed with them

@@ -42,8 +42,8 @@ from ..layers.fewrows import few_row_linears
 from ..records import CalibrationRecord
 from . import compilecache
 
-__all__ = ["MARGIN", "Scheme", "review", "check", "measure_cycle", "expected_tokens", "scheme_of", "cache_path",
-           "decision_text"]
+__all__ = ["MARGIN", "Scheme", "review", "check", "check_defaults", "measure_cycle", "expected_tokens", "scheme_of",
+           "cache_path", "decision_text", "machine_name"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = "tide-machine-1"
@@ -115,6 +115,27 @@ def review(model, plan):
     return dataclasses.replace(plan, kind=kind, reason=decision_text(verdict), fused_chains=False)
 
 
+def check_defaults(model, compiled: bool, remeasure: bool = False) -> tuple[str, dict | None]:
+    """(why, the verdict) for a greedy call of one sequence at the repo's defaults, eager or compiled; the verdict
+    is None where nothing is weighed (the call runs no drafting scheme of the repo's, or the record has no
+    figure), and `why` says so."""
+    from .plan import plan_call
+
+    ids = torch.zeros(1, 4, dtype=torch.long, device=model.base.device)
+    plan = plan_call(model, {"compile": True} if compiled else None, (ids,), {"max_new_tokens": 8, "do_sample": False})
+    if plan.kind != "lossless" or not plan.repo_scheme:
+        return f"it runs {plan.kind}: {plan.reason}", None
+    verdict = check(model, scheme_of(model, plan), compiled, plan.options.few_row_layout, remeasure)
+    if verdict is None:
+        return "the repo's calibration record holds no drafts accepted a cycle for its scheme", None
+    return plan.reason, verdict
+
+
+def machine_name(model) -> str:
+    """The processor the measurements of `model` hold for, in words."""
+    return _machine(next(model.base.parameters()).device)
+
+
 def decision_text(verdict: dict) -> str:
     """The check's verdict in words."""
     what = "the chain" if verdict["scheme"].get("tree") is False else "the tree"
@@ -134,6 +155,7 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
     name = _digest(key)
     memo = model.__dict__.setdefault("_tide_machine_checks", {})
     cost = None if remeasure else memo.get(name) or _read(key)
+    cached = cost is not None
     if cost is None:
         start = time.perf_counter()
         cost = {"cycle_steps": measure_cycle(model, scheme, compiled, layout),
@@ -142,7 +164,7 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
     memo[name] = cost
     return {"pays": tokens / cost["cycle_steps"] >= MARGIN, "cycle_steps": cost["cycle_steps"],
             "tokens_expected": tokens, "scheme": dataclasses.asdict(scheme), "key": key,
-            "measured_s": cost.get("measured_s")}
+            "measured_s": cost.get("measured_s"), "cached": cached}
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The `tide` command line: calibrate, generate, bench, import-tide, demo, warmup.
+"""The `tide` command line: calibrate, generate, bench, import-tide, demo, warmup, check.
 
 Each subcommand is a thin layer over the library; errors are printed as one line that says what to do.
 """
@@ -169,6 +169,24 @@ def cmd_warmup(args) -> None:
         print(f"{run['prompt_tokens']:>4} prompt tokens{' (sampled)' * run['sampled']}: {run['compile_s']:.1f} s "
               f"compiling, {run['graphs_compiled']} graphs, {run['recompiles']} recompiles ({run['plan']})")
     print(f"compiled work saved: {report['file'] or 'nothing to save'} ({report['seconds']:.1f} s in all)")
+
+
+def cmd_check(args) -> None:
+    from ..decode import machinecheck  # (imported here: `tide --help` stays fast)
+
+    model, _ = _load(args.model, args.dtype)
+    if not isinstance(model, TideForCausalLM):
+        raise ValueError(f"{args.model} is not a router repo; tide check weighs a router repo's drafting scheme.")
+    print(f"{args.model} on {machinecheck.machine_name(model)}:")
+    for compiled in (False, True):
+        why, verdict = machinecheck.check_defaults(model, compiled, remeasure=args.remeasure)
+        call = "compile=True" if compiled else "eager"
+        if verdict is None:
+            print(f"  {call}: not checked: {why}")
+            continue
+        how = "read from" if verdict["cached"] else f"measured in {verdict['measured_s']:.1f} s, kept in"
+        print(f"  {call}: {machinecheck.decision_text(verdict)} (it pays from x{machinecheck.MARGIN:.2f}; {how} "
+              f"{machinecheck.cache_path(verdict['key'])})")
 
 
 def main(argv: list[str] | None = None) -> int:
