@@ -131,3 +131,17 @@ def _plan(model, tide_config):
     from tide.decode.plan import plan_call
 
     return plan_call(model, tide_config, (short_ids(),), dict(GREEDY))
+
+
+def test_tide_check_prints_the_verdict(measured, monkeypatch, capsys):
+    from tide.tools import cli
+
+    _, cost = measured
+    cost[0] = 1.95
+    model = _repo(accepted=0.56)
+    monkeypatch.setattr(cli, "_load", lambda name, dtype="auto": (model, None))
+    assert cli.main(["check", "repo"]) == 0
+    out = capsys.readouterr().out
+    assert "eager: the chain does not pay on this machine: a cycle costs 1.95 base steps, 1.56 tokens expected" in out
+    assert "compile=True: the chain does not pay on this machine" in out  # (the default mode, compiled)
+    assert cli.main(["check", "repo"]) == 0 and "read from" in capsys.readouterr().out
