@@ -11,7 +11,8 @@ in base steps (`measure_cycle`); where the scheme does not pay by `MARGIN`, the 
 The measurement times the model's own linear layers in order (each decoder layer's, then the head), over one row
 and over a cycle's verification width: the weights a pass streams, which is where a few positions cost more than
 one on a CPU. A pass's other work (attention over the cache, norms, the framework's time per op) is about the same
-for one position or a few and is left out of both sides. Eager calls compute the rows in the layout the call uses
+for one position or a few: it is what an eager decode step of the base model takes beyond its linears, added to
+both sides (and to each draft, for its share of the layers). Eager calls compute the rows in the layout the call uses
 (`layers/fewrows.py`); compiled calls as compiled graphs do (plain `F.linear`): an eager proxy of the compiled
 graphs, since timing those would compile both the cycle and the base decode. A cycle is one verification over its
 width plus its drafts (each `draft_layer + 1` layers' linears and the head's share over `draft_vocab_size` rows).
@@ -183,11 +184,33 @@ def measure_cycle(model, scheme: Scheme, compiled: bool, layout: str = "auto", r
                     if i >= 2:
                         times[rows, part].append(seconds)
     med = {k: statistics.median(v) for k, v in times.items()}
-    step = med[1, "layers"] + med[1, "head"]
+    linears = med[1, "layers"] + med[1, "head"]
+    # the step's other work (attention, norms, the framework's time per op), about the same for a few positions
+    rest = max(_step_seconds(model, repeats) - linears, 0.0)
+    share = (scheme.draft_layer + 1) / parts.num_layers
     vocab = scheme.draft_vocab_size / _head_rows(head) if scheme.draft_vocab_size else 1.0
-    draft = (scheme.draft_layer + 1) / parts.num_layers * med[1, "layers"] + vocab * med[1, "head"]
-    verify = med[scheme.width, "layers"] + med[scheme.width, "head"]
-    return (verify + scheme.drafts * draft) / step
+    draft = share * (med[1, "layers"] + rest) + vocab * med[1, "head"]
+    verify = med[scheme.width, "layers"] + med[scheme.width, "head"] + rest
+    return (verify + scheme.drafts * draft) / (linears + rest)
+
+
+def _step_seconds(model, repeats: int) -> float:
+    """The median seconds of one eager decode step of the base model (one position after 32 on a dynamic cache)."""
+    from transformers import DynamicCache
+
+    device = next(model.base.parameters()).device
+    ids = torch.zeros(1, 33, dtype=torch.long, device=device)
+    times = []
+    for i in range(repeats + 2):
+        cache = DynamicCache(config=model.base.config)
+        model.base(ids[:, :32], past_key_values=cache, use_cache=True)
+        _sync(device)
+        start = time.perf_counter()
+        model.base(ids[:, 32:], past_key_values=cache, use_cache=True)
+        _sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _pass_seconds(linears: list, rows: int, plain: bool) -> float:
