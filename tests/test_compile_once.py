@@ -98,3 +98,18 @@ def test_warmup_runs_the_compiled_calls_and_saves(tmp_path, monkeypatch):
     report = warmup(model, new_tokens=8, compile_config=EAGER_BACKEND)
     assert report["file"] and len(report["calls"]) == 2
     assert report["calls"][0]["graphs_compiled"] >= 1 and all(run["recompiles"] == 0 for run in report["calls"])
+
+
+def test_compile_watch_counts_graphs_recompiles_and_seconds():
+    """`CompileWatch` (dynamo's compile callbacks): a function compiled for one shape, then compiled again for
+    another (a guard failed: a recompile), then run on a third shape with the graph already made (dynamic)."""
+    from tide.models.compat import CompileWatch
+
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    with CompileWatch() as watch:
+        for size in (3, 3, 4, 5):
+            double(torch.ones(size))
+    assert (watch.graphs, watch.recompiles) == (2, 1) and watch.seconds > 0
+    with CompileWatch() as idle:
+        double(torch.ones(6))
+    assert (idle.graphs, idle.recompiles, idle.seconds) == (0, 0, 0.0)
