@@ -48,6 +48,21 @@ def test_growing_prompts_compile_no_graph_again(config):
             assert stats.graphs_compiled == 0, (n, stats.compile_text())
 
 
+def test_the_compiled_base_decode_makes_no_graph_again_as_prompts_grow():
+    """The base model's compiled decode (a compiled call where Tide's modes do not pay): its mask sized from the
+    cache's tensors, one graph for caches of 256, 384 and 768 positions, the base model's tokens."""
+    model, base = noisy_tide("llama", model_overrides=dict(max_position_embeddings=2048))
+    model.config.set_generation_defaults(mode="lossless", max_draft=2, compiled_modes=False)
+    for i, (n, new) in enumerate([(8, 16), (300, 20), (700, 16)]):
+        ids = prompt_ids(n, seed=n)
+        out = model.generate(ids, do_sample=False, max_new_tokens=new, compile_config=EAGER_BACKEND,
+                             tide_config={"compile": True})
+        stats = model.last_stats
+        assert stats.mode == "base (compiled)" and torch.equal(out, base.generate(ids, do_sample=False,
+                                                                                  max_new_tokens=new))
+        assert (stats.graphs_compiled, stats.recompiles) == ((1, 0) if i == 0 else (0, 0)), stats.compile_text()
+
+
 def test_persisted_artifacts_load_once_and_a_stale_or_foreign_file_is_ignored(tmp_path, monkeypatch, caplog):
     """`save` writes torch's artifacts under a key of the model, torch version, device and options; the first
     compiled call of a model loads them (once); a file made for another key, or one torch cannot load, is skipped

@@ -16,7 +16,9 @@ import torch
 from transformers import StaticCache
 
 from ..layers.spans import options_key
+from ..models.compat import mask_sizes_from_tensors
 from . import compilecache
+from .cachepool import dynamic_length
 from .stats import GenerationStats
 
 __all__ = ["BaseSession", "compiled_forward", "compiled_static_decoder"]
@@ -38,6 +40,7 @@ class BaseSession:
         self.base = model.base
         self.step = compiled_forward(model, options)
         self.stats = GenerationStats(num_layers=model.parts.num_layers, checkpoints=[], mode="base (compiled)")
+        self._sized = None  # the cache whose length the step reads from its tensors
 
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, **kwargs):
         cache_empty = past_key_values is None or past_key_values.get_seq_length() == 0
@@ -48,6 +51,10 @@ class BaseSession:
         self.stats.decode_steps += 1
         self.stats.decode_tokens += input_ids.shape[0]
         self.stats.token_layers += input_ids.shape[0] * self.stats.num_layers
+        if past_key_values is not self._sized:  # (once a cache: its length a dynamic dimension of the step's graph)
+            mask_sizes_from_tensors(past_key_values)
+            dynamic_length(past_key_values)
+            self._sized = past_key_values
         return self.step(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
 
 

@@ -13,6 +13,10 @@
   repo's name; a router repo's `generate.py` reads it from the running `GenerationMixin.generate`'s local
   `custom_generate`.
 
+- `StaticLayer.get_mask_sizes` answers the layer's `max_cache_len`, a Python int that a compiled forward would
+  take as a constant; `mask_sizes_from_tensors` has a full-attention static layer answer its tensors' length, which
+  a graph can keep as a dynamic dimension (one graph for every cache length).
+
 And one private piece of torch: dynamo's compile callbacks (`torch._dynamo.callback_handler`), through which
 `CompileWatch` counts a call's compilations, recompilations and seconds spent compiling.
 
@@ -26,6 +30,7 @@ import inspect
 import os
 import re
 import time
+import types
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -36,7 +41,8 @@ from transformers.integrations import sdpa_attention
 __all__ = ["stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "layer_length",
            "crop_cache", "keep_path", "keep_of_tail", "plain_dynamic_layers", "is_static_layer", "keep_one_of_tail",
            "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of",
-           "grouped_query_attention_in_place", "custom_generate_repo", "CompileWatch", "check"]
+           "grouped_query_attention_in_place", "custom_generate_repo", "CompileWatch", "mask_sizes_from_tensors",
+           "check"]
 
 
 def stop_strings_as_criteria(base, kwargs: dict) -> dict:
@@ -273,6 +279,21 @@ def grouped_query_attention_in_place():
         yield
     finally:
         _GQA_IN_PLACE.reset(token)
+
+
+def mask_sizes_from_tensors(cache) -> None:
+    """Every initialised full-attention `StaticLayer` of `cache` answers `get_mask_sizes` with its keys' length
+    (the same number as its `max_cache_len`), read from the tensor, so that a compiled forward that builds its mask
+    from the cache does not take the cache's length as a constant."""
+    from transformers.cache_utils import StaticLayer
+
+    for layer in getattr(cache, "layers", ()):
+        if type(layer) is StaticLayer and layer.is_initialized and "get_mask_sizes" not in layer.__dict__:
+            layer.get_mask_sizes = types.MethodType(_tensor_mask_sizes, layer)
+
+
+def _tensor_mask_sizes(layer, query_length: int) -> tuple[int, int]:
+    return layer.keys.shape[2], 0
 
 
 class CompileWatch:
