@@ -368,6 +368,11 @@ def check() -> None:
         problems.append("transformers.integrations.sdpa_attention.use_gqa_in_sdpa(attention_mask, key, value) changed")
     elif "use_gqa_in_sdpa" not in sdpa_attention.sdpa_attention_forward.__code__.co_names:
         problems.append("sdpa_attention_forward no longer asks use_gqa_in_sdpa whether to repeat K/V heads")
+    from transformers.cache_utils import StaticLayer
+
+    if "max_cache_len" not in inspect.getsource(StaticLayer.get_mask_sizes):
+        problems.append("StaticLayer.get_mask_sizes no longer answers max_cache_len (which mask_sizes_from_tensors "
+                        "replaces)")
     handler = getattr(torch._dynamo, "callback_handler", None)
     if not all(hasattr(handler, name) for name in ("register_start_callback", "register_end_callback",
                                                    "remove_start_callback", "remove_end_callback")):
