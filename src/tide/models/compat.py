@@ -370,7 +370,7 @@ def check() -> None:
         problems.append("sdpa_attention_forward no longer asks use_gqa_in_sdpa whether to repeat K/V heads")
     from transformers.cache_utils import StaticLayer
 
-    if "max_cache_len" not in inspect.getsource(StaticLayer.get_mask_sizes):
+    if "max_cache_len" not in StaticLayer.get_mask_sizes.__code__.co_names:
         problems.append("StaticLayer.get_mask_sizes no longer answers max_cache_len (which mask_sizes_from_tensors "
                         "replaces)")
     handler = getattr(torch._dynamo, "callback_handler", None)
