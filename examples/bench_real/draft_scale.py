@@ -217,7 +217,7 @@ def main(argv=None):
             break
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": results}, f, indent=1)
+            json.dump({"args": vars(args), "rows": results, "draft_vocabulary": vocab.tolist()}, f, indent=1)
         for m, head in heads.items():
             torch.save(head.state_dict(), f"{args.json}.mlp{m}.pt")
 
