@@ -180,9 +180,8 @@ def _given_fields(tide_config) -> set:
 def _static_cache_length(model, args, kwargs) -> int | None:
     """The length of the static cache Tide lends a compiled call (`decode.cachepool`): what `generate` would make
     (its `max_length` - 1 positions). A call on token ids that passes no cache, keeps the cache on, does not return
-    its cache, and runs no beams; None elsewhere (generate makes it, or there is none). Not rounded up: on CPU a
-    static cache's every position costs attention time, more than the one graph per new longest call that rounding
-    would save."""
+    its cache, and runs no beams; None elsewhere (generate makes it, or there is none). The pool rounds it up to its
+    bucket (`cachepool`), which the one-graph cycles read as a dynamic dimension."""
     inputs = call_inputs(args, kwargs)
     if (kwargs.get("past_key_values") is not None or no_cache(kwargs) or not isinstance(inputs, torch.Tensor)
             or inputs.dim() != 2 or kwargs.get("inputs_embeds") is not None
