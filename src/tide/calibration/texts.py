@@ -44,7 +44,7 @@ def read_texts(ctx: Context, dataset, prompts=None, **load) -> Texts:
         if len(texts) < 2:
             raise ValueError(f"Calibration needs at least 2 texts (one held out); the dataset gave {len(texts)}.")
     n_held = _held_count(len(texts), opts.heldout_fraction) if texts else 0
-    train_texts, held_texts = texts[n_held:], texts[:n_held]
+    train_texts, held_texts = _budgeted(ctx, texts[n_held:], texts[:n_held])
     # conversations: the timing trials answer the held-out ones' first questions
     timing_texts = [t.prompt for t in held_texts] if held_texts and all(isinstance(t, ChatText) for t in
                                                                         held_texts) else None
@@ -56,8 +56,17 @@ def read_texts(ctx: Context, dataset, prompts=None, **load) -> Texts:
     if procs.world > min(len(train_texts), len(held_texts)):
         raise ValueError(f"Calibration on {procs.world} processes needs at least {procs.world} training and "
                          f"{procs.world} held-out texts; got {len(train_texts)} and {len(held_texts)}.")
-    train_texts = within_budget(train_texts, ctx.tokenizer, opts)
     return Texts(procs.shard(train_texts), procs.shard(held_texts), held_texts, timing_texts, len(texts))
+
+
+def _budgeted(ctx: Context, train: list[str], held: list[str]) -> tuple[list[str], list[str]]:
+    """The dataset's training and held-out texts within `train_tokens` (the held-out ones in proportion)."""
+    opts = ctx.opts
+    if opts.train_tokens is None:
+        return train, held
+    share = opts.heldout_fraction / (1.0 - opts.heldout_fraction)
+    return (within_budget(train, ctx.tokenizer, opts.max_length, opts.train_tokens),
+            within_budget(held, ctx.tokenizer, opts.max_length, max(1, round(opts.train_tokens * share))))
 
 
 def _answers(ctx: Context, prompts) -> tuple[list[str], list[str], list[str]]:
@@ -89,14 +98,14 @@ def data_name(dataset, prompts) -> str:
     return " + ".join(n for n in (name, own) if n)
 
 
-def within_budget(texts: list[str], tokenizer, opts: CalibrationOptions) -> list[str]:
-    """The first training texts that hold `opts.train_tokens` training tokens (all of them where it is None)."""
-    if opts.train_tokens is None:
+def within_budget(texts: list[str], tokenizer, max_length: int, budget: int | None) -> list[str]:
+    """The first texts that hold `budget` training tokens (all of them where it is None)."""
+    if budget is None:
         return texts
     total = 0
     for i, text in enumerate(texts):
-        total += training_tokens(text, tokenizer, opts.max_length)
-        if total >= opts.train_tokens:
+        total += training_tokens(text, tokenizer, max_length)
+        if total >= budget:
             return texts[:i + 1]
     return texts
 
