@@ -111,9 +111,12 @@ def _render(tokenizer, messages: list[dict]) -> tuple[ChatText | None, int]:
 def answer_mask(text: ChatText, offsets: list[tuple[int, int]]) -> torch.Tensor:
     """[T] bool over a tokenization of `text` (its character `offsets`): position t is marked where token t + 1
     begins inside an answer, i.e. where the model predicts an answer token."""
+    bounds = torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)
+    starts, ends = bounds[:, 0], bounds[:, 1]
     inside = torch.zeros(len(offsets), dtype=torch.bool)
-    for i, (start, end) in enumerate(offsets):
-        inside[i] = end > start and any(a <= start < b for a, b in text.answers)
+    for a, b in text.answers:
+        inside |= (starts >= a) & (starts < b)
+    inside &= ends > starts
     mask = torch.zeros_like(inside)
     mask[:-1] = inside[1:]
     return mask

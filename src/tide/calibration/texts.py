@@ -15,7 +15,7 @@ from .options import CalibrationOptions
 from .phases import Context
 from .selftext import SelfText, check_lengths, generated_texts, prompt_texts
 
-__all__ = ["Texts", "read_texts", "batches", "data_name", "within_budget", "training_tokens", "stream_size"]
+__all__ = ["Texts", "read_texts", "batches", "data_name", "within_budget", "stream_size"]
 
 
 @dataclass
@@ -104,25 +104,20 @@ def within_budget(texts: list[str], tokenizer, max_length: int, budget: int | No
         return texts
     total = 0
     for i, text in enumerate(texts):
-        total += training_tokens(text, tokenizer, max_length)
+        total += stream_size([text], tokenizer, max_length)[1]
         if total >= budget:
             return texts[:i + 1]
     return texts
 
 
 def stream_size(texts: list[str], tokenizer, max_length: int) -> tuple[int, int]:
-    """(rows, training tokens) that `batches` makes of `texts`."""
+    """(rows, training tokens) that `batches` makes of `texts`: the tokens trained on are a conversation's answer
+    positions (in every window), a plain text's tokens up to `max_length`."""
     rows = tokens = 0
     for text in texts:
         for _, mask in _rows(text, tokenizer, max_length):
             rows, tokens = rows + 1, tokens + int(mask.sum())
     return rows, tokens
-
-
-def training_tokens(text: str, tokenizer, max_length: int) -> int:
-    """The positions of `text` calibration trains on: a conversation's answer positions (in every window), a plain
-    text's tokens up to `max_length`."""
-    return sum(int(mask.sum()) for _, mask in _rows(text, tokenizer, max_length))
 
 
 def _rows(text: str, tokenizer, max_length: int):
