@@ -93,7 +93,18 @@ def _summary(selection, held: Heldout, cfg, num_layers, dataset, num_samples, tr
         oracle_mean_layers=_oracle_mean_layers(agree, cfg.resolve_checkpoints(num_layers), num_layers),
         checkpoints={str(r.layer): CheckpointRecord(**r.as_dict()) for r in results},
         router_auc={str(k): auc(scores, agree[k]) for k, scores in held.scores().items()},
+        draft_top1=_draft_top1(held),
     )
+
+
+def _draft_top1(held: Heldout) -> dict[str, dict[str, float]]:
+    """{layer: {draft vocabulary size (0: the whole vocabulary): held-out first drafts whose top-1 is the full
+    model's}}."""
+    out = {str(k): {"0": round(float((ranks == 0).float().mean()), 4)} for k, ranks in held.ranks().items()}
+    for n, (first, _) in sorted(held.restricted().items()):
+        for k, ranks in first.items():
+            out[str(k)][str(n)] = round(float((ranks == 0).float().mean()), 4)
+    return out
 
 
 def _oracle_mean_layers(agree: dict[int, torch.Tensor], layers: list[int], num_layers: int) -> float:
