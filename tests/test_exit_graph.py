@@ -9,6 +9,7 @@ from transformers import CompileConfig
 
 import tide.decode.exits
 from generation_helpers import count_fused_work, exits_by_sign
+from tide.decode.cachepool import bucket
 from tiny_models import noisy_tide, prompt_ids
 
 EAGER_BACKEND = CompileConfig(backend="eager")
@@ -100,14 +101,24 @@ def test_one_graph_launch_and_few_host_reads_a_step(monkeypatch, fused):
     # list, the end-of-sequence ids; inside the graph, `torch.cond` reads its predicate where it runs eagerly)
 
 
-def test_no_recompilation_across_prompt_lengths():
-    model = _model()
-    kwargs = dict(do_sample=False, max_new_tokens=10, compile_config=EAGER_BACKEND, tide_config=EXIT)
-    model.generate(prompt_ids(24, seed=1), **kwargs)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for length in range(6, 16):
-            model.generate(prompt_ids(length, seed=length), **kwargs)
-    assert _graphs(model) == {"fused exit"}
+@pytest.mark.parametrize("extra", [{}, {"no_repeat_ngram_size": 2}], ids=["fused loop", "session walk"])
+def test_no_graph_made_again_across_prompt_lengths_and_cache_buckets(extra):
+    """Prompts of 6 to 700 tokens and 8 to 24 new tokens, on lent caches of 256, 384 and 768 positions: the first
+    call's one graph serves them all (the cache's length, the masks' and the rotary table's, dynamic dimensions),
+    0 graphs and 0 recompiles after it, every output the eager walk's with the same exits."""
+    model, _ = noisy_tide("llama", model_overrides=dict(max_position_embeddings=2048))
+    model.exit_tests = exits_by_sign(DIMS["llama"])
+    lengths = [(8, 16), (40, 24), (300, 20), (700, 16), (12, 8)] + [(n, 10) for n in range(6, 12)]
+    assert len({bucket(n + new) for n, new in lengths}) == 3
+    for i, (n, new) in enumerate(lengths):
+        ids, kwargs = prompt_ids(n, seed=n), dict(do_sample=False, max_new_tokens=new, **extra)
+        eager = model.generate(ids, tide_config={"exit_threshold": 0.5}, **kwargs)
+        exits = dict(model.last_stats.exits)
+        out = model.generate(ids, tide_config=EXIT, compile_config=EAGER_BACKEND, **kwargs)
+        stats = model.last_stats
+        assert torch.equal(out, eager) and dict(stats.exits) == exits, (n, new)
+        assert stats.recompiles == 0 and stats.graphs_compiled == (i == 0), (n, new, stats.compile_text())
+    assert _graphs(model) == ({"fused exit"} if not extra else {"exit"})
 
 
 def test_the_routers_own_tests_run_in_the_graph():

@@ -18,7 +18,8 @@ the device, and those are not used yet (below).
 A branch of `torch.cond` may not write its inputs, so the layers inside one run on a staged view of the cache
 (`_Staged`): attention sees the layer's cache with this step's K/V put in out of place (a copy of that layer's
 K/V a step), and the K/V are handed out and written after the branch. The tokens are those of the compiled spans
-(the same layers, tests and fill).
+(the same layers, tests and fill). The cache's length, and the key axis of the masks the layers take, are dynamic
+dimensions of the graph (`cachepool.dynamic_length`): one graph serves every cache the pool lends.
 
 Where it runs: a single-row decode step of a compiled exit-mode call with `kv_strategy="propagate"` on a static
 full-attention cache, compiled without CUDA graphs (torch captures `torch.cond` as CUDA graphs' conditional nodes,
@@ -34,6 +35,7 @@ import torch
 from ..layers.kvfill import fused_available, stack_for
 from ..layers.spans import _at_offset_zero, _run_span
 from ..models.compat import is_static_layer
+from .cachepool import dynamic_length, slots
 
 __all__ = ["ExitGraph", "Fill", "cond_walk"]
 
@@ -156,8 +158,14 @@ class ExitGraph:
                 or not fused_available(parts, steps.calls, layers, hidden)):
             return None
         stack = stack_for(parts, hidden)
-        fill = Fill(stack, stack.rotary(steps.calls, layers), parts.num_layers)
+        rotary = stack.rotary(steps.calls, layers)  # (copied: the layers' own would alias them on some steps only)
+        fill = Fill(stack, tuple(t.clone() for t in rotary) if isinstance(rotary, tuple) else rotary,
+                    parts.num_layers)
+        args, kwargs = _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs)
+        dynamic_length(cache)  # (one graph for every cache length: the cache's and the masks' key axis)
+        for mask in (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() == 4):
+            if mask.shape[-1] == slots(cache):
+                torch._dynamo.maybe_mark_dynamic(mask, 3)
         return spans.graph(("exit", self.checkpoints), _walk, "tide_exit_step", tuple(parts.layers),
-                           parts.spec.returns_tuple, hidden, _at_offset_zero(call.args[1:]),
-                           _at_offset_zero(call.kwargs), parts.spec.cache_arg, cache, self.checkpoints, self.tests,
-                           fill, lean=True)
+                           parts.spec.returns_tuple, hidden, args, kwargs, parts.spec.cache_arg, cache,
+                           self.checkpoints, self.tests, fill, lean=True)

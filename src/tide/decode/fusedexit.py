@@ -17,7 +17,9 @@ full-attention cache with processors that run in the graph (`fused._Processors`)
    (each `torch.cond` reads its predicate inside the graph: `exitgraph.py`).
 
 The first new token comes from the prompt's full pass in `exits.exit_decode`, as in every exit-mode call; then this
-loop takes over. One graph per call shape, none made again for another prompt length.
+loop takes over. One graph per call shape, none made again for another prompt length or cache: the static
+cache's length, read from its tensors, and the rotary table's are dynamic dimensions of the graph
+(`cachepool.dynamic_length`; the longest table made so far serves every shorter cache).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..layers.calls import capture_layer_calls
 from ..layers.kvfill import fused_available, stack_for
 from ..layers.spans import dense
 from .accept import draw
+from .cachepool import dynamic_length, slots
 from .exitgraph import Fill, cond_walk
 from .fused import _mask, _Processors, _Stops, penalised
 from .views import one_graph_fits, views_of
@@ -37,12 +40,14 @@ from .views import one_graph_fits, views_of
 __all__ = ["FusedExit", "fused_exit_for"]
 
 
-def _exit_step(views: tuple, offset, final_norm, logits_from_normed, cache, token, keys: int, dtype,
-               checkpoints: tuple, tests: tuple, stack, table, suppress, warp, num_layers: int, penalty=None):
+def _exit_step(views: tuple, offset, final_norm, logits_from_normed, cache, token, dtype, checkpoints: tuple,
+               tests: tuple, stack, table, suppress, warp, num_layers: int, penalty=None):
     """One step as one graph (module docstring) -> (the next token and x's exit layer [2]: what the host reads; the
-    next token [1, 1]). `penalty`: (p [], the tokens seen so far [V] bool) for a repetition penalty."""
+    next token [1, 1]). `penalty`: (p [], the tokens seen so far [V] bool) for a repetition penalty. The cache's
+    length is read from its tensors, a dynamic dimension of the graph (`cachepool.dynamic_length`), as is the
+    rotary table's: one graph for every cache length."""
     position = cache.layers[0].cumulative_length.reshape(1).clone()  # (a copy: layer 0 moves its length on)
-    mask = _mask(position, keys, dtype)
+    mask = _mask(position, slots(cache), dtype)
     starts = (0,) + tuple(c + 1 for c in checkpoints)
 
     def run(start: int, stop: int, hidden, on):
@@ -71,10 +76,13 @@ def _exit_step(views: tuple, offset, final_norm, logits_from_normed, cache, toke
 class _RotaryTable:
     """The rotary the batched fill applies (`kvfill`'s `rotary(calls, layers)`) for every position of a static cache
     of `keys` slots, captured once from the backbone's own prelude, and `at(position)`: a position's row, in the
-    graph. None (`build`) where the rows cannot be told apart from what one position's capture gives."""
+    graph. None (`build`) where the rows cannot be told apart from what one position's capture gives. The positions'
+    axis is a dynamic dimension of the graph, so a table made for a longer cache serves the same graph."""
 
     def __init__(self, tensors: tuple, axes: tuple):
         self.tensors, self.axes = tensors, axes
+        for tensor, axis in zip(tensors, axes):
+            torch._dynamo.maybe_mark_dynamic(tensor, axis)
 
     def at(self, position: torch.Tensor) -> tuple:
         return tuple(t.index_select(axis, position) for t, axis in zip(self.tensors, self.axes))
@@ -134,12 +142,14 @@ def fused_exit_for(session, input_ids, generation_config, logits_processor, cach
         return None
     table = None
     if stack.rotary(calls, layers) is not None:
-        tables = session.model.__dict__.setdefault("_rotary_tables", {})  # (positions only: kept per cache size)
-        if (keys, device) not in tables:
-            tables[keys, device] = _RotaryTable.build(parts, stack, layers, keys, device, input_ids.shape[1] - 1)
-        table = tables[keys, device]
+        tables = session.model.__dict__.setdefault("_rotary_tables", {})  # (positions only: the longest per device
+        held, table = tables.get((device, like.dtype), (0, None))  # and dtype serves every cache as long or shorter)
+        if held < keys:
+            table = _RotaryTable.build(parts, stack, layers, keys, device, input_ids.shape[1] - 1)
+            tables[device, like.dtype] = keys, table
         if table is None:
             return None
+    dynamic_length(cache)  # (one graph for every cache length)
     return FusedExit(session, cache, *views, processors, stack, table)
 
 
@@ -156,7 +166,7 @@ class FusedExit:
         session, cache, stats, parts = self.session, self.cache, self.session.stats, self.session.parts
         stops = _Stops(stopping_criteria, generation_config, input_ids.device)
         tokens, token = input_ids[0].tolist(), dense(input_ids[:, -1:])
-        dtype, keys = next(parts.layers[0].parameters()).dtype, cache.layers[0].max_cache_len
+        dtype = next(parts.layers[0].parameters()).dtype
         graph, seen = session.graph, self.processors.seen(tokens, input_ids.device)
         penalty = None if seen is None else (self.processors.penalty, seen)
         while True:
@@ -164,7 +174,7 @@ class FusedExit:
             read, token = session.spans.graph(
                 ("fused exit", graph.checkpoints, self.processors.warp is not None, seen is not None), _exit_step,
                 "tide_exit_step_fused", self.views, self.offset, parts.final_norm, parts.logits_from_normed, cache,
-                token, keys, dtype, graph.checkpoints, graph.tests, self.stack, self.table,
+                token, dtype, graph.checkpoints, graph.tests, self.stack, self.table,
                 self.processors.suppress(len(tokens), 0), self.processors.warp, parts.num_layers, penalty, lean=True)
             if seen is not None:
                 seen[token.view(-1)] = True  # (on the device: no read)
