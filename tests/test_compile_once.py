@@ -115,6 +115,51 @@ def test_warmup_runs_the_compiled_calls_and_saves(tmp_path, monkeypatch):
     assert report["calls"][0]["graphs_compiled"] >= 1 and all(run["recompiles"] == 0 for run in report["calls"])
 
 
+def test_calibration_persists_what_its_compiled_trials_compiled(tmp_path, monkeypatch):
+    """Calibration with `compiled_trials`: the first compiled timing's call compiles graphs (traced without inductor
+    here: the base model's generation config names the eager backend; the timings themselves faked), and
+    what torch compiled is written under the key of the repo as calibration leaves it, which the saved repo's first
+    compiled call in a later process loads. Where nothing compiled, nothing is written."""
+    import tide
+    from tide.calibration import trials
+    from tide.calibration.persist import persist_compiled
+    from tiny_models import sample_texts, tiny_model, tiny_tokenizer
+
+    monkeypatch.setenv("TIDE_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled\nwork", None))
+    loaded = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    compiled = []
+
+    def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
+        if baseline == "compiled" and not compiled:  # the first compiled trial: one real call, its graphs compile
+            model.generate(prompts[0], tide_config={**tide_config, "compile": True}, do_sample=False,
+                           max_new_tokens=4, pad_token_id=0)
+            compiled.append(model.last_stats.graphs_compiled)
+        return 0.9
+
+    monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
+    base = tiny_model("llama")
+    base.generation_config.compile_config = EAGER_BACKEND
+    torch.manual_seed(0)
+    model = tide.calibrate(base, tiny_tokenizer(), dataset=sample_texts(24), num_samples=24, batch_size=8,
+                           max_length=32, head_steps=5, passes=1, validation_tokens=0, draft_trials=1, progress=False,
+                           config=tide.TideConfig(checkpoint_interval=2, target_agreement=0.05), compiled_trials=True)
+    assert compiled[0] >= 1
+    options = compile_options(EAGER_BACKEND)
+    key = compilecache.artifact_key(model, options, "cpu")
+    path = compilecache.artifact_path(key)
+    assert path.is_file() and json.loads(path.read_bytes().partition(b"\n")[0]) == key
+
+    model.save_pretrained(tmp_path / "repo")
+    later = tide.TideForCausalLM.from_pretrained(tmp_path / "repo", base_model=base)
+    assert compilecache.artifact_key(later, options, "cpu") == key and compilecache.load(later, options, "cpu")
+    assert loaded == [b"compiled\nwork"]
+
+    path.unlink()
+    assert persist_compiled(model, graphs=0) is None and not path.exists()
+
+
 def test_compile_watch_counts_graphs_recompiles_and_seconds():
     """`CompileWatch` (dynamo's compile callbacks): a function compiled for one shape, then compiled again for
     another (a guard failed: a recompile), then run on a third shape with the graph already made (dynamic)."""

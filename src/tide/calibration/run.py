@@ -5,8 +5,9 @@ the checkpoint layers' outputs, `forward`), labels computed on the fly, a bounde
 minibatch steps per batch (`trainer`). Pass 2 streams held-out batches and keeps only (score, agree, label)
 scalars per token (`heldout`). Costs are measured, then `thresholds.calibrate_cascade` picks the thresholds,
 checked through the decode step and timed (`operating`, `validation`); drafting schemes and the default mode are
-timed (`timing`), and what was found is recorded (`record`). Memory is bounded by the batch and the buffer,
-whatever the number of samples. This module does not generate text.
+timed (`timing`), and what was found is recorded (`record`); what the compiled trials compiled is persisted
+(`persist`). Memory is bounded by the batch and the buffer, whatever the number of samples. This module does not
+generate text.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from tqdm.auto import tqdm
 from ..config import TideConfig
 from ..hub.card import calibration_table
 from ..modeling import TideForCausalLM
+from ..models.compat import CompileWatch
 from .heldout import score_heldout
 from .operating import OperatingPoint, choose_thresholds, cost_measurement, operating_point, thresholds_for_target
 from .options import CalibrationOptions, options_from
+from .persist import persist_compiled
 from .phases import Context
 from .record import build_record
 from .selftext import check_prompts
@@ -65,11 +68,13 @@ def calibrate(
     measured = cost_measurement(ctx, texts)
     point = choose_thresholds(ctx, held, measured, len(texts.all_held))
     draft_selection = choose_drafts(ctx, held, measured.costs, ranked, texts.all_held, point)
-    compiled_timing, compiled_chains = time_default_compiled(ctx, measured.prompts, draft_selection)
+    with CompileWatch() as compiling:  # (the compiled trials' graphs: persisted below, the repo's config final)
+        compiled_timing, compiled_chains = time_default_compiled(ctx, measured.prompts, draft_selection)
     record = build_record(ctx, data_name(dataset, prompts), texts=texts, trainer=trainer, held=held,
                           held_local=held_local, costs=measured.costs, point=point, draft_selection=draft_selection,
                           compiled_timing=compiled_timing, compiled_chains=compiled_chains)
     tide.config.calibration = record.to_dict()
+    persist_compiled(tide, compiling.graphs)
     return tide
 
 

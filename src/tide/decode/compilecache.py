@@ -4,7 +4,8 @@ A `compile=True` call traces and compiles its graphs (`decode/fused.py`, `decode
 `save` writes what torch compiled in this process (`torch.compiler.save_cache_artifacts`: inductor's generated code
 and AOTAutograd's graphs) to one file per key; the first compiled call of a model in a later process `load`s it
 (`torch.compiler.load_cache_artifacts`), so inductor finds its code made: dynamo still traces the Python, but no
-kernel is generated or built again. `tide warmup REPO` runs compiled calls and saves (`tools/warmup.py`).
+kernel is generated or built again. `tide warmup REPO` runs compiled calls and saves (`tools/warmup.py`); so does
+calibration, after compiled trials that compiled (`calibration/persist.py`).
 
 The key is what decides the graphs: the base model's config, the router repo's (its checkpoints and draft settings),
 the torch version, the device and the compile options. The folder is `compiled/` in Tide's cache folder
