@@ -152,3 +152,11 @@ def test_the_stats_say_why():
     assert model.last_stats.plan == "thresholds, and exit mode is the default"
     assert "thresholds, and exit mode is the default" in model.last_stats.summary()
     assert model.last_stats.to_dict()["plan"] == model.last_stats.plan
+
+
+def test_plan_kinds_are_an_enum_that_reads_as_its_words():
+    from tide.decode.plan import PlanKind
+
+    assert KINDS == ("base", "base (compiled)", "exit", "lossless")
+    assert PlanKind.BASE_COMPILED == "base (compiled)" and f"{PlanKind.EXIT}" == "exit"
+    assert str(PlanKind.LOSSLESS) == "lossless"

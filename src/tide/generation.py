@@ -23,7 +23,7 @@ from .decode import compilecache, exit_decode, generate_with_loop, lossless_deco
 from .decode.baseline import BaseSession
 from .decode.dispatch import activated, install
 from .decode.exitsession import ExitSession
-from .decode.plan import CallPlan, call_inputs, lossless_problem, no_cache, option, plan_call
+from .decode.plan import CallPlan, PlanKind, call_inputs, lossless_problem, no_cache, option, plan_call
 from .decode.speculative import LosslessSession
 from .decode.stats import GenerationStats
 from .heads.kernels import kernel_mode
@@ -51,12 +51,12 @@ def _execute(model, plan: CallPlan, args, kwargs):
     """Run `plan`: the base model's own generate, its compiled decode, or a session of Tide's mode."""
     if plan.kv_cache and "use_cache" not in kwargs and not no_cache(kwargs):
         _ask(kwargs, "use_cache", True)  # Tide decodes on the KV cache, also for models whose config turns it off
-    if plan.kind == "base":
+    if plan.kind is PlanKind.BASE:
         return _run_base(model, plan, args, kwargs)
-    if plan.kind == "base (compiled)":
+    if plan.kind is PlanKind.BASE_COMPILED:
         return _run(model, plan, BaseSession(model, _compile_options(model, kwargs)), exit_decode, args, kwargs)
     run = plan.options
-    if plan.kind == "lossless":
+    if plan.kind is PlanKind.LOSSLESS:
         session, loop = LosslessSession(model, run, _spans(model, run, kwargs)), lossless_decode
         session.fused_chain_first = plan.fused_chains  # compiled: a chain as one graph a cycle (`decode/fused.py`)
     else:

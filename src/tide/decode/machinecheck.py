@@ -42,6 +42,7 @@ from torch import nn
 from ..layers.fewrows import few_row_linears
 from ..records import CalibrationRecord
 from . import compilecache
+from .plan import PlanKind
 
 __all__ = ["MARGIN", "Scheme", "review", "check", "check_defaults", "measure_cycle", "expected_tokens", "scheme_of",
            "cache_path", "decision_text", "machine_name"]
@@ -105,14 +106,14 @@ def expected_tokens(model, scheme: Scheme) -> float | None:
 def review(model, plan):
     """`plan` (a `CallPlan`) as it runs on this machine: a lossless plan of the repo's own scheme becomes the base
     model's run where the scheme does not pay here (`check`); its reason says what was weighed."""
-    if plan.kind != "lossless" or not plan.repo_scheme or not plan.options.machine_check:
+    if plan.kind is not PlanKind.LOSSLESS or not plan.repo_scheme or not plan.options.machine_check:
         return plan
     verdict = check(model, scheme_of(model, plan), plan.compile, plan.options.few_row_layout)
     if verdict is None:
         return plan
     if verdict["pays"]:
         return dataclasses.replace(plan, reason=f"{plan.reason}; {decision_text(verdict)}")
-    kind = "base (compiled)" if plan.compile else "base"
+    kind = PlanKind.BASE_COMPILED if plan.compile else PlanKind.BASE
     return dataclasses.replace(plan, kind=kind, reason=decision_text(verdict), fused_chains=False)
 
 
@@ -124,7 +125,7 @@ def check_defaults(model, compiled: bool, remeasure: bool = False) -> tuple[str,
 
     ids = torch.zeros(1, 4, dtype=torch.long, device=model.base.device)
     plan = plan_call(model, {"compile": True} if compiled else None, (ids,), {"max_new_tokens": 8, "do_sample": False})
-    if plan.kind != "lossless" or not plan.repo_scheme:
+    if plan.kind is not PlanKind.LOSSLESS or not plan.repo_scheme:
         return f"it runs {plan.kind}: {plan.reason}", None
     verdict = check(model, scheme_of(model, plan), compiled, plan.options.few_row_layout, remeasure)
     if verdict is None:

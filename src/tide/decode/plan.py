@@ -9,6 +9,7 @@ run. `tide.generation` then builds the plan's session and runs it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import warnings
 from dataclasses import dataclass
 
@@ -19,10 +20,27 @@ from ..config import TideConfig, TideGenerationConfig
 from ..models.compat import cache_layer_kinds
 from .speculative import LosslessUnavailable
 
-__all__ = ["CallPlan", "KINDS", "plan_call", "call_options", "lossless_problem", "per_layer_outputs", "call_inputs",
-           "no_cache", "option"]
+__all__ = ["CallPlan", "PlanKind", "KINDS", "plan_call", "call_options", "lossless_problem", "per_layer_outputs",
+           "call_inputs", "no_cache", "option"]
 
-KINDS = ("base", "base (compiled)", "exit", "lossless")
+
+
+class PlanKind(str, enum.Enum):
+    """What a call runs. The values are the words the stats and the plan's reason use (a kind compares equal to
+    its value)."""
+
+    BASE = "base"  # the base model's own `generate`
+    BASE_COMPILED = "base (compiled)"  # its compiled static-cache decode (`decode.baseline.BaseSession`)
+    EXIT = "exit"
+    LOSSLESS = "lossless"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__  # f-strings give the value
+
+
+KINDS = tuple(kind.value for kind in PlanKind)
 
 # Options only exit mode uses: a call that sets one runs in exit mode when the repo's default is "auto".
 _EXIT_OPTIONS = {"exit_threshold", "thresholds", "min_layers", "kv_strategy", "prefill_exit", "batch_exits"}
@@ -44,8 +62,8 @@ _PER_LAYER_OUTPUTS = ("output_hidden_states", "output_attentions")
 class CallPlan:
     """What one generate call runs, and why.
 
-    kind: one of `KINDS`: "base" (the base model's own `generate`), "base (compiled)" (its compiled static-cache
-        decode, `decode.baseline.BaseSession`), "exit" or "lossless".
+    kind: a `PlanKind`: the base model's own `generate`, its compiled static-cache decode
+        (`decode.baseline.BaseSession`), exit mode or lossless mode.
     options: the call's resolved options (None with `tide_config=False`).
     compile: the run compiles (Tide's compiled spans, or the base model's compiled forward).
     cache_length: the positions of the static cache lent to the call (`decode.cachepool`); None: none is lent.
@@ -59,7 +77,7 @@ class CallPlan:
         `decode.machinecheck.review` weighs against this machine's costs.
     """
 
-    kind: str
+    kind: PlanKind
     options: TideGenerationConfig | None
     compile: bool
     cache_length: int | None
@@ -72,7 +90,7 @@ class CallPlan:
 def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
     """The plan of `model.generate(*args, tide_config=tide_config, **kwargs)`; raises where the call cannot run."""
     if tide_config is False:
-        return CallPlan("base", None, False, None, "the call passed tide_config=False")
+        return CallPlan(PlanKind.BASE, None, False, None, "the call passed tide_config=False")
     call, options, given, chain = call_options(model, tide_config)
     options.validate(checkpoints=model.checkpoints)
     model.check_draft_vocab_size(options.draft_vocab_size)
@@ -103,7 +121,7 @@ def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
     else:
         reason = f"the default mode is {options.mode}"
     plan = _mode_plan(model, options, given, length, reason, args, kwargs)
-    if plan.kind == "lossless" and (chain or not (_ASKS_A_MODE | _DRAFT_OPTIONS) & given):
+    if plan.kind is PlanKind.LOSSLESS and (chain or not (_ASKS_A_MODE | _DRAFT_OPTIONS) & given):
         plan = dataclasses.replace(plan, repo_scheme=True)
     return plan
 
@@ -130,7 +148,7 @@ def _mode_plan(model, options, given: set, length, reason: str, args, kwargs) ->
         if options.max_draft == 0:
             return _base(model, options, length, kwargs, "calibration found that no drafting scheme pays "
                          "(max_draft=0)", kv_cache=True)
-        return CallPlan("lossless", options, compiled, length, reason, kv_cache=True,
+        return CallPlan(PlanKind.LOSSLESS, options, compiled, length, reason, kv_cache=True,
                         fused_chains=compiled and not _OWN_SCHEME & given)
     outputs = per_layer_outputs(model, kwargs)
     if outputs:
@@ -139,15 +157,15 @@ def _mode_plan(model, options, given: set, length, reason: str, args, kwargs) ->
     if no_cache(kwargs):
         raise ValueError("Tide's exit mode decodes on the KV cache (skipped layers still get their K/V); drop "
                          "use_cache=False, or pass tide_config=False to run the base model without exits.")
-    return CallPlan("exit", options, compiled, length, reason, kv_cache=True)
+    return CallPlan(PlanKind.EXIT, options, compiled, length, reason, kv_cache=True)
 
 
 def _base(model, options, length, kwargs, reason: str, kv_cache: bool = False) -> CallPlan:
     """The base model runs: compiled (`decode.baseline.BaseSession`, the baseline a compiled call is measured by)
     where the call compiles and runs no beams, else its own `generate` (beams: transformers' own beam search)."""
     if options.compile and (option(model, kwargs, "num_beams") or 1) <= 1 and not per_layer_outputs(model, kwargs):
-        return CallPlan("base (compiled)", options, True, length, reason, kv_cache=kv_cache)
-    return CallPlan("base", options, False, length, reason, kv_cache=kv_cache)
+        return CallPlan(PlanKind.BASE_COMPILED, options, True, length, reason, kv_cache=kv_cache)
+    return CallPlan(PlanKind.BASE, options, False, length, reason, kv_cache=kv_cache)
 
 
 def call_options(model, tide_config):
