@@ -48,6 +48,29 @@ def test_growing_prompts_compile_no_graph_again(config):
             assert stats.graphs_compiled == 0, (n, stats.compile_text())
 
 
+@pytest.mark.parametrize("config, most", [
+    ({"mode": "lossless", "max_draft": 2, "draft_ngram": 3, "compile": True}, 3),
+    ({"mode": "lossless", "max_draft": 2, "draft_topk": 2, "draft_ngram": 3, "compile": True}, 2),
+], ids=["chain", "tree"])
+def test_the_graphs_a_compiled_greedy_call_compiles_are_counted(config, most):
+    """Graphs counted over the calls of a fresh model, on a text that repeats (n-gram drafts) and two that do not,
+    drafts accepted and rejected (the cap moves): a chain of up to 2 drafts with n-gram drafts (the shipped SmolLM2
+    repo's `compiled_chain`) compiles at most 3 graphs, one per width the cap takes (1 and 2) and the n-gram pass's;
+    a tree of 2 candidates with an n-gram branch at most 2, its shape with the branch and without. The prompt is
+    prefilled eagerly: no graph. Every output the base model's, no recompile."""
+    model, base = noisy_tide("llama", heads=("translator", "draft"))
+    graphs = 0
+    for i, ids in enumerate([torch.cat([prompt_ids(6, seed=3)] * 3, 1), prompt_ids(20, seed=5), prompt_ids(9)]):
+        out = model.generate(ids, do_sample=False, max_new_tokens=40, compile_config=EAGER_BACKEND,
+                             tide_config=config)
+        stats = model.last_stats
+        assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=40))
+        assert stats.recompiles == 0 and (i or stats.graphs_compiled >= 1) and stats.fused_cycles
+        assert stats.ngram_drafted or i, "the repeated text drafted no n-gram continuation"
+        graphs += stats.graphs_compiled
+    assert graphs <= most, graphs
+
+
 def test_the_compiled_base_decode_makes_no_graph_again_as_prompts_grow():
     """The base model's compiled decode (a compiled call where Tide's modes do not pay): its mask sized from the
     cache's tensors, one graph for caches of 256, 384 and 768 positions, the base model's tokens."""
