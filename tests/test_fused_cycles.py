@@ -9,7 +9,7 @@ from transformers import CompileConfig, TextStreamer
 from transformers.modeling_outputs import BaseModelOutput
 
 import tide.decode.lossless
-from tide.decode import fused, views
+from tide.decode import fused, graphparts
 from tide.decode.accept import sampling_verdict_on_device
 from generation_helpers import chi_square, chi_square_limit, count_fused_work
 from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
@@ -76,9 +76,9 @@ def test_a_backbone_that_transforms_its_inputs_is_not_given_states():
             return BaseModelOutput(last_hidden_state=inputs_embeds)
 
     like = torch.zeros(1)
-    assert views.input_offset(Passes(), 8, like) is False
-    assert views.input_offset(Adds(), 8, like) is True
-    assert views.input_offset(Scales(), 8, like) is None
+    assert graphparts.input_offset(Passes(), 8, like) is False
+    assert graphparts.input_offset(Adds(), 8, like) is True
+    assert graphparts.input_offset(Scales(), 8, like) is None
 
 
 def test_stopping_inside_a_cycle_drops_what_follows(warm):
@@ -166,11 +166,11 @@ def test_each_position_penalises_what_was_seen_and_drafted_before_it():
 
     seen = torch.zeros(6, dtype=torch.bool)
     seen[1] = True
-    rows = fused.seen_at(seen, torch.tensor([3, 1, 3, 5]))
+    rows = graphparts.seen_at(seen, torch.tensor([3, 1, 3, 5]))
     assert rows.tolist() == [[i in held for i in range(6)] for held in ({1}, {1, 3}, {1, 3}, {1, 3}, {1, 3, 5})]
     logits = torch.tensor([[1.0, -2.0, 0.5, 3.0, -1.0, 2.0]])
     expected = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[3, 1]]), logits.clone())
-    assert torch.equal(fused.penalised(logits, torch.tensor(1.5), rows[1]), expected)
+    assert torch.equal(graphparts.penalised(logits, torch.tensor(1.5), rows[1]), expected)
 
 
 def test_a_repetition_penalty_runs_in_the_graph(warm, monkeypatch):

@@ -121,3 +121,54 @@ def test_every_public_name_resolves():
         mod = importlib.import_module(module)
         for name in getattr(mod, "__all__", []):
             assert hasattr(mod, name), f"{module}.__all__ names {name}, which it does not define"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+# The one module that reaches into private pieces (transformers'): what it exports is Tide's to use.
+PRIVATE_HOME = "tide.models.compat"
+
+
+def test_no_private_name_is_imported_across_modules():
+    """No module imports another Tide module's private name (`from .fused import _mask`)."""
+    found = []
+    for module in MODULES:
+        package = module if _file(module).name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(_file(module).read_text())):
+            if not isinstance(node, ast.ImportFrom) or module == PRIVATE_HOME:
+                continue
+            if node.level:
+                target = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                  + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "tide" and target != PRIVATE_HOME:
+                found += [f"{module}:{node.lineno} imports {target}.{a.name}" for a in node.names if _private(a.name)]
+    assert not found, found
+
+
+def test_no_private_attribute_of_another_module_is_read():
+    """No module reads a private attribute that only another Tide module defines (`spans._shared_call(...)`,
+    `fused._mask`): a private name (a function, class or attribute starting with one underscore) is read where it
+    is defined, or through `self`/`cls`."""
+    trees = {m: ast.parse(_file(m).read_text()) for m in MODULES}
+    defined: dict[str, set] = {}
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names = [node.attr]
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names = [node.id]
+            else:
+                continue
+            for name in filter(_private, names):
+                defined.setdefault(name, set()).add(module)
+    found = [f"{module}:{node.lineno} reads {ast.unparse(node)}" for module, tree in trees.items()
+             if module != PRIVATE_HOME for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in defined
+             and module not in defined[node.attr] and ast.unparse(node.value) not in ("self", "cls")]
+    assert not found, found

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.kvfill import fused_available, stack_for
-from ..layers.spans import _at_offset_zero, _run_span
+from ..layers.spans import at_offset_zero, run_span
 from ..models.compat import is_static_layer
 from .cachepool import dynamic_length, slots
 
@@ -70,7 +70,7 @@ def _walk(layers, returns_tuple: bool, hidden, args, kwargs, where, cache, check
     exit layer [] long)."""
     def run(start: int, stop: int, hidden, on):
         on_args, on_kwargs = _with_cache(args, kwargs, where, on)
-        return _run_span(layers[start:stop], returns_tuple, hidden, on_args, on_kwargs)
+        return run_span(layers[start:stop], returns_tuple, hidden, on_args, on_kwargs)
 
     return cond_walk(run, run(0, checkpoints[0] + 1, hidden, cache), cache, checkpoints, tests, fill, len(layers))
 
@@ -151,7 +151,7 @@ class ExitGraph:
         """One decode step from `steps` (`PropagateSteps`, its layer calls captured) -> (the state the head reads
         [1, 1, H], the exit layer), or None where this step does not qualify."""
         parts, spans, hidden = self.parts, self.session.spans, steps.hidden
-        call = spans._shared_call(steps.calls, 0, parts.num_layers)
+        call = spans.shared_call(steps.calls, 0, parts.num_layers)
         layers = list(range(self.checkpoints[0] + 1, parts.num_layers))
         if (call is None or hidden.shape[:2] != (1, 1) or not cache.layers
                 or not all(is_static_layer(layer) and layer.is_initialized for layer in cache.layers)
@@ -161,7 +161,7 @@ class ExitGraph:
         rotary = stack.rotary(steps.calls, layers)  # (copied: the layers' own would alias them on some steps only)
         fill = Fill(stack, tuple(t.clone() for t in rotary) if isinstance(rotary, tuple) else rotary,
                     parts.num_layers)
-        args, kwargs = _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs)
+        args, kwargs = at_offset_zero(call.args[1:]), at_offset_zero(call.kwargs)
         dynamic_length(cache)  # (one graph for every cache length: the cache's and the masks' key axis)
         for mask in (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() == 4):
             if mask.shape[-1] == slots(cache):

@@ -10,7 +10,8 @@ one attention type), greedy or sampled, a cycle is one graph (one per chain widt
    after the call's warpers. With `draft_ngram`, where the sequence's latest n-gram occurred before, its
    continuation is the draft instead (the host knows it; x and it run through layers 0..E in one pass). The
    backbone's own forward does the work, on a view of it that holds layers 0..E and no final norm
-   (`views.backbone_view`), so positions, rotary tables and masks are made inside the graph as the model makes them.
+   (`graphparts.backbone_view`), so positions, rotary tables and masks are made inside the graph as the model makes
+   them.
 2. **verification**: layers E+1..L-1 over [x, d1..dk] from their layer-E states (a view that starts at layer E+1
    and ends with the final norm), the head, a minimum length's end-of-sequence scores set to -inf, acceptance
    (greedy: the longest prefix of drafts equal to the full model's argmax; sampling: the speculative-sampling rule,
@@ -28,7 +29,7 @@ takes the general loop. Drafted tokens that would stop generation are not cut be
 tokens are the full model's, whatever was drafted); the stopping criteria run on the emitted tokens, one at a time,
 and the tokens after the first that stops are dropped with their K/V. The deep view takes the layer-E states as its
 input embeddings; what the backbone adds to its inputs before layer 0 (learned positions) is measured once and taken
-off (`views.input_offset`), and a backbone that transforms them otherwise (e.g. scales them) is not used.
+off (`graphparts.input_offset`), and a backbone that transforms them otherwise (e.g. scales them) is not used.
 """
 
 from __future__ import annotations
@@ -36,34 +37,17 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers.generation.logits_process import (
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-
 from ..layers.spans import dense
 from ..models.compat import crop_cache
 from .accept import draw, sampling_verdict_on_device
 from .emit import Emitted
 from .cachepool import dynamic_length, slots
 from .fusedtree import TreeShape, tree_cycle
+from .graphparts import GraphProcessors, Stops, causal_mask, one_graph_fits, penalised, seen_at, views_of
 from .ngram import NgramLookup
 from .speculative import next_cap
-from .views import one_graph_fits, views_of
 
 __all__ = ["FusedChain", "fused_chain_for"]
-
-
-def _mask(positions: torch.Tensor, keys: int, dtype) -> torch.Tensor:
-    """The additive causal mask [1, 1, q, keys] for queries at `positions` [q] over a static cache of `keys` slots."""
-    sees = torch.arange(keys, device=positions.device)[None, :] <= positions[:, None]
-    return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~sees, torch.finfo(dtype).min)[None, None]
 
 
 def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype, warp):
@@ -74,8 +58,9 @@ def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype, w
     states, drafts, drawn_from = [], [], []
     for i in range(width + 1):
         positions = (start + i).view(1)
-        hidden = shallow(input_ids=token, position_ids=positions[None], attention_mask=_mask(positions, keys, dtype),
-                         past_key_values=cache, use_cache=True).last_hidden_state
+        hidden = shallow(input_ids=token, position_ids=positions[None],
+                         attention_mask=causal_mask(positions, keys, dtype), past_key_values=cache,
+                         use_cache=True).last_hidden_state
         states.append(hidden)
         if i < width:
             logits, context = head(hidden[:, -1], context)
@@ -94,8 +79,9 @@ def _given(shallow, cache, ids, keys: int, dtype, warp):
     in one pass -> (the layer-E states [1, k + 1, H], the drafts [1, k], sampling: distributions certain of each
     draft [1, k, V], else None)."""
     positions = cache.layers[0].cumulative_length + torch.arange(ids.shape[1], device=ids.device)
-    states = shallow(input_ids=ids, position_ids=positions[None], attention_mask=_mask(positions, keys, dtype),
-                     past_key_values=cache, use_cache=True).last_hidden_state
+    states = shallow(input_ids=ids, position_ids=positions[None],
+                     attention_mask=causal_mask(positions, keys, dtype), past_key_values=cache,
+                     use_cache=True).last_hidden_state
     drafts = ids[:, 1:]
     return states, drafts, None if warp is None else _certain(drafts, warp.vocab)
 
@@ -121,7 +107,7 @@ def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, 
         states = states - offset(inputs_embeds=torch.zeros_like(states), position_ids=positions[None],
                                  use_cache=False).last_hidden_state
     normed = deep(inputs_embeds=states, position_ids=positions[None],
-                  attention_mask=_mask(positions, keys, states.dtype), past_key_values=cache,
+                  attention_mask=causal_mask(positions, keys, states.dtype), past_key_values=cache,
                   use_cache=True).last_hidden_state
     logits = logits_from_normed(normed)
     where, suppressed = suppress
@@ -139,19 +125,6 @@ def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, 
     for layer in cache.layers:
         layer.cumulative_length.sub_(width - accepted)
     return tokens, accepted, context
-
-
-def seen_at(seen: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """The tokens a repetition penalty counts at each position of [x, d1..dk]: those `seen` [V] up to x, and the
-    drafts before the position (`drafts` [k]) -> [k + 1, V] bool."""
-    before = torch.nn.functional.one_hot(drafts, seen.shape[0]).cumsum(0) > 0  # [k, V]: row j holds d1..d(j+1)
-    return seen | torch.cat([torch.zeros_like(seen)[None], before])
-
-
-def penalised(logits: torch.Tensor, strength: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """transformers' repetition penalty on fp32 `logits` [..., V]: where `seen` [..., V], a positive score divided
-    by `strength` [], any other multiplied by it."""
-    return torch.where(seen, torch.where(logits < 0, logits * strength, logits / strength), logits)
 
 
 def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, dtype,
@@ -178,7 +151,7 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
     static, padding in the prompt, a one-token prompt, attention that does not add a mask, a model whose layers do
     not all take one set of arguments or whose backbone does not fit a view."""
     parts = session.parts
-    processors = _Processors.of(logits_processor, session.model.num_head_rows, input_ids.device,
+    processors = GraphProcessors.of(logits_processor, session.model.num_head_rows, input_ids.device,
                                 bool(generation_config.do_sample))
     # a tree the call named (a repo's tree gives way to a chain): the head's candidates for the next position
     tree = session.draft_topk if session.draft_topk > 1 and not session.fused_chain_first else 0
@@ -205,7 +178,7 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
 class FusedChain:
     """Runs the lossless cycles of one call as one compiled graph and one host read each."""
 
-    def __init__(self, session, head, cache, shallow, deep, offset, processors: _Processors, tree: int = 0):
+    def __init__(self, session, head, cache, shallow, deep, offset, processors: GraphProcessors, tree: int = 0):
         self.session, self.head, self.cache, self.processors = session, head, cache, processors
         self.ngrams = NgramLookup(session.draft_ngram) if session.draft_ngram else None
         self.shallow, self.deep, self.offset = shallow, deep, offset
@@ -217,7 +190,7 @@ class FusedChain:
     def decode(self, input_ids, stopping_criteria, generation_config, emitted: Emitted):
         """Generate from `input_ids` [1, n] until a stopping criterion fires; returns what `generate` returns."""
         session, cache, stats = self.session, self.cache, self.session.stats
-        stops = _Stops(stopping_criteria, generation_config, input_ids.device)
+        stops = Stops(stopping_criteria, generation_config, input_ids.device)
         tokens, context = input_ids[0].tolist(), session.context
         token = dense(input_ids[:, -1:])  # (laid out afresh, as every later token: one graph)
         cached = len(tokens) - 1  # the cache's length, followed here (reading the device's would be a sync)
@@ -297,101 +270,3 @@ class FusedChain:
             + "_penalised" * kind[3], *common, width, dtype, session.draft_layer + 1,
             self.processors.suppress(length, width), self.processors.warp, given, valid, penalty),
             width, continuation, False)
-
-
-class _Processors:
-    """The call's logits processors that run inside the cycle's graph: generate's minimum length (`min_length`,
-    `min_new_tokens`: the end-of-sequence tokens' scores set to -inf until the sequence is long enough), one
-    repetition penalty (`penalty` [], after the prompt's first `ignore` tokens; it and the minimum commute) and,
-    when sampling, the warpers that are functions of the scores alone (temperature, top-k, top-p, min-p), in the
-    call's order."""
-
-    WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-
-    def __init__(self, length: int, eos: torch.Tensor, warpers: tuple, sample: bool,
-                 penalty: float | None = None, ignore: int = 0):
-        self.length, self.eos = length, eos  # eos: [V] bool
-        self.penalty = None if penalty is None else torch.tensor(penalty, device=eos.device)
-        self.ignore = ignore
-        self.warp = _Warp(warpers, eos.shape[0]) if sample else None
-        self._past_minimum: dict[int, tuple] = {}  # width -> what `suppress` gives once no position is under it
-
-    @classmethod
-    def of(cls, logits_processor, vocab: int, device, sample: bool) -> _Processors | None:
-        """The processors of `logits_processor`; None where it holds any other (or a minimum or a penalty after a
-        warper, a second penalty, or one that ignores a prompt length per row)."""
-        length, eos, warpers, penalty, ignore = 0, set(), [], None, 0
-        for processor in logits_processor:
-            if isinstance(processor, (MinNewTokensLengthLogitsProcessor, MinLengthLogitsProcessor)) and not warpers:
-                length = max(length, processor.prompt_length_to_skip + processor.min_new_tokens
-                             if isinstance(processor, MinNewTokensLengthLogitsProcessor) else processor.min_length)
-                eos |= set(processor.eos_token_id.view(-1).tolist())
-            elif (isinstance(processor, RepetitionPenaltyLogitsProcessor) and not warpers and penalty is None
-                  and isinstance(processor.prompt_ignore_length, (int, type(None)))):
-                penalty, ignore = processor.penalty, processor.prompt_ignore_length or 0
-            elif sample and isinstance(processor, cls.WARPERS):
-                warpers.append(processor)
-            else:
-                return None
-        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-        mask[[token for token in eos if 0 <= token < vocab]] = True
-        return cls(length, mask, tuple(warpers), sample, penalty, ignore)
-
-    def seen(self, tokens: list[int], device) -> torch.Tensor | None:
-        """[V] bool: the tokens of `tokens` the repetition penalty counts (after the first `ignore`), for the loop to
-        keep on the device and mark each emitted token in; None without a penalty."""
-        if self.penalty is None:
-            return None
-        seen = torch.zeros(self.eos.shape[0], dtype=torch.bool, device=device)
-        seen[[t for t in tokens[self.ignore:] if 0 <= t < seen.shape[0]]] = True
-        return seen
-
-    def suppress(self, length: int, width: int):
-        """For a cycle whose first position follows a sequence of `length` tokens: ([width + 1] bool, the tokens):
-        where the tokens' scores are -inf (all False once no position is under the minimum: one graph either way;
-        made once per width then, not every cycle)."""
-        if length >= self.length and width in self._past_minimum:
-            return self._past_minimum[width]
-        where = torch.tensor([length + i < self.length for i in range(width + 1)], device=self.eos.device)
-        if length >= self.length:
-            self._past_minimum[width] = where, self.eos
-        return where, self.eos
-
-
-class _Warp:
-    """The call's warpers as one function of the scores (they read the scores alone: no sequence is given)."""
-
-    def __init__(self, warpers: tuple, vocab: int):
-        self.warpers, self.vocab = warpers, vocab
-
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        for warper in self.warpers:
-            scores = warper(None, scores)
-        return scores
-
-
-class _Stops:
-    """The call's stopping criteria over emitted tokens, one at a time. EOS and the length limit are checked on the
-    host's list of tokens (no device read); any other criterion is called on the sequence after each token."""
-
-    def __init__(self, stopping_criteria, generation_config, device):
-        self.criteria, self.device = stopping_criteria, device
-        self.eos, self.max_length, self.other = set(), generation_config.max_length, False
-        for criterion in stopping_criteria:
-            if isinstance(criterion, EosTokenCriteria):
-                self.eos |= set(criterion.eos_token_id.view(-1).tolist())
-            elif isinstance(criterion, MaxLengthCriteria):
-                self.max_length = min(self.max_length, criterion.max_length)
-            else:
-                self.other = True
-
-    def emitted(self, tokens: list[int], new: list[int]) -> tuple[int, bool]:
-        """(how many of `new` to keep, whether generation ends after them), `tokens` being the sequence before."""
-        for i, token in enumerate(new):
-            if token in self.eos or len(tokens) + i + 1 >= self.max_length:
-                return i + 1, True
-            if self.other:
-                sequence = torch.tensor([tokens + new[: i + 1]], device=self.device)
-                if bool(self.criteria(sequence, None).any()):
-                    return i + 1, True
-        return len(new), False

@@ -2,11 +2,11 @@
 
 `exitgraph.ExitGraph` makes a step's walk one graph, but each step still goes through generate's loop, the session's
 forward, the capture of the layers' arguments and the head, on the host. Here, for one row on a static
-full-attention cache with processors that run in the graph (`fused._Processors`), a step (`_exit_step`) is:
+full-attention cache with processors that run in the graph (`graphparts.GraphProcessors`), a step (`_exit_step`) is:
 
 1. the last emitted token x through layers 0..c1 (the first consulted checkpoint) by the backbone's own forward on a
-   view of those layers (`views.backbone_view`), its position the static cache's length and its mask made inside the
-   graph, as the lossless cycles do;
+   view of those layers (`graphparts.backbone_view`), its position the static cache's length and its mask made
+   inside the graph (`graphparts.causal_mask`), as the lossless cycles do;
 2. `exitgraph.cond_walk`: at each checkpoint `torch.cond` between the batched fill of every later layer's K/V and
    the next view's layers, nested; the rotary the fill needs is a row of a table of every position of the cache,
    captured once per call (`_RotaryTable`);
@@ -34,8 +34,7 @@ from ..layers.spans import dense
 from .accept import draw
 from .cachepool import dynamic_length, slots
 from .exitgraph import Fill, cond_walk
-from .fused import _mask, _Processors, _Stops, penalised
-from .views import one_graph_fits, views_of
+from .graphparts import GraphProcessors, Stops, causal_mask, one_graph_fits, penalised, views_of
 
 __all__ = ["FusedExit", "fused_exit_for"]
 
@@ -47,7 +46,7 @@ def _exit_step(views: tuple, offset, final_norm, logits_from_normed, cache, toke
     length is read from its tensors, a dynamic dimension of the graph (`cachepool.dynamic_length`), as is the
     rotary table's: one graph for every cache length."""
     position = cache.layers[0].cumulative_length.reshape(1).clone()  # (a copy: layer 0 moves its length on)
-    mask = _mask(position, slots(cache), dtype)
+    mask = causal_mask(position, slots(cache), dtype)
     starts = (0,) + tuple(c + 1 for c in checkpoints)
 
     def run(start: int, stop: int, hidden, on):
@@ -119,7 +118,7 @@ def fused_exit_for(session, input_ids, generation_config, logits_processor, cach
     if graph is None:
         return None
     parts = session.parts
-    processors = _Processors.of(logits_processor, session.model.num_head_rows, input_ids.device,
+    processors = GraphProcessors.of(logits_processor, session.model.num_head_rows, input_ids.device,
                                 bool(generation_config.do_sample))
     if (input_ids.shape[0] != 1 or processors is None or emitted.keeps_outputs
             or not one_graph_fits(parts, cache, mask) or not all(layer.is_initialized for layer in cache.layers)):
@@ -156,7 +155,7 @@ def fused_exit_for(session, input_ids, generation_config, logits_processor, cach
 class FusedExit:
     """Runs the exit-mode steps of one call as one compiled graph and one host read each."""
 
-    def __init__(self, session, cache, views, offset, processors: _Processors, stack, table):
+    def __init__(self, session, cache, views, offset, processors: GraphProcessors, stack, table):
         self.session, self.cache, self.views, self.offset = session, cache, views, offset
         self.processors, self.stack, self.table = processors, stack, table
 
@@ -164,7 +163,7 @@ class FusedExit:
         """Generate after `input_ids` [1, n] (its last token emitted, not yet through the model) until a stopping
         criterion fires; returns what `generate` returns."""
         session, cache, stats, parts = self.session, self.cache, self.session.stats, self.session.parts
-        stops = _Stops(stopping_criteria, generation_config, input_ids.device)
+        stops = Stops(stopping_criteria, generation_config, input_ids.device)
         tokens, token = input_ids[0].tolist(), dense(input_ids[:, -1:])
         dtype = next(parts.layers[0].parameters()).dtype
         graph, seen = session.graph, self.processors.seen(tokens, input_ids.device)

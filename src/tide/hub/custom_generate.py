@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from ..models import compat
-from .repos import _REPO_KWARGS, CONFIG_NAME, ROUTERS_NAME, load_router_repo
+from .repos import CONFIG_NAME, REPO_KWARGS, ROUTERS_NAME, load_router_repo
 
 __all__ = ["generate_with_router_repo", "routers_on"]
 
@@ -38,7 +38,7 @@ def generate_with_router_repo(cls, model, **kwargs):
     if isinstance(model, cls):
         raise ValueError("This model already has Tide routers (a TideForCausalLM): call its generate without "
                          "custom_generate, or pass custom_generate to its base model (.base).")
-    repo_kwargs = {k: kwargs.pop(k) for k in _REPO_KWARGS if k in kwargs}
+    repo_kwargs = {k: kwargs.pop(k) for k in REPO_KWARGS if k in kwargs}
     wrapped = routers_on(cls, model, repo, **repo_kwargs)
     arguments = {k: v for k, v in kwargs.items() if not (k in _NAMED and v is None)}
     return wrapped.generate(**arguments)

@@ -41,6 +41,7 @@ from .folder import (
 
 __all__ = [
     "CONFIG_NAME",
+    "REPO_KWARGS",
     "ROUTERS_NAME",
     "CARD_NAME",
     "REPO_FILES",
@@ -56,7 +57,7 @@ DRAFT_VOCABULARY_KEY = "draft_vocabulary"  # optional in routers.safetensors: in
 _TEMPLATE = Path(__file__).parent / "templates" / "generate.py"
 
 # from_pretrained kwargs that address the router repo itself; everything else goes to the base model.
-_REPO_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder")
+REPO_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder")
 
 
 # ---------------------------------------------------------------------- saving
@@ -169,7 +170,7 @@ def resolve_repo_file(name_or_path, filename: str, **repo_kwargs) -> str:
 
 
 def load_router_repo(cls, name_or_path, base_model=None, config: TideConfig | None = None, **kwargs):
-    repo_kwargs = {k: kwargs.pop(k) for k in _REPO_KWARGS if k in kwargs}
+    repo_kwargs = {k: kwargs.pop(k) for k in REPO_KWARGS if k in kwargs}
     if not isinstance(config, TideConfig):
         config = read_config(resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs))
     weights = read_router_weights(resolve_repo_file(name_or_path, ROUTERS_NAME, **repo_kwargs))
@@ -319,7 +320,7 @@ class BaseModelTokenizerLoader:
 
     @classmethod
     def from_pretrained(cls, name_or_path, *args, **kwargs):
-        repo_kwargs = {k: kwargs.pop(k) for k in _REPO_KWARGS if k in kwargs}
+        repo_kwargs = {k: kwargs.pop(k) for k in REPO_KWARGS if k in kwargs}
         config = read_config(resolve_repo_file(name_or_path, CONFIG_NAME, **repo_kwargs))
         if not config.base_model_name_or_path:
             raise ValueError(

@@ -20,10 +20,12 @@ import torch
 
 from ..models.architectures import ModelParts
 
-__all__ = ["SpanRunner", "compile_options", "dense", "options_key"]
+__all__ = ["SpanRunner", "at_offset_zero", "compile_options", "dense", "options_key", "run_span"]
 
 
-def _run_span(layers, returns_tuple: bool, hidden, args, kwargs):
+def run_span(layers, returns_tuple: bool, hidden, args, kwargs):
+    """`hidden` through `layers` in order, each called with the same arguments after the hidden state (`args`,
+    `kwargs`) -> the last layer's hidden state (the first output where a layer returns a tuple)."""
     for layer in layers:
         out = layer(hidden, *args, **kwargs)
         hidden = out[0] if returns_tuple or isinstance(out, tuple) else out
@@ -31,7 +33,7 @@ def _run_span(layers, returns_tuple: bool, hidden, args, kwargs):
 
 
 def _run_span_then(layers, returns_tuple: bool, hidden, args, kwargs, then, context):
-    hidden = _run_span(layers, returns_tuple, hidden, args, kwargs)
+    hidden = run_span(layers, returns_tuple, hidden, args, kwargs)
     return hidden, then(hidden[:, -1], context)
 
 
@@ -40,7 +42,7 @@ def _run_chain(layers, returns_tuple: bool, embed, positional, hidden, steps, th
     for i, (args, kwargs) in enumerate(steps):
         if i:
             hidden = embed(tokens[-1]) if positional is None else embed(tokens[-1]) + positional[:, i:i + 1]
-        hidden = _run_span(layers, returns_tuple, hidden, args, kwargs)
+        hidden = run_span(layers, returns_tuple, hidden, args, kwargs)
         step_logits, context = then(hidden[:, -1], context)
         states.append(hidden)
         logits.append(step_logits)
@@ -66,16 +68,16 @@ def options_key(options: dict) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in options.items()))
 
 
-def _at_offset_zero(value):
+def at_offset_zero(value):
     """`value` with every tensor in it starting at offset 0 of its storage: the layer arguments are slices of a
     window of positions (`layers/args.py`), and dynamo specialises a storage offset of 0 or 1, so a slice that comes
     to start there would recompile a graph made for another."""
     if isinstance(value, torch.Tensor):
         return value.clone() if value.storage_offset() else value
     if type(value) in (tuple, list):
-        return type(value)(_at_offset_zero(v) for v in value)
+        return type(value)(at_offset_zero(v) for v in value)
     if isinstance(value, dict):
-        return {k: _at_offset_zero(v) for k, v in value.items()}
+        return {k: at_offset_zero(v) for k, v in value.items()}
     return value
 
 
@@ -93,26 +95,26 @@ class SpanRunner:
     def run(self, start: int, stop: int, hidden: torch.Tensor, calls, eager: bool = False) -> torch.Tensor:
         """Layers start..stop-1 on `hidden`, each with its call in `calls` (a list over all layers); `eager`: not
         compiled, e.g. for a width that would need a graph of its own."""
-        call = None if eager else self._shared_call(calls, start, stop)
+        call = None if eager else self.shared_call(calls, start, stop)
         if call is None:
             for i in range(start, stop):
                 hidden = calls[i].run(self.parts, i, hidden)
             return hidden
-        fn = self._function(_run_span, (start, stop), f"tide_layers_{start}_to_{stop - 1}")
+        fn = self._function(run_span, (start, stop), f"tide_layers_{start}_to_{stop - 1}")
         return self._own(fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, hidden,
-                            _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs)))
+                            at_offset_zero(call.args[1:]), at_offset_zero(call.kwargs)))
 
     def run_then(self, start: int, stop: int, hidden: torch.Tensor, calls, then, context):
         """`run`, then `then(output at the last position [B, H], context)`, in the same graph where the span is
         compiled (the draft head after the shallow layers: one compiled call, not a compiled span and eager head
         ops). -> (the span's output, what `then` returns)."""
-        call = self._shared_call(calls, start, stop)
+        call = self.shared_call(calls, start, stop)
         if call is None:
             hidden = self.run(start, stop, hidden, calls)
             return hidden, then(hidden[:, -1], context)
         fn = self._function(_run_span_then, (start, stop, "then"), f"tide_layers_{start}_to_{stop - 1}_and_draft")
         return self._own(fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, hidden,
-                            _at_offset_zero(call.args[1:]), _at_offset_zero(call.kwargs), then, dense(context)))
+                            at_offset_zero(call.args[1:]), at_offset_zero(call.kwargs), then, dense(context)))
 
     def run_chain(self, start: int, stop: int, hidden: torch.Tensor, steps: list, embed, positional, then, context):
         """A greedy chain of `len(steps)` drafts in one compiled call: each step runs layers start..stop-1 on its
@@ -124,8 +126,8 @@ class SpanRunner:
         fn = self._function(_run_chain, (start, stop, "chain", len(steps)),
                             f"tide_layers_{start}_to_{stop - 1}_chain_of_{len(steps)}")
         return self._own(fn(tuple(self.parts.layers[start:stop]), self.parts.spec.returns_tuple, embed,
-                            _at_offset_zero(positional), hidden,
-                            [(_at_offset_zero(args), _at_offset_zero(kwargs)) for args, kwargs in steps], then,
+                            at_offset_zero(positional), hidden,
+                            [(at_offset_zero(args), at_offset_zero(kwargs)) for args, kwargs in steps], then,
                             dense(context)))
 
     def graph(self, key, function, name: str, *args, lean: bool = False):
@@ -147,7 +149,7 @@ class SpanRunner:
     def cuda_graphs(self) -> bool:
         return self.options is not None and self.options.get("mode") == "reduce-overhead"
 
-    def _shared_call(self, calls, start: int, stop: int):
+    def shared_call(self, calls, start: int, stop: int):
         """The one call every layer of start..stop-1 takes, where that span runs compiled; None where it runs
         eagerly (not compiled, calls that differ between layers, hidden states passed by keyword)."""
         span = calls[start:stop]
