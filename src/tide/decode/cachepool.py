@@ -6,9 +6,9 @@ captured on the last call's cache is recorded again on the new one, at every cal
 model's static caches between calls and lends one to each call that would have asked `generate` for a fresh one,
 reset (its tensors zeroed in place), at least as long as `generate` would make it, rounded up to a bucket
 (`bucket`: at least `MIN_BUCKET` positions, four buckets a doubling above it), so that calls of nearby lengths share
-one cache and one shape. Tide's one-graph cycles and exit steps read the cache's length from its tensors, marked as a dynamic
-dimension (`dynamic_length`), so one graph serves every bucket: a longer prompt makes no graph again. A lent cache
-belongs to one call at a time: concurrent calls get caches of their own. Calls that return their cache
+one cache and one shape. Tide's one-graph cycles and exit steps read the cache's length from its tensors, marked as
+a dynamic dimension (`dynamic_length`), so one graph serves every bucket: a longer prompt makes no graph again. A
+lent cache belongs to one call at a time: concurrent calls get caches of their own. Calls that return their cache
 (`return_dict_in_generate`) get a fresh one from `generate`, so that no later call overwrites it. The free caches
 stay allocated between calls (as transformers' own generate once kept one); `model.static_caches.clear()` frees
 them. This module neither compiles nor decides what a call runs.
