@@ -27,6 +27,7 @@ import torch
 import tide
 from tide.tools.demo import _load_base
 from tide.decode.baseline import compiled_static_decoder
+from tide.models.compat import CompileWatch
 from tide.tools.demo_corpus import split_corpus
 
 
@@ -162,18 +163,32 @@ def bench_rows(base, model, prompts, tokens: int, configs: dict, repeats: int = 
     rows.update(extra_rows or {})
     for name, config in configs.items():
         rows[name] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
-    compile_s = {"static+compile": compile_s}
+    compile_s, graphs = {"static+compile": compile_s}, {}
     for name, config in configs.items() if compile else ():
         config = {**(config or {}), "compile": True}
         rows[f"{name} compiled"] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
         compile_s[f"{name} compiled"], _ = timed(rows[f"{name} compiled"], longest)
+        stats = model.last_stats
+        graphs[f"{name} compiled"] = {"graphs": stats.graphs_compiled, "recompiles": stats.recompiles,
+                                      "compile_s": round(stats.compile_s, 1), "plan": stats.plan}
+        print(f"first call of {name} compiled: {compile_s[f'{name} compiled']:.1f} s, {stats.compile_text()}",
+              flush=True)
     # Two untimed rounds of every row once all are set up, on the longest prompt. Tide's compiled base steps and the
     # baseline's compile the same function (the base model's forward), so their graphs share one cache: the first
     # rounds add entries for each other's inputs (the caches' lengths, the forwards Tide installs on its first call),
-    # none later.
-    for _ in range(2):
-        for fn in rows.values():
-            fn(longest)
+    # none later. Everything compiled after the first calls is counted (graphs made, of which recompiles).
+    with CompileWatch() as later:
+        for _ in range(2):
+            for fn in rows.values():
+                fn(longest)
+        times = _timed_rows(rows, prompts, repeats)
+    print(f"compiled after the first calls: {later.graphs} graphs, {later.recompiles} recompiles", flush=True)
+    graphs["after the first calls"] = {"graphs": later.graphs, "recompiles": later.recompiles}
+    return _summary(rows, times, prompts, repeats, n, compile_s, graphs, model, extra_rows)
+
+
+def _timed_rows(rows: dict, prompts, repeats: int) -> tuple[dict, dict]:
+    """(seconds per row, over prompts and repeats; per row, the runs whose tokens equal `generate`'s)."""
     times = {name: [] for name in rows}
     same = {name: 0 for name in rows}
     for ids in prompts:
@@ -184,12 +199,18 @@ def bench_rows(base, model, prompts, tokens: int, configs: dict, repeats: int = 
                 times[name].append(seconds)
                 ref = out if name == "generate" else ref
                 same[name] += int(torch.equal(out, ref))
+    return times, same
+
+
+def _summary(rows, timed_rows, prompts, repeats, n, compile_s, graphs, model, extra_rows) -> dict:
+    """Print the table and return it as a dict."""
+    times, same = timed_rows
     per_prompt = {name: [statistics.median(t[i * repeats:(i + 1) * repeats]) for i in range(len(prompts))]
                   for name, t in times.items()}
     cycles = {name: accepted_per_cycle(rows[name], prompts, model) for name in rows
               if name not in ("generate", "static+compile") and name not in (extra_rows or {})}
     result = {"tokens": n, "prompts": len(prompts), "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
-              "threads": torch.get_num_threads(), "rows": {}}
+              "graphs": graphs, "threads": torch.get_num_threads(), "rows": {}}
     print(f"{len(prompts)} prompts x {n} tokens, median of {repeats}; first compiled calls (s): "
           + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
     print(f"{'row':<31}{'ms/token':>9}{'vs generate':>22}{'vs static+compile':>24}{'identical':>11}"
