@@ -172,3 +172,47 @@ def test_no_private_attribute_of_another_module_is_read():
              if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in defined
              and module not in defined[node.attr] and ast.unparse(node.value) not in ("self", "cls")]
     assert not found, found
+
+
+def _stats_object(node) -> bool:
+    """Whether `node` is a call's stats (`stats`, `self.stats`, `session.stats`, ...)."""
+    return (isinstance(node, ast.Name) and node.id == "stats") or (isinstance(node, ast.Attribute)
+                                                                     and node.attr == "stats")
+
+
+def _assigned(node) -> list:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    out = []
+    for target in targets:
+        out += target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
+    return out
+
+
+def _stats_writers() -> tuple[set, set]:
+    """(the modules that assign a field of a call's `GenerationStats`, those that call its `record_*` methods);
+    `decode/stats.py`, whose methods write its fields, is the first's by definition."""
+    assigning, recording = {"tide.decode.stats"}, set()
+    for module in MODULES:
+        for node in ast.walk(ast.parse(_file(module).read_text())):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                if any(isinstance(t, ast.Attribute) and _stats_object(t.value) for t in _assigned(node)):
+                    assigning.add(module)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr.startswith("record_") and _stats_object(node.func.value)):
+                recording.add(module)
+    return assigning, recording
+
+
+# The loops, which record what each cycle or step ran and what their passes counted, through `GenerationStats`'
+# `record_*` methods; the passes they run (drafting, verification, layer arguments) count and hand back.
+STATS_RECORDERS = {"tide.decode.lossless", "tide.decode.fused", "tide.decode.exitsession", "tide.decode.fusedexit",
+                   "tide.decode.baseline", "tide.decode.stats"}
+
+
+def test_generation_stats_is_written_from_few_modules():
+    """`GenerationStats`' fields are assigned in at most three modules (`decode/stats.py`'s `record_*` methods and
+    `generation.py`: the call's plan, wall time, compiling and layer-argument captures), and only the loops call
+    the `record_*` methods: no pass writes the stats."""
+    assigning, recording = _stats_writers()
+    assert len(assigning) <= 3, sorted(assigning)
+    assert recording <= STATS_RECORDERS, sorted(recording - STATS_RECORDERS)

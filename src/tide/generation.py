@@ -78,6 +78,9 @@ def _run(model, plan: CallPlan, session, loop, args, kwargs):
         else:
             output = generate_with_loop(model.base, session, loop, args, kwargs)
     session.stats.wall_time_s = time.perf_counter() - start
+    layer_args = getattr(session, "layer_args", None)  # (the compiled base's session captures none)
+    if layer_args is not None:
+        session.stats.arg_captures, session.stats.arg_windows_off = layer_args.captures, layer_args.off_reason
     if plan.compile:
         stats = session.stats
         stats.compiled, stats.compile_s = True, watch.seconds

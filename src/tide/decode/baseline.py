@@ -45,12 +45,10 @@ class BaseSession:
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, **kwargs):
         cache_empty = past_key_values is None or past_key_values.get_seq_length() == 0
         if cache_empty or input_ids.shape[1] != 1 or attention_mask is not None:
-            self.stats.prefill_tokens += input_ids.numel() if cache_empty else 0
+            self.stats.record_passes(0, input_ids.numel() if cache_empty else 0)
             return self.base(input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
                              **kwargs)
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += input_ids.shape[0]
-        self.stats.token_layers += input_ids.shape[0] * self.stats.num_layers
+        self.stats.record_base_step(input_ids.shape[0])
         if past_key_values is not self._sized:  # (once a cache: its length a dynamic dimension of the step's graph)
             mask_sizes_from_tensors(past_key_values)
             dynamic_length(past_key_values)

@@ -57,7 +57,10 @@ class Verified:
 
 class Drafter(Protocol):
     """What the lossless loop drafts with (`speculative.ChainDrafter`, `treedraft.TreeDrafter`): a draft after the
-    sequence `ids` [1, n] each cycle, and, once it is verified, how many of its tokens the loop accepted."""
+    sequence `ids` [1, n] each cycle, and, once it is verified, how many of its tokens the loop accepted; `topk`:
+    the candidates it drafts for the next position (1: a chain), for the stats."""
+
+    topk: int
 
     def draft(self, ids: torch.Tensor) -> Draft: ...
 

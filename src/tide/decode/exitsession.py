@@ -54,14 +54,14 @@ class ExitSession:
         # propagate's switches, read once per call: exited rows leave a batch; skipped layers' K/V layer by layer
         self.steps_options = dict(row_skipping=config.row_skipping, layerwise=config.kv_fill == "layerwise")
         # the decode steps' layer arguments, one capture per window
-        self.layer_args = LayerArgs(self.parts, stats=self.stats)
+        self.layer_args = LayerArgs(self.parts)
         self.original_forward = base_forward(model.base)
         self.graph = ExitGraph.for_session(self)  # single-row compiled steps as one graph each
 
     # ------------------------------------------------------------------ the forward generate sees
     def forward(self, input_ids=None, past_key_values=None, **kwargs):
         if not self._is_decode_step(input_ids, past_key_values, kwargs):
-            self.stats.prefill_tokens += 0 if input_ids is None else input_ids.numel()
+            self.stats.record_passes(0, 0 if input_ids is None else input_ids.numel())
             if self.recompute is not None:
                 self.recompute.after_prefill(past_key_values)
             if self.config.prefill_exit and input_ids is not None and past_key_values is not None:
@@ -73,7 +73,7 @@ class ExitSession:
         if mask is not None and mask.dim() == 4:  # generate's own mask for a static cache (a beam search's)
             kwargs = {**kwargs, "attention_mask": _padding_mask(mask, past_key_values.get_seq_length() + 1)}
         logits = self.decode_step(input_ids, past_key_values, kwargs)
-        self.stats.decode_time_s += time.perf_counter() - start
+        self.stats.record_time(time.perf_counter() - start)
         return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
 
     def _is_decode_step(self, input_ids, cache, kwargs) -> bool:
@@ -111,7 +111,7 @@ class ExitSession:
         inputs = {k: v for k, v in kwargs.items() if k in BACKBONE_KEYS}
         steps = PropagateSteps(self.parts, input_ids, cache, inputs, **self.steps_options)
         walk = walk_layers(self.parts, steps, self.exit_tests)
-        self.stats.prefill_token_layers += int((walk.exit_layer + 1).sum())
+        self.stats.record_passes(0, prefill_token_layers=int((walk.exit_layer + 1).sum()))
         return self.logits(walk.states)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

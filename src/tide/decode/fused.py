@@ -170,8 +170,6 @@ def fused_chain_for(session, input_ids, generation_config, logits_processor, cac
     if views is None:
         return None
     (shallow, deep), offset = views
-    if not tree:
-        session.stats.draft_topk = 1
     return FusedChain(session, head, cache, shallow, deep, offset, processors, tree)
 
 
@@ -208,7 +206,7 @@ class FusedChain:
             read, token, context, width, continuation, tree = self._graph(token, context, continuation, room,
                                                                           len(tokens), dtype)
             read = read.tolist()  # the cycle's one host read
-            stats.fused_graph_s += time.perf_counter() - graph_start
+            graph_s = time.perf_counter() - graph_start
             accepted, new = read[0], read[1: read[0] + 2]
             kept, done = stops.emitted(tokens, new)
             tokens += new[:kept]
@@ -219,22 +217,15 @@ class FusedChain:
             emitted.add(new_ids, None, None)
             if self.seen is not None:
                 self.seen[new_ids[0]] = True
-            stats.drafted += (self.tree + len(continuation)) if tree else (len(continuation) or width)
-            stats.accepted += min(accepted, kept)  # (emitted: tokens past a stop are computed and dropped)
-            stats.decode_tokens += kept
-            stats.verify_passes += 1
-            stats.decode_steps += 1
-            stats.fused_cycles += 1
-            stats.tree_cycles += bool(tree)
-            stats.merged_cycles += bool(tree and continuation)
-            stats.layer_passes += (session.draft_layer + 1) * width + session.parts.num_layers
-            if continuation:
-                stats.ngram_drafted += len(continuation)
-                through = accepted if not tree or new[:accepted] == continuation[:accepted] else 0  # (a tree:
-                stats.ngram_accepted += min(through, kept)  # the path that emitted the continuation's tokens)
+            # (a tree: the n-gram tokens accepted are those of the path that emitted the continuation's tokens)
+            through = accepted if not tree or new[:accepted] == continuation[:accepted] else 0
             if not (tree or continuation):  # (n-gram drafts leave the head's cap; a tree has none)
                 self.cap = next_cap(self.cap, width, accepted, session.max_draft)
-            stats.decode_time_s += time.perf_counter() - start
+            stats.record_cycle(  # (accepted: emitted ones; tokens past a stop are computed and dropped)
+                (self.tree + len(continuation)) if tree else (len(continuation) or width), min(accepted, kept), kept,
+                time.perf_counter() - start, draft_topk=self.tree or 1, ngram_drafted=len(continuation),
+                ngram_accepted=min(through, kept) if continuation else 0, tree=tree, merged=bool(tree and continuation),
+                layer_passes=(session.draft_layer + 1) * width + session.parts.num_layers, graph_s=graph_s)
             if done:
                 crop_cache(cache, accepted + 1 - kept)  # the K/V of tokens after the one that stopped
                 sequences = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)

@@ -182,6 +182,6 @@ class FusedExit:
             tokens.append(new)
             emitted.add(torch.tensor([[new]], dtype=input_ids.dtype, device=input_ids.device), None, None)
             stats.record_step([exit_layer], exit_layer + 1, parts.num_layers - 1 - exit_layer)
-            stats.decode_time_s += time.perf_counter() - start
+            stats.record_time(time.perf_counter() - start)
             if done:
                 return emitted.finish(torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device), cache)

@@ -5,7 +5,9 @@ proposes tokens after the sequence; the call's verifier (`verifier.Verifier`) gi
 drafted position and the one after (a tree draft brings them along); logits processors run on each position as
 transformers applies them; `accept.py` decides (a sampled tree draft arrives decided: its walk drew the kept path
 and the token after it); the cache drops what was rejected; the verifier takes the next context and the drafter
-hears what was accepted. The call's counters are taken here, from each cycle's `Draft` and accepted count.
+hears what was accepted. The call's counters are taken here, from each cycle's `Draft` and accepted count, and
+the layer calls and prompt tokens the passes counted (`ShallowPasses.layer_calls`, `Verifier.layer_calls`,
+`Verifier.prefilled`); the compiled cycles count their own (`fused.FusedChain`).
 Stopping criteria (EOS, `max_length`, stop strings, the caller's), streamers (accepted tokens only) and
 `return_dict_in_generate` scores and logits are served here. Batch size 1. Nothing here knows the model's
 architecture or how drafts are made.
@@ -43,7 +45,9 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
     fused = fused_chain_for(session, input_ids, generation_config, logits_processor, cache,
                             model_kwargs.get("attention_mask"), emitted)
     if fused is not None:  # compiled greedy chains: one graph and one host read a cycle
-        return fused.decode(input_ids, stopping_criteria, generation_config, emitted)
+        output = fused.decode(input_ids, stopping_criteria, generation_config, emitted)
+        _count_passes(stats, verifier)
+        return output
     sample = bool(generation_config.do_sample)
     while True:
         start = time.perf_counter()
@@ -69,26 +73,25 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
         emitted.add(tokens, scores, raw)
         verifier.accepted(accepted)
         drafter.verified(accepted)
-        _count(stats, draft, accepted)
-        stats.decode_time_s += time.perf_counter() - start
+        _count(stats, draft, accepted, drafter.topk, time.perf_counter() - start)
         if bool(stopping_criteria(input_ids, emitted.scores).any()):
+            _count_passes(stats, verifier)
             return emitted.finish(input_ids, cache)
 
 
-def _count(stats, draft: Draft, accepted: int) -> None:
+def _count(stats, draft: Draft, accepted: int, topk: int, seconds: float) -> None:
     """A cycle's counters: its draft, of which `accepted` tokens were kept (a stopping draft that was accepted
-    counts as the token after them), and its one verification."""
-    stats.drafted += draft.count if draft.steps is None else draft.steps
-    stats.ngram_drafted += draft.ngram
-    stats.accepted += min(accepted, draft.count)
-    stats.ngram_accepted += sum(draft.from_ngram[:accepted])
-    stats.decode_tokens += accepted + 1
-    stats.verify_passes += 1
-    stats.decode_steps += 1
-    if draft.tree:
-        stats.tree_cycles += 1
-        stats.merged_cycles += draft.ngram > 0
-        stats.later_children_accepted += draft.later_children
+    counts as the token after them), its one verification, the drafter's scheme and the cycle's seconds."""
+    stats.record_cycle(draft.count if draft.steps is None else draft.steps, min(accepted, draft.count), accepted + 1,
+                       seconds, draft_topk=topk, ngram_drafted=draft.ngram,
+                       ngram_accepted=sum(draft.from_ngram[:accepted]), tree=draft.tree,
+                       merged=draft.tree and draft.ngram > 0, later_children=draft.later_children if draft.tree else 0)
+
+
+def _count_passes(stats, verifier) -> None:
+    """At the call's end: the layer calls the drafting and verification passes ran, and the prompt tokens the
+    verifier prefilled."""
+    stats.record_passes(verifier.layer_calls + verifier.shallow.layer_calls, verifier.prefilled)
 
 
 def _processed(logits_processor, ids: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:

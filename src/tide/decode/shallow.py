@@ -4,7 +4,7 @@ Those layers' K/V are exactly what the full model writes, so a drafted token tha
 layers at verification. `ShallowPasses` runs tokens through them (one token, or a chunk that needs no head between
 its tokens: an n-gram continuation), the draft head after one token, or a whole greedy chain of head drafts in one
 compiled call; it returns the layer-E states, which the caller hands to the verifier (`verifier.Verifier.keep`), and
-counts the layer calls. It holds no drafted state.
+counts the layer calls it ran (`layer_calls`, for the loop's stats). It holds no drafted state.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class ShallowPasses:
         self.session, self.cache = session, cache
         self.last = session.draft_layer + 1  # the layers run: 0..E
         self.chains_in_one_call = True  # until `chain` finds this model's arguments cannot run that way
+        self.layer_calls = 0  # decoder-layer calls run so far (the loop counts them into the stats)
 
     def run(self, tokens: torch.Tensor, mask) -> torch.Tensor:
         """Run tokens [1, T] through layers 0..E; -> their layer-E states [1, T, H]. One token runs as the spans
@@ -37,7 +38,7 @@ class ShallowPasses:
         else:
             with few_row_linears(session.parts, session.few_row_layout), grouped_query_attention_in_place():
                 hidden = session.spans.run(0, self.last, hidden, calls, eager=True)
-        session.stats.layer_passes += self.last
+        self.layer_calls += self.last
         return hidden
 
     def head(self, token: torch.Tensor, mask, context: torch.Tensor | None):
@@ -52,7 +53,7 @@ class ShallowPasses:
                                                       session.draft_vocab_size)
         hidden, calls = self._calls(token, mask)
         hidden, drafted = session.spans.run_then(0, self.last, hidden, calls, function, context)
-        session.stats.layer_passes += self.last
+        self.layer_calls += self.last
         return hidden, drafted
 
     def chain(self, token: torch.Tensor, mask, context: torch.Tensor | None, count: int):
@@ -84,7 +85,7 @@ class ShallowPasses:
         embed = session.parts.backbone.get_input_embeddings()
         states, drafts, logits = session.spans.run_chain(0, self.last, hidden[:, :1], steps, embed,
                                                          positional if form == "positional" else None, head, context)
-        session.stats.layer_passes += self.last * count
+        self.layer_calls += self.last * count
         return states, drafts, logits
 
     def _calls(self, tokens, mask):

@@ -65,7 +65,7 @@ class LosslessSession:
         self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact",
                                      draft_vocab_size=config.draft_vocab_size, switches=config.switches)
         self.original_forward = base_forward(model.base)
-        self.layer_args = LayerArgs(self.parts, stats=self.stats)  # drafted tokens' and verification's layer arguments
+        self.layer_args = LayerArgs(self.parts)  # drafted tokens' and verification's layer arguments
         self.fused_chain_first = False  # a compiled call drafts greedy chains as one graph a cycle where it can,
         #   whatever tree or n-gram scheme its config names (`decode/fused.py`)
         self.cache = self.mask = None  # the call's, from `start`: its KV cache, the prompt's mask (None: no padding)
@@ -88,7 +88,6 @@ class LosslessSession:
                   if self.draft_ngram else None)
         chain = ChainDrafter(self, shallow, self.verifier, stops, ngrams, logits_processor, sample)
         if self.draft_topk > 1 and self.head_drafts:
-            self.stats.draft_topk = self.draft_topk
             return TreeDrafter(self, shallow, self.verifier, stops, ngrams, chain, logits_processor, sample)
         return chain
 
@@ -124,6 +123,8 @@ class Stops:
 class ChainDrafter:
     """Drafts a chain of tokens from the draft layer's head on the main model's own cache, or the n-gram
     continuation where there is one (`ngrams`); keeps the chain's draft cap."""
+
+    topk = 1  # the candidates it drafts for the next position (`drafts.Drafter`): a chain
 
     def __init__(self, session: LosslessSession, shallow: ShallowPasses, verifier: Verifier, stops: Stops,
                  ngrams: NgramDrafter | None, logits_processor, sample: bool):

@@ -1,4 +1,8 @@
-"""What a Tide generation actually ran: counts taken from the decode loop, never estimated."""
+"""What a Tide generation actually ran: counts taken from the decode loop, never estimated.
+
+The loops write them through the `record_*` methods here (the passes they run return what they count, and the
+loops hand it on); `generation.py` writes what belongs to the call as a whole (its plan, wall time, compiling,
+layer-argument captures)."""
 
 from __future__ import annotations
 
@@ -67,8 +71,52 @@ class GenerationStats:
             stats.record_exits([num_layers - 1] * (rows * steps))
         return stats
 
-    def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0) -> None:
-        """Count one exit-mode decode step: where its tokens left and the layer work it ran."""
+    def record_cycle(self, drafted: int, accepted: int, tokens: int, seconds: float, *, draft_topk: int = 1,
+                     ngram_drafted: int = 0, ngram_accepted: int = 0, tree: bool = False, merged: bool = False,
+                     later_children: int = 0, layer_passes: int = 0, graph_s: float | None = None) -> None:
+        """Count one lossless cycle: `drafted` draft steps and n-gram tokens offered (`ngram_drafted` of them
+        n-gram tokens), `accepted` of them emitted (`ngram_accepted` from n-grams), `tokens` emitted in all, one
+        verification pass (over a tree where `tree`: one with an n-gram branch where `merged`; `later_children`
+        accepted nodes that were not their parent's first child), the draft scheme it ran (`draft_topk`), its
+        `layer_passes` where the loop knows them a cycle, its `seconds` and, a cycle run as one graph, the seconds
+        inside it (`graph_s`)."""
+        self.drafted += drafted
+        self.ngram_drafted += ngram_drafted
+        self.accepted += accepted
+        self.ngram_accepted += ngram_accepted
+        self.decode_tokens += tokens
+        self.verify_passes += 1
+        self.decode_steps += 1
+        self.tree_cycles += tree
+        self.merged_cycles += merged
+        self.later_children_accepted += later_children
+        self.layer_passes += layer_passes
+        if graph_s is not None:
+            self.fused_cycles += 1
+            self.fused_graph_s += graph_s
+        self.draft_topk = draft_topk
+        self.decode_time_s += seconds
+
+    def record_passes(self, layer_passes: int, prefill_tokens: int = 0, prefill_token_layers: int = 0) -> None:
+        """Count layer calls and prompt tokens a call's passes ran outside what its cycles or steps counted."""
+        self.layer_passes += layer_passes
+        self.prefill_tokens += prefill_tokens
+        self.prefill_token_layers += prefill_token_layers
+
+    def record_base_step(self, rows: int) -> None:
+        """Count one step of the base model's own decode: `rows` tokens, each through every layer."""
+        self.decode_steps += 1
+        self.decode_tokens += rows
+        self.token_layers += rows * self.num_layers
+
+    def record_time(self, seconds: float) -> None:
+        """Count decode time spent outside the steps' records (an exit-mode step's around its walk)."""
+        self.decode_time_s += seconds
+
+    def record_step(self, exit_layers: list[int], full_passes: int, kv_only_passes: int, recomputed: int = 0,
+                    seconds: float = 0.0) -> None:
+        """Count one exit-mode decode step: where its tokens left, the layer work it ran and its `seconds`."""
+        self.decode_time_s += seconds
         self.decode_steps += 1
         self.layer_passes += full_passes
         self.kv_only_passes += kv_only_passes

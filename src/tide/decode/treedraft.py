@@ -125,18 +125,22 @@ class TreeDrafter:
         self.usable = None  # known at the first call: the cache can be compacted and the layers take a tree mask
         self.chained = False  # the last cycle drafted a chain of the chain drafter's (it keeps the cap)
 
+    @property
+    def topk(self) -> int:
+        """The candidates it drafts for the next position: `session.draft_topk`, or 1 (chains) once the cache or
+        the model's attention turned out to take no tree."""
+        return self.k if self.usable is None or self.usable else 1
+
     def verified(self, accepted: int) -> None:
         """After the loop accepted `accepted` drafted tokens: a chain of the chain drafter's tells it."""
         if self.chained:
             self.chain.verified(accepted)
 
     def draft(self, input_ids: torch.LongTensor) -> Draft:
-        session, cache, stats = self.session, self.verifier.cache, self.session.stats
+        session, cache = self.session, self.verifier.cache
         continuation = self.ngrams.continuation(input_ids) if self.ngrams is not None else []
         if self.usable is None:
             self.usable = plain_dynamic_layers(cache) or all(is_static_layer(layer) for layer in cache.layers)
-        if not self.usable:
-            stats.draft_topk = 1
         room = self.stops.room(input_ids) >= 1 and room_for(cache, self.k + 1 + len(continuation))
         self.chained = not continuation
         if not (self.usable and room):  # a cache the tree cannot compact, or no room for the tree: as before
@@ -156,7 +160,7 @@ class TreeDrafter:
             verified = self.verifier.verify_tree(tree, input_ids.shape[1])
         if verified is None:  # no tree mask reached the layers: a chain draft of one (the verifier verifies it)
             if layer_length(cache, 0) > 1:  # (a one-token context may get no mask: causal attention needs none)
-                self.usable, stats.draft_topk = False, 1  # this model's attention takes none: chains from here on
+                self.usable = False  # this model's attention takes none: chains from here on
             self.chained = True
             top = candidates[:, :1]  # the head's top candidate: a draft certain of it (sampling)
             scores = certain_scores(top, session.model.num_head_rows) if self.do_sample else None

@@ -69,6 +69,8 @@ class Verifier:
 
     def __init__(self, session, cache, shallow):
         self.session, self.cache, self.shallow = session, cache, shallow
+        self.layer_calls = 0  # decoder-layer calls its verification passes ran (the loop counts them into the stats)
+        self.prefilled = 0  # prompt tokens its prefill ran (likewise)
         self.ids = None  # [1, P] the pending tokens: through the shallow layers only
         self.states = None  # [1, P, H] their layer-E outputs
         self.complete = False  # the pending tokens include the last drafted one (n-gram drafts)
@@ -122,7 +124,7 @@ class Verifier:
                                      use_cache=True, **positions)
             self.context = parts.final_norm(last[parts.num_layers - 1][:, -1])
         check_rollback(cache)
-        session.stats.prefill_tokens += input_ids.shape[1] - 1 - have
+        self.prefilled += input_ids.shape[1] - 1 - have
 
     # ------------------------------------------------------------------ chains
     @torch.no_grad()
@@ -281,5 +283,5 @@ class Verifier:
         accepted; nothing is pending any more."""
         self.last = Verified(logits, normed)
         self.ids = self.states = None
-        self.session.stats.layer_passes += layers
+        self.layer_calls += layers
         return self.last

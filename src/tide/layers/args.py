@@ -57,37 +57,16 @@ class _Window:
 class LayerArgs:
     """Layer calls for the requests of one decode (one `generate` call), one backbone capture per window."""
 
-    def __init__(self, parts: ModelParts, width: int = DEFAULT_WIDTH, stats=None):
-        self.parts, self.width, self.stats = parts, width, stats  # stats: a GenerationStats to count captures in
+    def __init__(self, parts: ModelParts, width: int = DEFAULT_WIDTH):
+        self.parts, self.width = parts, width
         self.window: _Window | None = None
         # what was checked against the backbone holds for the model, not one call: kept per backbone
         known = _KNOWN.setdefault(parts.backbone, {"checked": set(), "form": None, "keeps_full_masks": False})
         self._known = known
         self.checked: set = known["checked"]  # (cache type, masked, request length) whose slice matched a capture
-        self._off: str | None = None
-        self.captures = 0
-
-    @property
-    def captures(self) -> int:
-        """Backbone captures run so far (windows, checks and fresh requests)."""
-        return self._captures
-
-    @captures.setter
-    def captures(self, value: int) -> None:
-        if self.stats is not None:
-            self.stats.arg_captures += value - getattr(self, "_captures", 0)
-        self._captures = value
-
-    @property
-    def off_reason(self) -> str | None:
-        """Why requests get fresh captures (None: windows serve them, or nothing was asked yet)."""
-        return self._off
-
-    @off_reason.setter
-    def off_reason(self, reason: str | None) -> None:
-        self._off = reason
-        if self.stats is not None:
-            self.stats.arg_windows_off = reason
+        self.off_reason: str | None = None  # why requests get fresh captures (None: windows serve them, or nothing
+        #   was asked yet); with `captures`, what the call's stats report (`GenerationStats.arg_windows_off`)
+        self.captures = 0  # backbone captures run so far (windows, checks and fresh requests)
 
     # ------------------------------------------------------------------ the request
     @torch.no_grad()
