@@ -11,8 +11,9 @@ calibration keeps says nothing of a trained model; what each phase costs does. T
 `tide.calibrate` runs at its defaults (`TideConfig()`, 512 texts); `--samples` and `--option KEY=JSON` change them.
 Prints one JSON line: wall seconds, seconds per phase (the calibration record's `phase_seconds`), the load average
 before and after, the held-out exit top-1 per checkpoint (`label_rate`), the draft heads' held-out top-1
-(`draft_top1`), the schemes timed and kept, and those the measured costs ruled out. `--profile FILE` also writes a
-cProfile of the calibration there and prints its 25 costliest functions (own time) to stderr.
+(`draft_top1`), the measured costs, exit mode's timing, the schemes timed and kept, and those the measured costs
+ruled out (`untimed`). `--profile FILE` also writes a cProfile of the calibration there and prints its 25
+costliest functions (own time) to stderr.
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ def main() -> None:
         "draft_top1": cal.get("draft_top1"),
         "trials": [{k: t.get(k) for k in ("draft_layer", "max_draft", "draft_topk", "draft_vocab_size",
                                           "draft_ngram", "estimate", "measured")} for t in selection.get("trials", [])],
-        "chosen": selection.get("chosen"), "not_timed": cal.get("untimed"),
+        "chosen": selection.get("chosen"), "untimed": selection.get("untimed"),
         "thresholds": model.config.thresholds, "mode": model.config.generation_config.mode,
+        "expected_layer_cost": cal.get("expected_layer_cost"), "exit_timing": cal.get("exit_timing"),
+        "costs": {k: (cal.get("costs") or {}).get(k) for k in ("layer_s", "head", "capture", "checkpoint",
+                                                              "step_extra", "cycle_extra", "verify_extras")},
         "timing_budget": cal.get("timing_budget"),
     }))
 

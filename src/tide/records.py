@@ -164,6 +164,9 @@ class DraftSelection(_Record):
     ngram_cut: bool = False  # the budget cut the n-gram timing
     unavailable: str | None = None  # why lossless mode cannot run here
     schemes_timed_per_rank: list[int] | None = None  # where processes shared the trials: the timings each made
+    # schemes the trials would have timed, not timed: the measured costs estimated them below
+    # `timing.MIN_TIMED_ESTIMATE` of the base model's speed
+    untimed: list[DraftRecord] = field(default_factory=list)
 
     OMIT_IF_NONE = ("ngram", "ngram_only", "unavailable", "schemes_timed_per_rank")
 
@@ -171,7 +174,8 @@ class DraftSelection(_Record):
         out = super().to_dict()
         out["trials"] = [t.to_dict() for t in self.trials]
         out["cut"] = [c.to_dict() for c in self.cut]
-        for key in ("cut", "ngram_cut"):  # written only where set
+        out["untimed"] = [u.to_dict() for u in self.untimed]
+        for key in ("cut", "ngram_cut", "untimed"):  # written only where set
             if not out[key]:
                 del out[key]
         return out
@@ -181,6 +185,7 @@ class DraftSelection(_Record):
         selection = super().from_dict(data)
         selection.trials = [as_record(t, DraftRecord) for t in selection.trials]
         selection.cut = [as_record(c, DraftRecord) for c in selection.cut]
+        selection.untimed = [as_record(u, DraftRecord) for u in selection.untimed]
         selection.chosen = as_record(selection.chosen, DraftRecord)
         selection.ngram = as_record(selection.ngram, NgramTiming)
         selection.ngram_only = as_record(selection.ngram_only, Timing)

@@ -1,9 +1,16 @@
 """One base forward over a batch of calibration text (`capture`): the checkpoint layers' outputs, the last
 layer's, the full model's top-1 (and best tokens), and the draft heads' context; and the training label of an
-exit (`exit_labels`). Both the training stream and held-out scoring read it."""
+exit (`exit_labels`). Both the training stream and held-out scoring read it.
+
+The full model's head is the costliest part of that forward on a large vocabulary (a 262,144 x 640 head costs
+about as much as 17 decoder layers of a 270M model), so where the head is a plain linear layer and the model's
+forward takes `logits_to_keep`, the head runs only at the positions kept (real tokens, or a conversation's answer
+positions: never the padding), a chunk of rows at a time, keeping each row's top-1 and best tokens rather than a
+[batch, length, vocabulary] tensor of logits."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +21,7 @@ from ..layers.calls import capture_outputs
 from ..modeling import TideForCausalLM
 from .headloss import TEACHER_TOP
 
-__all__ = ["Capture", "capture", "exit_labels"]
+__all__ = ["Capture", "capture", "exit_labels", "label_of", "head_top", "head_chunk"]
 
 
 @dataclass
@@ -31,8 +38,10 @@ class Capture:
 @torch.no_grad()
 def capture(tide: TideForCausalLM, batch, top: bool = False) -> Capture:
     parts, last = tide.parts, tide.parts.num_layers - 1
+    own_head = _head_at_kept_positions(tide)
     with capture_outputs(parts, tide.checkpoints + [last]) as states:
-        logits = tide.base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        out = tide.base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                        **({"logits_to_keep": 1} if own_head else {}))
     # the positions trained and scored on: real tokens (a conversation's answer positions only)
     keep = batch["trained"] if "trained" in batch else batch["attention_mask"].bool()
     context = first = None
@@ -40,15 +49,57 @@ def capture(tide: TideForCausalLM, batch, top: bool = False) -> Capture:
         normed = parts.final_norm(states[last])
         context = torch.cat([torch.zeros_like(normed[:, :1]), normed[:, :-1]], 1)[keep]
         first = (keep.cumsum(1) == 1)[keep]
-    logits = logits[keep]
-    return Capture({k: states[k][keep] for k in tide.checkpoints}, states[last][keep], logits.argmax(-1),
-                   context, first, logits.topk(TEACHER_TOP, -1).indices if top else None)
+    final = states[last][keep]
+    if own_head:
+        full_top1, best = head_top(parts, final, TEACHER_TOP if top else 0)
+    else:
+        logits = out.logits[keep]
+        full_top1, best = logits.argmax(-1), logits.topk(TEACHER_TOP, -1).indices if top else None
+    return Capture({k: states[k][keep] for k in tide.checkpoints}, final, full_top1, context, first, best)
+
+
+def head_chunk(vocab_size: int) -> int:
+    """Rows of whole-vocabulary logits computed at a time: about 512 MiB of fp32 logits (64 to 4,096 rows; on a
+    262,144-token head, 512 rows took x0.85 of the time of 128-row chunks, one thread)."""
+    return max(64, min(4096, (1 << 27) // max(vocab_size, 1)))
+
+
+def head_top(parts, final: torch.Tensor, k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The full model's top-1 [N] (and with `k`, its k best tokens [N, k], best first) from the last layer's raw
+    outputs [N, H], through the model's final norm and head, `head_chunk` rows at a time."""
+    top1, best = [], []
+    for chunk in final.split(head_chunk(parts.lm_head.weight.shape[0])):
+        logits = parts.logits_from_normed(parts.final_norm(chunk))
+        top1.append(logits.argmax(-1))
+        if k:
+            best.append(logits.topk(k, -1).indices)
+    empty = torch.zeros(0, dtype=torch.long, device=final.device)
+    return (torch.cat(top1) if top1 else empty,
+            (torch.cat(best) if best else empty.view(0, k)) if k else None)
+
+
+def _head_at_kept_positions(tide: TideForCausalLM) -> bool:
+    """The head can run apart from the model's forward: a plain linear layer (`ModelParts.head_rows_readable`) and
+    a forward that takes `logits_to_keep` (it then computes the last position's logits only)."""
+    if not tide.parts.head_rows_readable:
+        return False
+    try:
+        return "logits_to_keep" in inspect.signature(tide.base.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def exit_labels(exit_logits: torch.Tensor, states: torch.Tensor, final: torch.Tensor, full_top1: torch.Tensor,
                 cfg: TideConfig):
     """(agree, label) [N]: the exit's top-1 (from its logits [N, V]) equals the full model's, and the training label."""
     agree = exit_logits.argmax(-1) == full_top1
+    return agree, label_of(agree, states, final, cfg)
+
+
+def label_of(agree: torch.Tensor, states: torch.Tensor, final: torch.Tensor, cfg: TideConfig) -> torch.Tensor:
+    """[N] bool: the training label of exits whose top-1 agreement with the full model is `agree` [N]: that
+    agreement (`label="top1"`), or the cosine of the checkpoint's states [N, H] and the last layer's above
+    `cosine_threshold`."""
     if cfg.label == "top1":
-        return agree, agree
-    return agree, F.cosine_similarity(states.float(), final.float(), dim=-1) > cfg.cosine_threshold
+        return agree
+    return F.cosine_similarity(states.float(), final.float(), dim=-1) > cfg.cosine_threshold

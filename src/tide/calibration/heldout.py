@@ -1,7 +1,12 @@
 """Held-out scoring: the second pass streams the held-out texts and keeps only scalars per token and checkpoint
 (router score as generation computes it, agreement with the full model, training label, and where the full
 model's token ranks among the drafts, also restricted to the ranked vocabulary of `ranked_draft_vocabulary`);
-`Heldout` accumulates them and gathers every process's. Threshold selection and the draft estimates read them."""
+`Heldout` accumulates them and gathers every process's. Threshold selection and the draft estimates read them.
+
+Where the draft heads trained over the ranked vocabulary (the trainer's `draft_rows`: large vocabularies), every
+checkpoint's drafts are scored within it alone, through the head's rows for those tokens (`rankedrows`), and an
+exit's agreement runs the whole head only where no ranked token already beats the full model's: on a 262,144-token
+vocabulary, 4,096 rows against 64 times as many for each draft and each exit."""
 
 from __future__ import annotations
 
@@ -11,21 +16,24 @@ from ..config import MAX_DRAFT_TOPK, TideConfig
 from ..heads.draftvocab import candidate_sizes, ranked_vocabulary, restricted_ranks
 from ..modeling import TideForCausalLM
 from .distributed import Processes
-from .forward import Capture, capture, exit_labels
+from .forward import Capture, capture, exit_labels, label_of
 from .phases import Context
+from .rankedrows import RankedRows
 from .texts import batches
 
 __all__ = ["Heldout", "score_heldout", "ranked_draft_vocabulary"]
 
 
-def score_heldout(ctx: Context, held_texts: list[str], ranked: torch.Tensor | None, bar) -> tuple["Heldout", tuple]:
+def score_heldout(ctx: Context, held_texts: list[str], ranked: torch.Tensor | None, bar,
+                  draft_vocab_only: bool = False) -> tuple["Heldout", tuple]:
     """Score this process's held-out texts (`bar` counts them); (every process's scores, (texts, tokens) of this
-    process's)."""
+    process's). `draft_vocab_only`: the draft heads trained over `ranked` and are scored over it alone."""
     tide, phases = ctx.tide, ctx.phases
     held = Heldout()
+    rows = RankedRows.of(tide.parts, ranked, tide.num_head_rows) if draft_vocab_only else None
     for batch in phases.counted("data", batches(held_texts, ctx.tokenizer, ctx.opts, tide.base.device)):
         with phases("held-out scoring"):
-            held.add(_score(tide, capture(tide, batch), ctx.cfg, ranked))
+            held.add(_score(tide, capture(tide, batch), ctx.cfg, ranked, rows))
         bar.update(batch["texts"])
     local = (len(held_texts), held.num_tokens if held_texts else 0)
     with phases("held-out scoring"):
@@ -97,14 +105,19 @@ def _draft_ranks(logits: torch.Tensor, full_top1: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _score(tide: TideForCausalLM, cap: Capture, cfg: TideConfig, vocab: torch.Tensor | None = None) -> dict:
+def _score(tide: TideForCausalLM, cap: Capture, cfg: TideConfig, vocab: torch.Tensor | None = None,
+           rows: RankedRows | None = None) -> dict:
     """Held-out scalars per checkpoint: router scores (as generation computes them), agreement, label, and where
     the full model's token ranks among drafts (also restricted to the first ids of `vocab`, the ranked
-    vocabulary, at each candidate size)."""
+    vocabulary, at each candidate size). With `rows` (`vocab`'s head rows), drafts are ranked within the ranked
+    vocabulary only (no "ranks" or "chain_ranks") and agreement reads the rows first (`RankedRows.agreement`)."""
     out = {"scores": {}, "agree": {}, "labels": {}, "ranks": {}, "chain_ranks": {}, "vocab_ranks": {},
            "vocab_chain_ranks": {}}
     tests = tide.exit_tests({k: 1.0 for k in cap.states})  # the decode step's own checkpoint test
     sizes = [n for n in candidate_sizes(tide.num_head_rows) if vocab is not None and n <= vocab.numel()]
+    if rows is not None and sizes:
+        _score_within(tide, cap, cfg, rows, sizes, tests, out)
+        return out
     for k, states in cap.states.items():
         exit_logits = tide.exit_logits(k, states)
         agree, label = exit_labels(exit_logits, states, cap.final, cap.full_top1, cfg)
@@ -124,6 +137,28 @@ def _score(tide: TideForCausalLM, cap: Capture, cfg: TideConfig, vocab: torch.Te
             out["vocab_chain_ranks"][(k, n)] = ranks if chained is first else \
                 restricted_ranks(chained, cap.full_top1, vocab[:n], MAX_DRAFT_TOPK).cpu()
     return out
+
+
+def _score_within(tide: TideForCausalLM, cap: Capture, cfg: TideConfig, rows: RankedRows, sizes: list[int], tests,
+                  out: dict) -> None:
+    """`_score` where every draft is ranked within the ranked vocabulary (`rows`), into `out`."""
+    parts = tide.parts
+    for k, states in cap.states.items():
+        router = tide.routers[k]
+        exit_normed = parts.final_norm(router.exit_state(states))
+        agree = rows.agreement(parts, exit_normed, cap.full_top1)
+        out["scores"][k] = tests[k](states)[0].cpu()
+        out["agree"][k], out["labels"][k] = agree.cpu(), label_of(agree, states, cap.final, cfg).cpu()
+        if cap.context is None or router.draft is None:  # drafts from the exit head
+            firsts = chains = rows.ranks(parts, exit_normed, cap.full_top1, sizes)
+        else:
+            normed = parts.final_norm(router.draft(states, cap.context.to(states.dtype)))
+            # A chain's second and later drafts read the previous draft's own normed state, not a verified one.
+            context = torch.cat([torch.zeros_like(normed[:1]), normed[:-1]]).masked_fill(cap.first[:, None], 0.0)
+            chained = parts.final_norm(router.draft(states, context))
+            firsts, chains = (rows.ranks(parts, n, cap.full_top1, sizes) for n in (normed, chained))
+        for n in sizes:
+            out["vocab_ranks"][(k, n)], out["vocab_chain_ranks"][(k, n)] = firsts[n].cpu(), chains[n].cpu()
 
 
 def ranked_draft_vocabulary(tide: TideForCausalLM, trainer, procs: Processes) -> torch.Tensor | None:

@@ -103,8 +103,8 @@ def _draft_top1(held: Heldout) -> dict[str, dict[str, float]]:
     out = {str(k): {"0": round(float((ranks == 0).float().mean()), 4)} for k, ranks in held.ranks().items()}
     for n, (first, _) in sorted(held.restricted().items()):
         for k, ranks in first.items():
-            out[str(k)][str(n)] = round(float((ranks == 0).float().mean()), 4)
-    return out
+            out.setdefault(str(k), {})[str(n)] = round(float((ranks == 0).float().mean()), 4)
+    return {k: out[k] for k in sorted(out, key=int)}
 
 
 def _oracle_mean_layers(agree: dict[int, torch.Tensor], layers: list[int], num_layers: int) -> float:

@@ -89,7 +89,8 @@ def _train_and_score(ctx: Context, texts: Texts) -> tuple:
                disable=not (opts.progress and procs.is_main))
     try:
         trainer, ranked = train(ctx, texts.train_texts, bar)
-        held, held_local = score_heldout(ctx, texts.held_texts, ranked, bar)
+        held, held_local = score_heldout(ctx, texts.held_texts, ranked, bar,
+                                         draft_vocab_only=trainer.draft_rows is not None)
     finally:
         bar.close()
         tide.base.train(was_training)

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from ..heads.draftvocab import candidate_sizes, ranked_vocabulary
 from ..modeling import TideForCausalLM
 from .distributed import Processes
-from .forward import Capture, capture, exit_labels
+from .forward import Capture, capture, head_chunk, label_of
 from .headloss import TEACHER_TOP, Candidates, draw_negatives, head_kl, uses_candidates
 from .heldout import ranked_draft_vocabulary
 from .options import CalibrationOptions
 from .phases import Context
+from .rankedrows import RankedRows
 from .texts import batches, stream_size
 
 __all__ = ["train", "HEAD_STEPS"]
@@ -59,9 +60,12 @@ class _Trainer:
     While the training texts stream, each batch's states enter the buffer and the exit heads (translators) and
     draft heads take Adam steps minimising KL(full model || head) on buffered tokens, `head_steps` in all: exit heads
     over the whole vocabulary or each row's candidates (`headloss`), draft heads over the whole vocabulary or, with
-    candidates, over the tokens the full model has predicted most so far (what a restricted draft ranks; on
-    SmolLM2-135M-Instruct's answers 0.34-0.35 of held-out drafts right, 0.31-0.33 from candidates). Then every buffered
-    token is labelled through the trained exits and the routers (on fp32 copies) sweep the buffer `passes` times.
+    candidates, over the tokens the full model has predicted most so far, as many as the largest draft vocabulary
+    (`draftvocab.MAX_SIZE` at most: what a restricted draft ranks; on SmolLM2-135M-Instruct's answers 0.34-0.35 of
+    held-out drafts right, 0.31-0.33 from candidates). A step stacks the exit heads' states, and the draft heads',
+    so that each kind takes one product with the head's rows. Then every buffered token is labelled through the
+    trained exits (with candidates, the most predicted tokens' head rows are read first: `RankedRows.agreement`) and
+    the routers (on fp32 copies) sweep the buffer `passes` times.
     Memory: the buffer, (checkpoints + 2) x buffer_size x H floats.
     """
 
@@ -133,7 +137,8 @@ class _Trainer:
 
     def _logits(self, state: torch.Tensor, tokens: Candidates | tuple | None) -> torch.Tensor:
         """Final norm + head of the model on fp32 states (cast to the model's dtype), over the whole vocabulary, the
-        rows' candidates, or some rows of the head (`ModelParts.head_rows`). [M, H] -> fp32 [M, V], [M, C] or [M, n]."""
+        rows' candidates, or some rows of the head (`ModelParts.head_rows`). [..., M, H] -> fp32 [..., M, V],
+        [..., M, C] or [..., M, n]."""
         dtype = self.parts.norm.weight.dtype if hasattr(self.parts.norm, "weight") else state.dtype
         normed = self.parts.final_norm(state.to(dtype))
         if isinstance(tokens, Candidates):
@@ -148,15 +153,22 @@ class _Trainer:
                       if self.candidates else None)
         if self.draft_rows and self.draft_head is None:
             self.draft_head = self.parts.head_rows(ranked_vocabulary(self.predicted, self.draft_rows))
+        final = self.final[pick]
         with torch.no_grad():
-            teacher = self._logits(self.final[pick], candidates)  # [M, V] or [M, C]
-            draft_teacher = teacher if self.draft_head is None else self._logits(self.final[pick], self.draft_head)
+            teacher = self._logits(final, candidates)  # [M, V] or [M, C]
+            draft_teacher = teacher if self.draft_head is None else self._logits(final, self.draft_head)
         with torch.enable_grad():
-            losses = [head_kl(self._logits(t(self.states[k][pick]), candidates), teacher)
-                      for k, t in self.translators.items()]
-            losses += [head_kl(self._logits(d(self.states[k][pick], self.context[pick]), self.draft_head or candidates),
-                               draft_teacher) for k, d in self.drafts.items()]
-            loss = sum(losses) / len(losses)
+            # each kind of head's states stacked [heads, M, H]: one product with the head's rows for all of them
+            loss = 0.0
+            if self.translators:
+                exits = torch.stack([t(self.states[k][pick]) for k, t in self.translators.items()])
+                loss = loss + len(self.translators) * head_kl(self._logits(exits, candidates), teacher)
+            if self.drafts:
+                context = self.context[pick]
+                drafts = torch.stack([d(self.states[k][pick], context) for k, d in self.drafts.items()])
+                loss = loss + len(self.drafts) * head_kl(self._logits(drafts, self.draft_head or candidates),
+                                                         draft_teacher)
+            loss = loss / (len(self.translators) + len(self.drafts))  # the mean of every head's KL
             params = self._head_params()
             grads = torch.autograd.grad(loss, params)  # the base model's own parameters get no .grad
         for p, g in zip(params, grads):
@@ -181,28 +193,36 @@ class _Trainer:
                     target = getattr(self.tide.routers[k], name)
                     for dst, src in zip(target.parameters(), trained.parameters()):
                         dst.copy_(src.to(dst.dtype))
+        # on a large vocabulary, the exits' agreement reads the most predicted tokens' head rows first
+        vocab = self.predicted.numel()
+        rows = (RankedRows.of(self.parts, ranked_vocabulary(self.predicted, max(candidate_sizes(vocab))), vocab)
+                if self.candidates else None)
         for i, k in enumerate(self.layers):
             owner = i % self.procs.world
-            normed, labels = (self.procs.gather_to(x, owner) for x in self._router_data(k))
+            normed, labels = (self.procs.gather_to(x, owner) for x in self._router_data(k, rows))
             if self.procs.rank == owner:
                 self._train_router(k, normed, labels)
         for i, k in enumerate(self.layers):
             router = self.tide.routers[k]
             self.procs.broadcast_tensors([*router.down.parameters(), *router.up.parameters()], src=i % self.procs.world)
 
-    def _router_data(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _router_data(self, k: int, rows: RankedRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The final-norm view of this process's buffered exit states at `k` and their labels through the exit
-        (fp32)."""
+        (fp32); `rows`: the ranked vocabulary's head rows, read before the whole head (`RankedRows.agreement`)."""
         tide, n, router = self.tide, self.filled, self.tide.routers[k]
+        step = head_chunk(tide.num_head_rows)
         with torch.no_grad():
             states, final, top1 = self.states[k][:n].to(router.down.weight.dtype), self.final[:n], self.top1[:n]
             normed, labels = [], []
-            for part in range(0, n, 4096):
-                chunk = slice(part, part + 4096)
-                normed.append(self.parts.final_norm(router.exit_state(states[chunk])).float())
-                exit_logits = tide.exit_logits(k, states[chunk])
-                label = exit_labels(exit_logits, states[chunk], final[chunk], top1[chunk], tide.config)[1]
-                labels.append(label.float())
+            for part in range(0, n, step):
+                chunk = slice(part, part + step)
+                exit_normed = self.parts.final_norm(router.exit_state(states[chunk]))
+                normed.append(exit_normed.float())
+                if rows is not None:
+                    agree = rows.agreement(self.parts, exit_normed, top1[chunk])
+                else:
+                    agree = self.parts.logits_from_normed(exit_normed).argmax(-1) == top1[chunk]
+                labels.append(label_of(agree, states[chunk], final[chunk], tide.config).float())
         return torch.cat(normed), torch.cat(labels)
 
     def _train_router(self, k: int, normed: torch.Tensor, labels: torch.Tensor) -> None:

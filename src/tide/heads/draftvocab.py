@@ -6,19 +6,25 @@ n / V of the head, which matters where the head is large next to a layer (a 128k
 about four layers of weights). A draft restricted this way is still a valid draft distribution (tokens outside
 it get probability 0), so lossless output stays the base model's; a token outside it only costs a rejected draft.
 
-Calibration counts the full model's top-1 over its training texts (`ranked_vocabulary`), scores each candidate
-size on held-out text (`restricted_ranks`) and lets the drafting schemes' estimate and timing decide whether a
-restricted draft pays. `restricted_logits` computes a restricted draft's logits at generation.
+Calibration counts the full model's top-1 over its training texts (`ranked_vocabulary`), trains the draft heads
+over the largest candidate size, scores each candidate size on held-out text (`restricted_ranks`) and lets the
+drafting schemes' estimate and timing decide whether a restricted draft pays. `restricted_logits` computes a
+restricted draft's logits at generation.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ranked_vocabulary", "candidate_sizes", "restricted_ranks", "restricted_logits", "MIN_SIZE"]
+__all__ = ["ranked_vocabulary", "candidate_sizes", "restricted_ranks", "restricted_logits", "MIN_SIZE", "MAX_SIZE"]
 
 MIN_SIZE = 64  # smaller draft vocabularies miss too much to pay
 FRACTIONS = (32, 16, 8, 4)  # candidate sizes: V / 32 ... V / 4 (a larger one saves little of the head)
+# The largest candidate size: the draft heads train over it (each Adam step's logits, forward and backward, cost
+# its rows), and held-out scoring and the repo keep that many ranked ids. Calibrations have kept 256-1,536 tokens
+# (docs/benchmarks.md); 4,096 rows at hidden 640 are half a decoder layer of a 270M model, where a quarter of a
+# 262,144-token vocabulary is 7.5 layers (in weights).
+MAX_SIZE = 4096
 
 
 def ranked_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -28,8 +34,10 @@ def ranked_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def candidate_sizes(vocab_size: int) -> list[int]:
-    """The restricted sizes calibration scores for a head of `vocab_size` rows (none for small heads)."""
-    return sorted({vocab_size // f for f in FRACTIONS if vocab_size // f >= MIN_SIZE})
+    """The restricted sizes calibration scores for a head of `vocab_size` rows (none for small heads): V / 32 ...
+    V / 4, or where V / 4 is above `MAX_SIZE`, the same ladder of halvings down from `MAX_SIZE`."""
+    largest = min(vocab_size // FRACTIONS[-1], MAX_SIZE)
+    return sorted({n for n in (largest * FRACTIONS[-1] // f for f in FRACTIONS) if n >= MIN_SIZE})
 
 
 def restricted_ranks(logits: torch.Tensor, full_top1: torch.Tensor, ids: torch.Tensor, cap: int) -> torch.Tensor:

@@ -180,6 +180,9 @@ def calibration_table(config: TideConfig) -> str:
     if draft:
         for trial in draft.trials:
             lines.append(f"lossless {draft_scheme_text(trial)}: estimated x{trial.estimate:.3f}, {timings_text(trial)}")
+        for scheme in draft.untimed:
+            lines.append(f"lossless {draft_scheme_text(scheme)}: estimated x{scheme.estimate:.3f}, not timed "
+                         "(too slow by the measured costs)")
         if draft.ngram_only:
             lines.append(f"no head scheme pays; n-gram drafts alone (plain steps elsewhere): "
                          f"{timings_text(draft.ngram_only)}, " + ("kept" if draft.ngram_only.active else "not kept"))
@@ -310,6 +313,10 @@ def _calibration_lines(config: TideConfig, cal: CalibrationRecord) -> list[str]:
     elif cal.draft_selection and cal.draft_selection.trials and not generation.max_draft:
         lines.append("Lossless mode: no drafting scheme timed faster than the base model at calibration; it runs the "
                      "base model.")
+    elif cal.draft_selection and cal.draft_selection.untimed and not generation.max_draft:
+        best = max(scheme.estimate for scheme in cal.draft_selection.untimed)
+        lines.append(f"Lossless mode: the measured costs estimated every drafting scheme too slow to time (the best "
+                     f"at x{best:.3f} of the base model); it runs the base model.")
     if generation.mode == "auto":
         lines.append(f"Default mode: `auto` (lossless, timed faster than exit mode at calibration; "
                      f"{batches_text(config)}).")

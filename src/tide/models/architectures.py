@@ -146,16 +146,22 @@ class ModelParts:
         logits = self.lm_head(normed) if head is None else nn.functional.linear(normed.to(head[0].device), *head)
         return self._scaled(logits)
 
-    def logits_for_ids(self, normed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each row's logits for its own token ids, without the rest of the head. normed: [M, H], ids: [M, C] ->
-        [M, C]. Where the head's rows cannot be read alone (`head_rows_readable`), the whole head runs."""
+    def logits_for_ids(self, normed: torch.Tensor, ids: torch.Tensor, rows: tuple | None = None) -> torch.Tensor:
+        """Each row's logits for its own token ids, without the rest of the head. normed: [..., M, H] (leading
+        dimensions: several states per row, e.g. several heads'), ids: [M, C] -> [..., M, C]. `rows`: the head's
+        rows for `ids` already read, (weight [M, C, H], bias [M, C] or None). Where the head's rows cannot be read
+        alone (`head_rows_readable`), the whole head runs."""
         if not self.head_rows_readable:
-            return self.logits_from_normed(normed).gather(-1, ids)
+            logits = self.logits_from_normed(normed)
+            return logits.gather(-1, ids.expand(*logits.shape[:-1], ids.shape[-1]))
         if self.post_norm is not None:
             normed = self.post_norm(normed)
-        weight, bias = self.lm_head.weight, self.lm_head.bias
-        logits = torch.einsum("mh,mch->mc", normed.to(weight.dtype), weight[ids])  # [M, C]
-        return self._scaled(logits if bias is None else logits + bias[ids])
+        if rows is None:
+            bias = self.lm_head.bias
+            rows = self.lm_head.weight[ids], None if bias is None else bias[ids]
+        weight, bias = rows
+        logits = torch.einsum("...mh,mch->...mc", normed.to(weight.dtype), weight)  # [..., M, C]
+        return self._scaled(logits if bias is None else logits + bias)
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         """The family's logit scale and soft-cap, on raw head outputs."""
