@@ -87,7 +87,7 @@ def _scheme(layer, drafts, topk, estimate):
 
 
 def test_schemes_the_costs_price_too_slow_are_not_timed():
-    fast, slow_tree, slow_chain = _scheme(1, 2, 1, 1.2), _scheme(1, 1, 3, 0.5), _scheme(3, 1, 1, 0.79)
+    fast, slow_tree, slow_chain = _scheme(1, 2, 1, 1.2), _scheme(1, 1, 3, 0.5), _scheme(3, 1, 1, 0.59)
     timed, untimed = timing.schemes_to_time([fast, slow_tree, slow_chain], 3)
     assert timed == [fast] and untimed == [slow_tree, slow_chain]
     assert timing.schemes_to_time([slow_tree], 3) == ([], [slow_tree])
