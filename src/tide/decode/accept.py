@@ -15,8 +15,8 @@ import torch
 
 from .drafts import Verdict
 
-__all__ = ["among_certain_drafts", "certain_scores", "draw", "greedy_verdict", "sampling_verdict",
-           "sampling_verdict_on_device"]
+__all__ = ["among_certain_drafts", "certain_scores", "draw", "greedy_verdict", "greedy_verdict_on_device",
+           "sampling_verdict", "sampling_verdict_on_device"]
 
 
 def greedy_verdict(drafted: torch.Tensor, scores: torch.Tensor) -> Verdict:
@@ -49,6 +49,14 @@ def sampling_verdict(drafted: torch.Tensor, draft_scores: torch.Tensor | None, s
         nxt = p[accepted]
     last = torch.multinomial(nxt, 1)  # [1]
     return Verdict(torch.cat([tokens[:accepted], last])[None], accepted)
+
+
+def greedy_verdict_on_device(logits: torch.Tensor, drafts: torch.Tensor):
+    """The rule of `greedy_verdict` with no host read (what a compiled cycle runs, `fused.py`). logits: [1, k + 1, V]
+    the full model's processed scores; drafts [1, k] -> (tokens [1, k + 1]: the full model's argmax at each
+    position, of which the first accepted + 1 are emitted; accepted [])."""
+    tokens = logits.argmax(-1)
+    return tokens, (drafts == tokens[:, : drafts.shape[1]]).long().cumprod(-1).sum()
 
 
 def sampling_verdict_on_device(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Tensor | None,

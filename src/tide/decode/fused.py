@@ -3,15 +3,17 @@
 A cycle of the general loop (`lossless.py`) runs the drafter's compiled calls, captures each pass's layer arguments
 on the host, checks each draft against the stopping criteria, reads the accepted count and crops the cache layer
 by layer: host work between compiled spans. Here, for chains from the draft head (a full-attention static cache,
-one attention type), greedy or sampled, a cycle is one graph (one per chain width k, `_cycle`) and one read:
+one attention type), greedy or sampled, a cycle is one graph (`_cycle`, one for every cycle of the call) and one
+read:
 
-1. **drafts**: the last emitted token x and each of k drafts run through layers 0..E (the draft layer) on the real
-   cache; the draft head on each output gives the next draft: its argmax, or a token drawn from its distribution
-   after the call's warpers. With `draft_ngram`, where the sequence's latest n-gram occurred before, its
-   continuation is the draft instead (the host knows it; x and it run through layers 0..E in one pass). The
-   backbone's own forward does the work, on a view of it that holds layers 0..E and no final norm
-   (`graphparts.backbone_view`), so positions, rotary tables and masks are made inside the graph as the model makes
-   them.
+1. **drafts**: the last emitted token x and each of the call's `max_draft` drafts run through layers 0..E (the draft
+   layer) on the real cache, one position a pass. With `draft_ngram`, where the sequence's latest n-gram occurred
+   before, its continuation (the host knows it) gives the first drafts; the draft head on each pass's output gives
+   the rest: its argmax, or a token drawn from its distribution after the call's warpers. The backbone's own
+   forward does the work, on a view of it that holds layers 0..E and no final norm (`graphparts.backbone_view`), so
+   positions, rotary tables and masks are made inside the graph as the model makes them. The width is fixed:
+   the eager loop's cap, which shortens a chain after a rejection, would make one graph per width, and compiling
+   each costs minutes on a CPU (docs/benchmarks.md weighs the two).
 2. **verification**: layers E+1..L-1 over [x, d1..dk] from their layer-E states (a view that starts at layer E+1
    and ends with the final norm), the head, a minimum length's end-of-sequence scores set to -inf, acceptance
    (greedy: the longest prefix of drafts equal to the full model's argmax; sampling: the speculative-sampling rule,
@@ -39,21 +41,22 @@ import time
 import torch
 from ..layers.spans import dense
 from ..models.compat import crop_cache
-from .accept import draw, sampling_verdict_on_device
+from .accept import draw, greedy_verdict_on_device, sampling_verdict_on_device
 from .emit import Emitted
 from .cachepool import dynamic_length, slots
 from .fusedtree import TreeShape, tree_cycle
 from .graphparts import GraphProcessors, Stops, causal_mask, one_graph_fits, penalised, seen_at, views_of
 from .ngram import NgramLookup
-from .speculative import next_cap
 
 __all__ = ["FusedChain", "fused_chain_for"]
 
 
-def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype, warp):
-    """A cycle's drafts: x [1, 1] and `width` drafts through layers 0..E, each the draft head's argmax (greedy,
-    `warp` None) or drawn from its distribution after `warp` (the call's processors) -> (the layer-E states
-    [1, width + 1, H], the drafts [1, width], the distributions they were drawn from [1, width, V] or None)."""
+def _draft(shallow, head, cache, token, context, given, ngram, width: int, keys: int, dtype, warp):
+    """A cycle's `width` drafts: x [1, 1] and each draft through layers 0..E, one position a pass; draft i is the
+    host's n-gram continuation `given` [1, width] where i < `ngram` [], else the draft head's argmax (greedy, `warp`
+    None) or a token drawn from its distribution after `warp` (the call's processors) -> (the layer-E states
+    [1, width + 1, H], the drafts [1, width], sampling: the distributions they were drawn from [1, width, V] (an
+    n-gram draft's certain of its token), else None)."""
     start = cache.layers[0].cumulative_length.clone()
     states, drafts, drawn_from = [], [], []
     for i in range(width + 1):
@@ -64,43 +67,30 @@ def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype, w
         states.append(hidden)
         if i < width:
             logits, context = head(hidden[:, -1], context)
+            from_ngram = ngram > i
             if warp is None:
-                token = logits.argmax(-1, keepdim=True)
+                token = torch.where(from_ngram, given[:, i: i + 1], logits.argmax(-1, keepdim=True))
             else:
-                drawn_from.append(warp(logits.float()).softmax(-1))
-                token = draw(drawn_from[-1])
+                distribution = warp(logits.float()).softmax(-1)
+                certain = torch.nn.functional.one_hot(given[:, i], warp.vocab).to(distribution.dtype)
+                drawn_from.append(torch.where(from_ngram, certain, distribution))
+                token = torch.where(from_ngram, given[:, i: i + 1], draw(distribution))
             drafts.append(token)
     drafts = torch.cat(drafts, 1) if drafts else token.new_zeros(1, 0)
     return torch.cat(states, 1), drafts, torch.stack(drawn_from, 1) if drawn_from else None
 
 
-def _given(shallow, cache, ids, keys: int, dtype, warp):
-    """A cycle's drafts given by the host (an n-gram continuation): x and them, ids [1, k + 1], through layers 0..E
-    in one pass -> (the layer-E states [1, k + 1, H], the drafts [1, k], sampling: distributions certain of each
-    draft [1, k, V], else None)."""
-    positions = cache.layers[0].cumulative_length + torch.arange(ids.shape[1], device=ids.device)
-    states = shallow(input_ids=ids, position_ids=positions[None],
-                     attention_mask=causal_mask(positions, keys, dtype), past_key_values=cache,
-                     use_cache=True).last_hidden_state
-    drafts = ids[:, 1:]
-    return states, drafts, None if warp is None else _certain(drafts, warp.vocab)
-
-
-def _certain(drafts: torch.Tensor, vocab: int) -> torch.Tensor:
-    return torch.nn.functional.one_hot(drafts, vocab).float()
-
-
 def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, first_deep: int, suppress, warp,
-            drawn_from, valid, penalty=None):
+            drawn_from, penalty=None):
     """A cycle's verification: layers E+1..L-1 over [x, drafts] from their layer-E `states` [1, k + 1, H]; the
     tokens to emit, the accepted count, the next context, and every cache layer cut back to the accepted path
     -> (tokens [1, k + 1], of which the first accepted + 1 are emitted; accepted []; context [1, H]).
     `suppress`: (where [k + 1] bool, tokens [V] bool): the tokens whose scores are -inf at those positions (a
-    minimum length's end-of-sequence tokens). `valid` []: how many of the drafts count (the rest pad a shorter
-    n-gram continuation to the graph's width; never accepted). `penalty`: (p [], seen [V] bool) for a repetition
-    penalty, the tokens up to x seen; each position also sees the drafts before it. Greedy (`warp` None): the
-    longest prefix of drafts equal to the full model's argmax, then its token. Sampling: the speculative-sampling
-    rule (`accept.py`) on the full model's distributions after `warp` and the drafts' `drawn_from` [1, k, V]."""
+    minimum length's end-of-sequence tokens). `penalty`: (p [], seen [V] bool) for a repetition penalty, the tokens
+    up to x seen; each position also sees the drafts before it. Acceptance is `accept.py`'s, on the device: greedy
+    (`warp` None), the longest prefix of drafts equal to the full model's argmax, then its token; sampling, the
+    speculative-sampling rule on the full model's distributions after `warp` and the drafts' `drawn_from`
+    [1, k, V]."""
     width = drafts.shape[1]
     positions = cache.layers[first_deep].cumulative_length + torch.arange(width + 1, device=states.device)
     if offset is not None:
@@ -114,33 +104,27 @@ def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, 
     logits = logits.masked_fill(where[None, :, None] & suppressed, float("-inf"))
     if penalty is not None:
         logits = penalised(logits.float(), penalty[0], seen_at(penalty[1], drafts[0]))
-    counts = torch.arange(width, device=states.device) < valid  # [k]
     if warp is None:
-        tokens = logits.argmax(-1)  # [1, k + 1]
-        accepted = ((drafts == tokens[:, :width]) & counts).long().cumprod(-1).sum()
+        tokens, accepted = greedy_verdict_on_device(logits, drafts)
     else:
-        tokens, accepted = sampling_verdict_on_device(warp(logits[0].float()).softmax(-1), drafts[0], drawn_from,
-                                                      counts)
+        tokens, accepted = sampling_verdict_on_device(warp(logits[0].float()).softmax(-1), drafts[0], drawn_from)
     context = normed[0].index_select(0, accepted.view(1))
     for layer in cache.layers:
         layer.cumulative_length.sub_(width - accepted)
     return tokens, accepted, context
 
 
-def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, dtype,
-           first_deep: int, suppress, warp, given, valid, penalty=None):
-    """One cycle, drafts (from the head, or `given` [1, k] by the host, of which the first `valid` count) and
-    verification, as one graph ->
+def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, given, ngram, width: int, dtype,
+           first_deep: int, suppress, warp, penalty=None):
+    """One cycle, `width` drafts (the first `ngram` [] the host's n-gram continuation `given` [1, width], the rest
+    the head's) and their verification, as one graph ->
     (accepted count then the k + 1 tokens of which the first accepted + 1 are emitted [k + 2]: what the host
     reads; the next cycle's token x [1, 1]; its context [1, H]). The cache's length is read from its tensors, a
     dynamic dimension of the graph (`cachepool.dynamic_length`): one graph for every cache length."""
     keys = slots(cache)
-    if given is None:
-        states, drafts, drawn_from = _draft(shallow, head, cache, token, context, width, keys, dtype, warp)
-    else:
-        states, drafts, drawn_from = _given(shallow, cache, torch.cat([token, given], 1), keys, dtype, warp)
+    states, drafts, drawn_from = _draft(shallow, head, cache, token, context, given, ngram, width, keys, dtype, warp)
     tokens, accepted, context = _verify(deep, offset, logits_from_normed, cache, states, drafts, keys, first_deep,
-                                        suppress, warp, drawn_from, width if given is None else valid, penalty)
+                                        suppress, warp, drawn_from, penalty)
     return torch.cat([accepted.view(1), tokens[0]]), tokens.index_select(1, accepted.view(1)), context
 
 
@@ -182,7 +166,6 @@ class FusedChain:
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
         dynamic_length(cache)  # (one graph for every cache length)
-        self.cap = session.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
         self.tree = tree  # a tree's candidates for the next position (0: a chain)
 
     def decode(self, input_ids, stopping_criteria, generation_config, emitted: Emitted):
@@ -218,11 +201,9 @@ class FusedChain:
             if self.seen is not None:
                 self.seen[new_ids[0]] = True
             # (a tree: the n-gram tokens accepted are those of the path that emitted the continuation's tokens)
-            through = accepted if not tree or new[:accepted] == continuation[:accepted] else 0
-            if not (tree or continuation):  # (n-gram drafts leave the head's cap; a tree has none)
-                self.cap = next_cap(self.cap, width, accepted, session.max_draft)
+            through = min(accepted, len(continuation)) if not tree or new[:accepted] == continuation[:accepted] else 0
             stats.record_cycle(  # (accepted: emitted ones; tokens past a stop are computed and dropped)
-                (self.tree + len(continuation)) if tree else (len(continuation) or width), min(accepted, kept), kept,
+                (self.tree + len(continuation)) if tree else width, min(accepted, kept), kept,
                 time.perf_counter() - start, draft_topk=self.tree or 1, ngram_drafted=len(continuation),
                 ngram_accepted=min(through, kept) if continuation else 0, tree=tree, merged=bool(tree and continuation),
                 layer_passes=(session.draft_layer + 1) * width + session.parts.num_layers, graph_s=graph_s)
@@ -233,9 +214,9 @@ class FusedChain:
 
     def _graph(self, token, context, continuation: list[int], room: int, length: int, dtype):
         """One cycle's graph call: the call's tree where it names one and the cache has room (the n-gram branch where
-        there is a `continuation`, padded to one width: two graphs), else a chain (the continuation padded to one
-        width, or the head's drafts up to the cap) -> (what the host reads, the next token, the next context, the
-        chain's width, the continuation drafted, whether it was a tree)."""
+        there is a `continuation`, padded to one width: two graphs), else a chain of `max_draft` drafts, the
+        continuation's tokens first and the head's after them (one graph) -> (what the host reads, the next token,
+        the next context, the chain's width, the continuation drafted, whether it was a tree)."""
         session, cache, device = self.session, self.cache, token.device
         common = (self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
                   context)
@@ -248,16 +229,14 @@ class FusedChain:
                 "tide_tree_{}_{}".format(*shape.key()) + "_sampled" * (self.processors.warp is not None), *common,
                 shape, dtype, self.processors.suppress(length, shape.max_depth), self.processors.warp, given,
                 torch.tensor(len(continuation), device=device)), 1, continuation, True)
-        if continuation and room >= session.max_draft:  # padded to one width: one graph for every continuation
-            width, valid = session.max_draft, torch.tensor(len(continuation), device=device)
-            given = torch.tensor([continuation + continuation[-1:] * (width - len(continuation))], device=device)
-        else:
-            continuation, given, valid = [], None, None
-            width = max(0, min(self.cap, room))
+        # (a chain of the call's `max_draft` drafts, the continuation's first: narrower only on a nearly full cache
+        # the caller lent)
+        width = max(0, min(session.max_draft, room))
+        continuation = continuation[:width]
+        given = torch.tensor([continuation + [0] * (width - len(continuation))], device=device)
         penalty = None if self.seen is None else (self.processors.penalty, self.seen)
-        kind = (width, self.processors.warp is not None, given is not None, penalty is not None)  # one graph each
+        kind = (width, self.processors.warp is not None, penalty is not None)  # one graph each
         return (*session.spans.graph(
-            ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2]
-            + "_penalised" * kind[3], *common, width, dtype, session.draft_layer + 1,
-            self.processors.suppress(length, width), self.processors.warp, given, valid, penalty),
-            width, continuation, False)
+            ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_penalised" * kind[2], *common,
+            given, torch.tensor(len(continuation), device=device), width, dtype, session.draft_layer + 1,
+            self.processors.suppress(length, width), self.processors.warp, penalty), width, continuation, False)
