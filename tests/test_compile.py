@@ -72,7 +72,7 @@ def test_inductor_lossless_and_exit_equal_the_base_model():
     assert set(model.last_stats.exits) == {"0", "full"}
     assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=16,
                                       tide_config={"exit_threshold": 0.5, "compile": True}), eager)
-    (runner,) = model.span_runners.values()  # compiled: the fused cycles' graphs, exit mode's fused loop (torch.cond)
+    (runner,) = model.span_runners.values()  # compiled: the fused cycles' graphs, exit mode's graph steps (torch.cond)
     graphs = {key[1][0] for key in runner._compiled if key[0] == "graph"}
     assert {"cycle", "fused exit"} <= graphs, list(runner._compiled)
 

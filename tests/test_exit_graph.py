@@ -1,5 +1,5 @@
-"""Exit mode's single-row compiled steps as one graph each: the fused loop (`decode/fusedexit.py`: token to next token,
-one read a step) and, where the call's processors do not run in a graph, the session's walk as one graph
+"""Exit mode's single-row compiled steps as one graph each: the loop's graph backend (`decode/fusedexit.py`: token to
+next token, one read a step) and, where the call's processors do not run in a graph, the session's walk as one graph
 (`decode/exitgraph.py`); both `torch.cond` at every consulted checkpoint, token for token as the eager walk and the
 compiled spans, no recompilation across prompt lengths."""
 
@@ -38,9 +38,9 @@ def _model(family="llama"):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # (GPT-2: learned positions, the cache by position)
 def test_exit_steps_as_one_graph_equal_the_walk(family):
-    """Tokens leaving at either checkpoint or running every layer: the fused loop's tokens and exits are the eager
+    """Tokens leaving at either checkpoint or running every layer: the graph backend's tokens and exits are the eager
     walk's, with a repetition penalty too (in the graph, on the tokens seen so far), and so are the session's
-    one-graph walk's (a processor that reads the sequence, no repeated bigram, keeps the call on generate's loop); no
+    one-graph walk's (a processor that reads the sequence, no repeated bigram, keeps the call on the walk backend); no
     run of layers was compiled alone."""
     model = _model(family)
     ids = prompt_ids()
@@ -62,7 +62,7 @@ def test_exit_steps_as_one_graph_equal_the_walk(family):
     assert not [key for key in runner._compiled if isinstance(key[0], int)]  # (compiled spans: tests/test_compile.py)
 
 
-def test_a_minimum_length_a_stop_and_sampling_in_the_fused_loop():
+def test_a_minimum_length_a_stop_and_sampling_in_the_graph_backend():
     """A minimum length and an end-of-sequence token inside the loop as the walk serves them; sampling with top-k 1
     (after a temperature) gives the greedy tokens."""
     model = _model()
@@ -78,30 +78,51 @@ def test_a_minimum_length_a_stop_and_sampling_in_the_fused_loop():
     assert torch.equal(sampled, ref) and _graphs(model) == {"fused exit"}
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused loop", "session walk"])
+@pytest.mark.parametrize("fused", [True, False], ids=["graph backend", "session walk"])
 def test_one_graph_launch_and_few_host_reads_a_step(monkeypatch, fused):
-    """Counted: each decode step calls one compiled graph and reads the device once in the fused loop (the token and
-    the exit layer), twice in the session's walk (the exit layer, and the cache's length for the layers'
+    """Counted: each decode step calls one compiled graph and reads the device once in the graph backend (the token
+    and the exit layer), twice in the session's walk (the exit layer, and the cache's length for the layers'
     arguments), however many checkpoints it passes."""
     from tide.decode.exitsession import ExitSession
-    from tide.decode.fusedexit import FusedExit
+    from tide.decode.fusedexit import GraphSteps
 
     model = _model()
     ids = prompt_ids()
     kwargs = dict(do_sample=False, max_new_tokens=12, compile_config=EAGER_BACKEND, tide_config=EXIT)
     if not fused:
-        monkeypatch.setattr(tide.decode.exits, "fused_exit_for", lambda *args, **kw: None)
+        monkeypatch.setattr(tide.decode.exits, "graph_steps", lambda *args, **kw: "walked")
     model.generate(ids, **kwargs)
-    launches, reads = (count_fused_work(monkeypatch, FusedExit, "decode") if fused else
+    launches, reads = (count_fused_work(monkeypatch, GraphSteps, "step") if fused else
                        count_fused_work(monkeypatch, ExitSession, "decode_step"))
     model.generate(ids, **kwargs)
     steps = model.last_stats.decode_steps
     assert steps == 11 and launches[0] == steps and len(set(model.last_stats.exits)) == 3
-    assert reads[0] == (steps + 2 if fused else 2 * steps), reads  # (the fused loop, once a call: the prompt as a
-    # list, the end-of-sequence ids; inside the graph, `torch.cond` reads its predicate where it runs eagerly)
+    assert reads[0] == (steps if fused else 2 * steps), reads  # (inside the graph, `torch.cond` reads its
+    # predicate where it runs eagerly)
 
 
-@pytest.mark.parametrize("extra", [{}, {"no_repeat_ngram_size": 2}], ids=["fused loop", "session walk"])
+def test_the_backend_is_chosen_once_with_a_reason_where_the_graph_does_not_fit(monkeypatch):
+    """After the prompt's token the loop asks once for the graph backend, which says why not where the call does not
+    fit it: a processor that reads the sequence, more than one row, per-token scores."""
+    chosen = []
+    original = tide.decode.exits.graph_steps
+
+    def recorded(*args, **kwargs):
+        chosen.append(original(*args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(tide.decode.exits, "graph_steps", recorded)
+    model, ids = _model(), prompt_ids()
+    kwargs = dict(do_sample=False, max_new_tokens=8, compile_config=EAGER_BACKEND, tide_config=EXIT)
+    model.generate(ids, **kwargs)
+    model.generate(ids, no_repeat_ngram_size=2, **kwargs)
+    model.generate(ids.repeat(2, 1), **kwargs)
+    model.generate(ids, return_dict_in_generate=True, output_scores=True, **kwargs)
+    assert not isinstance(chosen[0], str) and chosen[1:] == [
+        "logits processors that do not run in the graph", "more than one row", "per-token scores or logits asked for"]
+
+
+@pytest.mark.parametrize("extra", [{}, {"no_repeat_ngram_size": 2}], ids=["graph backend", "session walk"])
 def test_no_graph_made_again_across_prompt_lengths_and_cache_buckets(extra):
     """Prompts of 6 to 700 tokens and 8 to 24 new tokens, on lent caches of 256, 384 and 768 positions: the first
     call's one graph serves them all (the cache's length, the masks' and the rotary table's, dynamic dimensions),
@@ -140,7 +161,7 @@ def test_the_routers_own_tests_run_in_the_graph():
 
 
 @pytest.mark.parametrize("family", ["phi3", "qwen3", "opt"])  # fused qkv; k-norms; OPT: a projection after the
-# final norm, so the walk in generate's loop
+# final norm, so the walk backend
 def test_compiled_exit_steps_equal_the_walk_on_other_families(family):
     """Compiled exit mode, whichever one-graph path the family takes, gives the eager walk's tokens with tokens
     leaving."""

@@ -1,12 +1,12 @@
 """The early-exit decode step: one walk through the layers, and the session that runs it inside `generate`.
 
-`ExitSession.forward` is what the base model's `forward` runs while an exit-mode call is active (see
-`generation.py` and `dispatch.py`): prompt steps go to the base model's own forward; decode steps capture
-the layers' arguments, walk the stack with per-token exits (`walk_layers`), and return logits from each
-token's exit state. How a walk runs a layer and fills skipped layers' K/V is the KV strategy's
-(`PropagateSteps` here, `recompute.RecomputeSteps`); only the session records stats. Logits processors,
-stopping criteria, streamers and sampling stay transformers' own. This module does no file I/O and knows no
-architecture by name (see `models/architectures.py`).
+`ExitSession.forward` is each pass of the exit-mode loop's walk backend (`exits.Walk`), and what the base model's
+`forward` runs in a beam search while the call is active (see `generation.py` and `dispatch.py`): prompt steps go
+to the base model's own forward; decode steps capture the layers' arguments, walk the stack with per-token exits
+(`walk_layers`), and return logits from each token's exit state. How a walk runs a layer and fills skipped layers'
+K/V is the KV strategy's (`PropagateSteps` here, `recompute.RecomputeSteps`); the session records its passes' stats.
+Logits processors, stopping criteria, streamers and sampling are the loop's (`exits.py`), or transformers' beam
+search's. This module does no file I/O and knows no architecture by name (see `models/architectures.py`).
 """
 
 from __future__ import annotations

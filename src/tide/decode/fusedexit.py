@@ -1,8 +1,9 @@
-"""Exit mode's compiled decode loop: a step is one graph from the token to the next token, and one host read.
+"""Exit mode's graph backend: a step is one graph from the token to the next token, and one host read.
 
-`exitgraph.ExitGraph` makes a step's walk one graph, but each step still goes through generate's loop, the session's
-forward, the capture of the layers' arguments and the head, on the host. Here, for one row on a static
-full-attention cache with processors that run in the graph (`graphparts.GraphProcessors`), a step (`_exit_step`) is:
+`exitgraph.ExitGraph` makes a step's walk one graph, but each step of the walk backend (`exits.Walk`) still goes
+through the session's forward, the capture of the layers' arguments, the head, the processors and the sampling, on
+the host. Here, for one row on a static full-attention cache with processors that run in the graph
+(`graphparts.GraphProcessors`), a step (`_exit_step`) is:
 
 1. the last emitted token x through layers 0..c1 (the first consulted checkpoint) by the backbone's own forward on a
    view of those layers (`graphparts.backbone_view`), its position the static cache's length and its mask made
@@ -11,20 +12,18 @@ full-attention cache with processors that run in the graph (`graphparts.GraphPro
    the next view's layers, nested; the rotary the fill needs is a row of a table of every position of the cache,
    captured once per call (`_RotaryTable`);
 3. the final norm and head on the state the walk returns, a minimum length's end-of-sequence scores set to -inf, a
-   repetition penalty on the tokens seen so far (a mask of the vocabulary the loop marks each new token in, on the
+   repetition penalty on the tokens seen so far (a mask of the vocabulary each new token is marked in, on the
    device), and the next token: the argmax, or a draw after the call's warpers;
-4. one host read by the loop: the token and x's exit layer, for the stopping criteria, the streamer and the stats
-   (each `torch.cond` reads its predicate inside the graph: `exitgraph.py`).
+4. one host read: the token and x's exit layer, which the exit-mode loop (`exits.exit_decode`) hands to the stopping
+   criteria, the streamer and the stats (each `torch.cond` reads its predicate inside the graph: `exitgraph.py`).
 
-The first new token comes from the prompt's full pass in `exits.exit_decode`, as in every exit-mode call; then this
-loop takes over. One graph per call shape, none made again for another prompt length or cache: the static
-cache's length, read from its tensors, and the rotary table's are dynamic dimensions of the graph
-(`cachepool.dynamic_length`; the longest table made so far serves every shorter cache).
+The first new token comes from the prompt's full pass, as in every exit-mode call; the loop then runs these steps
+where `graph_steps` finds that the call fits them. One graph per call shape, none made again for another prompt
+length or cache: the static cache's length, read from its tensors, and the rotary table's are dynamic dimensions of
+the graph (`cachepool.dynamic_length`; the longest table made so far serves every shorter cache).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -34,13 +33,13 @@ from ..layers.spans import dense
 from .accept import draw
 from .cachepool import dynamic_length, slots
 from .exitgraph import Fill, cond_walk
-from .graphparts import GraphProcessors, Stops, causal_mask, one_graph_fits, penalised, views_of
+from .graphparts import GraphProcessors, causal_mask, one_graph_fits, penalised, views_of
 
-__all__ = ["FusedExit", "fused_exit_for"]
+__all__ = ["GraphSteps", "graph_steps"]
 
 
-def _exit_step(views: tuple, offset, final_norm, logits_from_normed, cache, token, dtype, checkpoints: tuple,
-               tests: tuple, stack, table, suppress, warp, num_layers: int, penalty=None):
+def _exit_step(token, suppress, views: tuple, offset, final_norm, logits_from_normed, cache, dtype, checkpoints: tuple,
+               tests: tuple, stack, table, warp, num_layers: int, penalty):
     """One step as one graph (module docstring) -> (the next token and x's exit layer [2]: what the host reads; the
     next token [1, 1]). `penalty`: (p [], the tokens seen so far [V] bool) for a repetition penalty. The cache's
     length is read from its tensors, a dynamic dimension of the graph (`cachepool.dynamic_length`), as is the
@@ -108,80 +107,65 @@ class _RotaryTable:
         return built if all(torch.equal(a, b) for a, b in zip(built.at(position), row)) else None
 
 
-def fused_exit_for(session, input_ids, generation_config, logits_processor, cache, mask, emitted):
-    """The fused exit loop for this call after its first new token, or None where the call goes on as it started
-    (`exitsession.ExitSession` through generate's loop): more than one row, processors that do not run in the graph,
-    per-token outputs, padding, steps that do not run as one graph (`ExitGraph`), a cache that is not static and
-    full-attention, a model whose backbone does not fit views or whose skipped layers' K/V the batched fill does
-    not compute with a rotary the table reproduces."""
+def graph_steps(session, input_ids, logits_processor, generation_config, cache, mask, emitted) -> GraphSteps | str:
+    """The graph backend for this call after its first new token, or why its steps walk on (`exits.Walk`)."""
     graph = getattr(session, "graph", None)  # (the compiled base's session walks no exits)
     if graph is None:
-        return None
-    parts = session.parts
-    processors = GraphProcessors.of(logits_processor, session.model.num_head_rows, input_ids.device,
-                                bool(generation_config.do_sample))
-    if (input_ids.shape[0] != 1 or processors is None or emitted.keeps_outputs
-            or not one_graph_fits(parts, cache, mask) or not all(layer.is_initialized for layer in cache.layers)):
-        return None
-    checkpoints = graph.checkpoints
+        return "its steps do not run as one graph (`exitgraph.ExitGraph`)"
+    if input_ids.shape[0] != 1:
+        return "more than one row"
+    if emitted.keeps_outputs:
+        return "per-token scores or logits asked for"
+    parts, device, checkpoints = session.parts, input_ids.device, graph.checkpoints
+    processors = GraphProcessors.of(logits_processor, session.model.num_head_rows, device,
+                                    bool(generation_config.do_sample))
+    if processors is None:
+        return "logits processors that do not run in the graph"
+    if not one_graph_fits(parts, cache, mask) or not all(layer.is_initialized for layer in cache.layers):
+        return "a model, cache or padding the graph does not fit (`graphparts.one_graph_fits`)"
     bounds = (0,) + tuple(c + 1 for c in checkpoints) + (parts.num_layers,)
     views = views_of(session.model, parts, bounds, (False,) * (len(bounds) - 1))
     if views is None:
-        return None
-    keys, device = cache.layers[0].max_cache_len, input_ids.device
+        return "a backbone that does not fit views (`graphparts.views_of`)"
     weight = next(parts.layers[0].parameters())
     like = weight.new_zeros(1, 1, weight.shape[-1])  # (the fill's stack is per device and dtype)
-    stack = stack_for(parts, like)
-    if stack is None:
-        return None
-    layers = list(range(checkpoints[0] + 1, parts.num_layers))
+    stack, layers = stack_for(parts, like), list(range(checkpoints[0] + 1, parts.num_layers))
     calls = capture_layer_calls(parts, input_ids=input_ids[:, -1:], position_ids=torch.tensor(
         [[input_ids.shape[1] - 1]], device=device), use_cache=False)
-    if not fused_available(parts, calls, layers, like):
-        return None
+    if stack is None or not fused_available(parts, calls, layers, like):
+        return "skipped layers' K/V that the batched fill does not compute (`kvfill.fused_available`)"
     table = None
     if stack.rotary(calls, layers) is not None:
+        keys = cache.layers[0].max_cache_len
         tables = session.model.__dict__.setdefault("_rotary_tables", {})  # (positions only: the longest per device
         held, table = tables.get((device, like.dtype), (0, None))  # and dtype serves every cache as long or shorter)
         if held < keys:
             table = _RotaryTable.build(parts, stack, layers, keys, device, input_ids.shape[1] - 1)
             tables[device, like.dtype] = keys, table
         if table is None:
-            return None
+            return "a rotary the table of positions does not reproduce"
     dynamic_length(cache)  # (one graph for every cache length)
-    return FusedExit(session, cache, *views, processors, stack, table)
+    penalty = processors.penalty
+    penalty = None if penalty is None else (penalty, processors.seen(input_ids[0].tolist(), device))
+    key = ("fused exit", checkpoints, processors.warp is not None, penalty is not None)
+    return GraphSteps(session.spans, key, processors, dense(input_ids[:, -1:]), penalty, (
+        *views, parts.final_norm, parts.logits_from_normed, cache, like.dtype, checkpoints, graph.tests, stack, table,
+        processors.warp, parts.num_layers, penalty))
 
 
-class FusedExit:
-    """Runs the exit-mode steps of one call as one compiled graph and one host read each."""
+class GraphSteps:
+    """The graph backend: an exit-mode step of one call as one compiled graph and one host read. A step gives (the
+    next token [1], no scores or logits, the read: (the token, its exit layer))."""
 
-    def __init__(self, session, cache, views, offset, processors: GraphProcessors, stack, table):
-        self.session, self.cache, self.views, self.offset = session, cache, views, offset
-        self.processors, self.stack, self.table = processors, stack, table
+    def __init__(self, spans, key: tuple, processors: GraphProcessors, token, penalty, arguments: tuple):
+        self.spans, self.key, self.processors, self.arguments = spans, key, processors, arguments  # (the graph's own)
+        self.token, self.penalty = token, penalty  # the last token [1, 1], on the device; `_exit_step`'s penalty
 
-    def decode(self, input_ids, stopping_criteria, generation_config, emitted):
-        """Generate after `input_ids` [1, n] (its last token emitted, not yet through the model) until a stopping
-        criterion fires; returns what `generate` returns."""
-        session, cache, stats, parts = self.session, self.cache, self.session.stats, self.session.parts
-        stops = Stops(stopping_criteria, generation_config, input_ids.device)
-        tokens, token = input_ids[0].tolist(), dense(input_ids[:, -1:])
-        dtype = next(parts.layers[0].parameters()).dtype
-        graph, seen = session.graph, self.processors.seen(tokens, input_ids.device)
-        penalty = None if seen is None else (self.processors.penalty, seen)
-        while True:
-            start = time.perf_counter()
-            read, token = session.spans.graph(
-                ("fused exit", graph.checkpoints, self.processors.warp is not None, seen is not None), _exit_step,
-                "tide_exit_step_fused", self.views, self.offset, parts.final_norm, parts.logits_from_normed, cache,
-                token, dtype, graph.checkpoints, graph.tests, self.stack, self.table,
-                self.processors.suppress(len(tokens), 0), self.processors.warp, parts.num_layers, penalty, lean=True)
-            if seen is not None:
-                seen[token.view(-1)] = True  # (on the device: no read)
-            new, exit_layer = read.tolist()  # the step's one host read
-            kept, done = stops.emitted(tokens, [new])
-            tokens.append(new)
-            emitted.add(torch.tensor([[new]], dtype=input_ids.dtype, device=input_ids.device), None, None)
-            stats.record_step([exit_layer], exit_layer + 1, parts.num_layers - 1 - exit_layer)
-            stats.record_time(time.perf_counter() - start)
-            if done:
-                return emitted.finish(torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device), cache)
+    def step(self, input_ids, tokens) -> tuple:
+        """The step after `input_ids` [1, n], whose last token the previous step's graph gave."""
+        read, self.token = self.spans.graph(self.key, _exit_step, "tide_exit_step_fused", self.token,
+                                            self.processors.suppress(input_ids.shape[1], 0), *self.arguments, lean=True)
+        if self.penalty is not None:
+            self.penalty[1][self.token.view(-1)] = True  # (on the device: no read)
+        new, exit_layer = read.tolist()  # the step's one host read
+        return torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device), None, None, (new, exit_layer)
