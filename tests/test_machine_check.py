@@ -145,3 +145,42 @@ def test_tide_check_prints_the_verdict(measured, monkeypatch, capsys):
     assert "eager: the chain does not pay on this machine: a cycle costs 1.95 base steps, 1.56 tokens expected" in out
     assert "compile=True: the chain does not pay on this machine" in out  # (the default mode, compiled)
     assert cli.main(["check", "repo"]) == 0 and "read from" in capsys.readouterr().out
+
+
+def _chain_repo(accepted=0.6):
+    """A tiny repo whose eager default drafts nothing and whose compiled calls draft a chain, its calibration record
+    saying the chain's timings accepted `accepted` drafts a cycle (None: no figure)."""
+    chain = {"draft_layer": 1, "max_draft": 2, "draft_vocab_size": 0, "draft_ngram": 0}
+    model = llama_repo(thresholds=False, compiled_chain=chain, max_draft=0)
+    entry = {"chain": chain, "measured": 1.1, "active": True, "timings": [1.1]}
+    if accepted is not None:
+        entry["accepted_per_cycle"] = accepted
+    model.config.calibration = {"compiled_chains": [entry]}
+    return model
+
+
+@pytest.mark.parametrize("cost, accepted, runs", [(1.0, 0.6, "lossless"), (3.0, 0.6, "base"), (1.0, None, "base")],
+                         ids=["pays", "does-not-pay", "no-figure"])
+def test_an_eager_call_tries_the_compiled_chain_where_the_eager_default_drafts_nothing(measured, cost, accepted,
+                                                                                      runs):
+    """An eager call at the defaults of a repo that keeps a compiled chain and no eager scheme runs the chain where
+    this machine's eager check finds that it pays, else the base model (a record with no figure too), and says
+    why; the tokens are the base model's either way. A call that turns the check off runs the base model."""
+    calls, fixed = measured
+    fixed[0] = cost
+    model = _chain_repo(accepted)
+    ids = short_ids()
+    out = model.generate(ids, **GREEDY)
+    stats = model.last_stats
+    assert stats.mode == runs and torch.equal(out, model.base.generate(ids, **GREEDY))
+    if accepted is not None:
+        assert calls and calls[-1][1] is False  # (weighed eagerly)
+        verdict = "pays" if runs == "lossless" else "does not pay"
+        assert f"the chain {verdict} on this machine" in stats.plan
+    else:
+        assert not calls and "holds no drafts accepted a cycle" in stats.plan
+    if runs == "lossless":
+        assert stats.plan.startswith("an eager call that names no mode drafts the repo's compiled_chain")
+        assert stats.verify_passes > 0 and stats.drafted > 0
+    model.generate(ids, **GREEDY, tide_config={"machine_check": False})
+    assert model.last_stats.mode == "base"

@@ -104,7 +104,9 @@ class TideGenerationConfig:
             with `"draft_topk": k`, the head's k best candidates for the next position (`tide.decode.fusedtree`).
             Calibration with `compiled_trials` sets it where such a chain timed faster than both the base model's
             compiled static-cache decode and the default mode compiled; a compiled call that sets no mode,
-            thresholds, exit or draft option then runs it.
+            thresholds, exit or draft option then runs it. An eager call at the defaults of a repo whose eager
+            default drafts nothing (`max_draft=0`, no exits) tries it too: it runs where `machine_check` finds that
+            it pays eagerly on this machine, and the base model otherwise.
         machine_check (`bool`, *optional*, defaults to `True`):
             Lossless mode at the repo's own drafting scheme (a call that names no mode or draft option): weigh the
             tokens a cycle is expected to emit (the repo's calibration record) against what a cycle costs on this

@@ -105,16 +105,19 @@ def expected_tokens(model, scheme: Scheme) -> float | None:
 
 def review(model, plan):
     """`plan` (a `CallPlan`) as it runs on this machine: a lossless plan of the repo's own scheme becomes the base
-    model's run where the scheme does not pay here (`check`); its reason says what was weighed."""
+    model's run where the scheme does not pay here (`check`), and so does an eager call's tried chain
+    (`CallPlan.tried_chain`) where nothing can be weighed; its reason says what was weighed."""
     if plan.kind is not PlanKind.LOSSLESS or not plan.repo_scheme or not plan.options.machine_check:
         return plan
     verdict = check(model, scheme_of(model, plan), plan.compile, plan.options.few_row_layout)
-    if verdict is None:
+    if verdict is None and not plan.tried_chain:
         return plan
-    if verdict["pays"]:
+    if verdict is not None and verdict["pays"]:
         return dataclasses.replace(plan, reason=f"{plan.reason}; {decision_text(verdict)}")
     kind = PlanKind.BASE_COMPILED if plan.compile else PlanKind.BASE
-    return dataclasses.replace(plan, kind=kind, reason=decision_text(verdict), fused_chains=False)
+    why = decision_text(verdict) if verdict is not None else ("the repo's calibration record holds no drafts "
+                                                              "accepted a cycle for its compiled_chain")
+    return dataclasses.replace(plan, kind=kind, reason=why, fused_chains=False)
 
 
 def check_defaults(model, compiled: bool, remeasure: bool = False) -> tuple[str, dict | None]:

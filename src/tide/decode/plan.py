@@ -75,6 +75,9 @@ class CallPlan:
         it, also for models whose config turns it off, such as MPT).
     repo_scheme: lossless: the call drafts the repo's own scheme (it names no mode or draft option), which
         `decode.machinecheck.review` weighs against this machine's costs.
+    tried_chain: an eager call drafts the repo's `compiled_chain` where its eager default drafts nothing: it runs
+        the chain only where the check finds that it pays here, and the base model otherwise (a record with no
+        figure to weigh included).
     """
 
     kind: PlanKind
@@ -85,6 +88,7 @@ class CallPlan:
     fused_chains: bool = False
     kv_cache: bool = False
     repo_scheme: bool = False
+    tried_chain: bool = False
 
 
 def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
@@ -113,7 +117,8 @@ def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
     if options.compile and not options.compiled_modes and not _ASKS_A_MODE & given:
         return _base(model, options, length, kwargs, "calibration timed no mode faster than the compiled base")
     if chain:
-        reason = "a compiled call that names no mode drafts the repo's compiled_chain"
+        reason = (f"a{' compiled' if options.compile else 'n eager'} call that names no mode drafts the repo's "
+                  "compiled_chain")
     elif "mode" in given:
         reason = f"the call asked for {options.mode}"
     elif options.mode == "exit":
@@ -122,7 +127,7 @@ def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
         reason = f"the default mode is {options.mode}"
     plan = _mode_plan(model, options, given, length, reason, args, kwargs)
     if plan.kind is PlanKind.LOSSLESS and (chain or not (_ASKS_A_MODE | _DRAFT_OPTIONS) & given):
-        plan = dataclasses.replace(plan, repo_scheme=True)
+        plan = dataclasses.replace(plan, repo_scheme=True, tried_chain=chain and not options.compile)
     return plan
 
 
@@ -171,10 +176,15 @@ def _base(model, options, length, kwargs, reason: str, kv_cache: bool = False) -
 def call_options(model, tide_config):
     """(the call's `tide_config`, its options resolved, the fields it sets, whether it drafts the repo's
     `compiled_chain`). A compiled call that names no mode, thresholds, exit or draft option drafts that chain
-    (calibration timed it faster than the base model's compiled decode and the default mode compiled)."""
+    (calibration timed it faster than the base model's compiled decode and the default mode compiled). So does such
+    an eager call where the repo's eager default drafts nothing and exits nowhere (calibration timed no eager scheme
+    faster than the base model on its machine): there the chain is only tried, and runs where this machine's check
+    says it pays eagerly (`decode.machinecheck.review`; `CallPlan.tried_chain`)."""
     options = model.config.resolve_generation(tide_config)
     given = _given_fields(tide_config)
-    if isinstance(tide_config, TideConfig) or not (options.compile and options.compiled_chain) \
+    eager_default = (not options.compile and options.max_draft == 0 and not options.has_operating_point
+                     and options.machine_check)
+    if isinstance(tide_config, TideConfig) or not (options.compiled_chain and (options.compile or eager_default)) \
             or (_ASKS_A_MODE | _EXIT_OPTIONS | _DRAFT_OPTIONS) & given:
         return tide_config, options, given, False
     chain = {**_CHAIN_CALL, **options.compiled_chain}
