@@ -3,17 +3,17 @@
 A cycle of the general loop (`lossless.py`) runs the drafter's compiled calls, captures each pass's layer arguments
 on the host, checks each draft against the stopping criteria, reads the accepted count and crops the cache layer
 by layer: host work between compiled spans. Here, for chains from the draft head (a full-attention static cache,
-one attention type), greedy or sampled, a cycle is one graph (`_cycle`, one for every cycle of the call) and one
-read:
+one attention type), greedy or sampled, a cycle is one graph (`_cycle`, one per chain width) and one read:
 
-1. **drafts**: the last emitted token x and each of the call's `max_draft` drafts run through layers 0..E (the draft
-   layer) on the real cache, one position a pass. With `draft_ngram`, where the sequence's latest n-gram occurred
-   before, its continuation (the host knows it) gives the first drafts; the draft head on each pass's output gives
-   the rest: its argmax, or a token drawn from its distribution after the call's warpers. The backbone's own
-   forward does the work, on a view of it that holds layers 0..E and no final norm (`graphparts.backbone_view`), so
-   positions, rotary tables and masks are made inside the graph as the model makes them. The width is fixed:
-   the eager loop's cap, which shortens a chain after a rejection, would make one graph per width, and compiling
-   each costs minutes on a CPU (docs/benchmarks.md weighs the two).
+1. **drafts**: the last emitted token x and each of k drafts run through layers 0..E (the draft layer) on the real
+   cache, one position a pass; the draft head on each pass's output gives the next draft: its argmax, or a token
+   drawn from its distribution after the call's warpers. k follows acceptance as the eager loop's cap does
+   (`speculative.next_cap`: one more after a full accept, the accepted count + 1 after a rejection, up to
+   `max_draft`), one graph per width. With `draft_ngram`, where the sequence's latest n-gram occurred before, its
+   continuation (the host knows it) gives the first drafts of a chain of `max_draft`, in that width's graph: no graph
+   of its own. The backbone's own forward does the work, on a view of it that holds layers 0..E and no final norm
+   (`graphparts.backbone_view`), so positions, rotary tables and masks are made inside the graph as the model makes
+   them. (A fixed width, one graph, drafts more after rejections: docs/benchmarks.md weighs the two.)
 2. **verification**: layers E+1..L-1 over [x, d1..dk] from their layer-E states (a view that starts at layer E+1
    and ends with the final norm), the head, a minimum length's end-of-sequence scores set to -inf, acceptance
    (greedy: the longest prefix of drafts equal to the full model's argmax; sampling: the speculative-sampling rule,
@@ -47,6 +47,7 @@ from .cachepool import dynamic_length, slots
 from .fusedtree import TreeShape, tree_cycle
 from .graphparts import GraphProcessors, Stops, causal_mask, one_graph_fits, penalised, seen_at, views_of
 from .ngram import NgramLookup
+from .speculative import next_cap
 
 __all__ = ["FusedChain", "fused_chain_for"]
 
@@ -166,6 +167,7 @@ class FusedChain:
         self.shallow, self.deep, self.offset = shallow, deep, offset
         self.keys = cache.layers[0].max_cache_len
         dynamic_length(cache)  # (one graph for every cache length)
+        self.cap = session.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
         self.tree = tree  # a tree's candidates for the next position (0: a chain)
 
     def decode(self, input_ids, stopping_criteria, generation_config, emitted: Emitted):
@@ -195,6 +197,8 @@ class FusedChain:
             tokens += new[:kept]
             if self.ngrams:
                 self.ngrams.extend(new[:kept])
+            if not (tree or continuation):  # (n-gram cycles leave the head's cap; a tree has none)
+                self.cap = next_cap(self.cap, width, accepted, session.max_draft)
             cached += accepted + 1
             new_ids = torch.tensor([new[:kept]], dtype=input_ids.dtype, device=input_ids.device)
             emitted.add(new_ids, None, None)
@@ -214,9 +218,10 @@ class FusedChain:
 
     def _graph(self, token, context, continuation: list[int], room: int, length: int, dtype):
         """One cycle's graph call: the call's tree where it names one and the cache has room (the n-gram branch where
-        there is a `continuation`, padded to one width: two graphs), else a chain of `max_draft` drafts, the
-        continuation's tokens first and the head's after them (one graph) -> (what the host reads, the next token,
-        the next context, the chain's width, the continuation drafted, whether it was a tree)."""
+        there is a `continuation`, padded to one width: two graphs), else a chain: of the head's drafts up to the
+        cap, or, where there is a continuation, of `max_draft` drafts, its tokens first and the head's after them
+        (one graph per width the chain takes) -> (what the host reads, the next token, the next context, the
+        chain's width, the continuation drafted, whether it was a tree)."""
         session, cache, device = self.session, self.cache, token.device
         common = (self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, token,
                   context)
@@ -229,9 +234,9 @@ class FusedChain:
                 "tide_tree_{}_{}".format(*shape.key()) + "_sampled" * (self.processors.warp is not None), *common,
                 shape, dtype, self.processors.suppress(length, shape.max_depth), self.processors.warp, given,
                 torch.tensor(len(continuation), device=device)), 1, continuation, True)
-        # (a chain of the call's `max_draft` drafts, the continuation's first: narrower only on a nearly full cache
-        # the caller lent)
-        width = max(0, min(session.max_draft, room))
+        # (an n-gram continuation rides in the widest chain's graph, its tokens first and the head's after them; the
+        # head alone drafts up to the cap)
+        width = max(0, min(session.max_draft if continuation else self.cap, room))
         continuation = continuation[:width]
         given = torch.tensor([continuation + [0] * (width - len(continuation))], device=device)
         penalty = None if self.seen is None else (self.processors.penalty, self.seen)
