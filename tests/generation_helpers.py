@@ -71,14 +71,14 @@ def chi_square_limit(df: int) -> float:
     return df + 3.09 * (2 * df) ** 0.5 + 6
 
 
-def count_fused_work(monkeypatch, owner=None, method: str = "decode") -> tuple[list, list]:
+def count_fused_work(monkeypatch, owner=None, method: str = "cycle") -> tuple[list, list]:
     """([compiled-function launches], [device reads: tolist, item, bool, int, index, float] outside them) counted
-    while `owner.method` runs (default `fused.FusedChain.decode`: its cycles), from now until `monkeypatch` undoes
+    while `owner.method` runs (default `fused.GraphCycles.cycle`: a cycle), from now until `monkeypatch` undoes
     it."""
     from tide.decode import fused
     from tide.layers.spans import SpanRunner
 
-    owner = owner or fused.FusedChain
+    owner = owner or fused.GraphCycles
     launches, reads, counting = [0], [0], [False]
     original_function = SpanRunner._function
 

@@ -209,9 +209,9 @@ def test_compiled_calls_share_one_static_cache():
 
 
 def test_the_draft_head_runs_in_the_shallow_layers_graph():
-    """Compiled drafts of the general loop (here: a call with a logits processor that reads the sequence) run the
-    shallow layers and the draft head as one graph; a `draft_logits` replaced on the model is called instead
-    (eagerly), and both give the base model's tokens."""
+    """Compiled drafts of the draft-and-verify backend (here: a call with a logits processor that reads the
+    sequence) run the shallow layers and the draft head as one graph; a `draft_logits` replaced on the model is
+    called instead (eagerly), and both give the base model's tokens."""
     model, base = noisy_tide("llama")
     ids = prompt_ids()
     general = dict(do_sample=False, max_new_tokens=16, no_repeat_ngram_size=2)
@@ -235,10 +235,10 @@ def test_the_draft_head_runs_in_the_shallow_layers_graph():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: learned positions added to the embeddings
 def test_greedy_chains_draft_in_one_compiled_call(family, monkeypatch):
-    """Where the fused cycle declines (`decode/fused.py`; forced here), compiled greedy chains with no logits
+    """Where the graph backend declines (`decode/fused.py`; forced here), compiled greedy chains with no logits
     processors draft every token of a chain in one call (one graph per chain length); a chain cut by a stopping
     draft, and calls with a processor (drafted a call a token), give the base model's tokens."""
-    monkeypatch.setattr("tide.decode.lossless.fused_chain_for", lambda *args, **kwargs: None)
+    monkeypatch.setattr("tide.decode.lossless.graph_cycles", lambda *args, **kwargs: "forced")
     model, base = noisy_tide(family)
     ids = prompt_ids()
     config = {"mode": "lossless", "max_draft": 4, "compile": True}

@@ -65,13 +65,13 @@ def test_tree_drafts_on_a_static_cache_are_token_identical(family):
 
 
 def test_tree_verification_runs_the_compiled_backbone(monkeypatch):
-    """Compiled, in the general loop (where a tree cycle is not one graph: here forced), a tree is verified in one
+    """Compiled, drafted and verified (where a tree cycle is not one graph: here forced), a tree is verified in one
     pass of the backbone's own compiled forward, the tree as a 4-D mask: x and its 3 candidates (one width, one
     graph, replayed by later calls), token for token the base model."""
     from transformers import CompileConfig
 
     import tide.decode.lossless
-    monkeypatch.setattr(tide.decode.lossless, "fused_chain_for", lambda *args, **kwargs: None)
+    monkeypatch.setattr(tide.decode.lossless, "graph_cycles", lambda *args, **kwargs: "forced")
     model, base = noisy_tide("llama")
     ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=16)

@@ -1,5 +1,5 @@
 """Compiled greedy chains, two paths in one process: the fused cycle (`decode/fused.py`: a draft graph, a verification
-graph, one host read) and the general loop (forced by patching `fused_chain_for` to decline), beside `generate`, the
+graph, one host read) and the general loop (forced by patching `graph_cycles` to decline), beside `generate`, the
 compiled static-cache base and the repo's own scheme compiled; interleaved per prompt.
 
     python examples/bench_baselines/fused_ab.py MODEL ROUTERS TEXT OUT.json [CHAIN_JSON]
@@ -23,15 +23,15 @@ model_dir, text, model, prompts = bench.model_dir, bench.text, bench.model, benc
 n, g = bench.tokens, bench.greedy
 chain = {"mode": "lossless", "compile": True, "draft_topk": 1, "draft_ngram": 0,
          **(json.loads(sys.argv[5]) if len(sys.argv) > 5 else {})}
-fused = loop.fused_chain_for
+fused = loop.graph_cycles
 
 
 def general_loop(ids):
-    loop.fused_chain_for = lambda *args, **kwargs: None
+    loop.graph_cycles = lambda *args, **kwargs: "forced"
     try:
         return model.generate(ids, **g, tide_config=chain)
     finally:
-        loop.fused_chain_for = fused
+        loop.graph_cycles = fused
 
 
 rows = {**bench.base_rows,

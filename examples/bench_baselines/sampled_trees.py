@@ -1,5 +1,5 @@
 """Sampled compiled trees, two paths in one process: one graph a cycle (`decode/fusedtree.py`) and the general loop
-(forced by patching `fused_chain_for` to decline), beside a fused sampled chain and both baselines sampling with the
+(forced by patching `graph_cycles` to decline), beside a fused sampled chain and both baselines sampling with the
 same warpers (`generate`, and the compiled static-cache base); every row seeded alike per prompt, interleaved.
 
     python examples/bench_baselines/sampled_trees.py MODEL ROUTERS TEXT OUT.json [TREE_JSON]
@@ -29,7 +29,7 @@ tree = {"mode": "lossless", "compile": True, "draft_topk": 2, "max_draft": 1,
 chain = {"mode": "lossless", "compile": True, "draft_topk": 1, "draft_ngram": 0}
 compiled = compiled_static_decoder(base, max(p.shape[1] for p in prompts) + n,
                                    warp=lambda s: warpers[1](None, warpers[0](None, s)))
-fused = loop.fused_chain_for
+fused = loop.graph_cycles
 
 
 def seeded(fn):
@@ -40,11 +40,11 @@ def seeded(fn):
 
 
 def general_loop(ids):
-    loop.fused_chain_for = lambda *args, **kwargs: None
+    loop.graph_cycles = lambda *args, **kwargs: "forced"
     try:
         return model.generate(ids, **sample, tide_config=tree)
     finally:
-        loop.fused_chain_for = fused
+        loop.graph_cycles = fused
 
 
 rows = {name: seeded(fn) for name, fn in {

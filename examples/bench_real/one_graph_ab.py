@@ -1,15 +1,18 @@
-"""SmolLM2: the compiled chain as one graph (the call's `max_draft` drafts every cycle, an n-gram continuation as the
-first of them) against the same repo's chains as compiled before, one graph per width the cap takes and one for
-n-gram drafts (the loop of an earlier commit, loaded from git), both baselines in the same process.
+"""SmolLM2: the working tree's compiled chain loop (row "one graph") against an earlier commit's (row "graph per
+width", loaded from git), the same repo and calls, both baselines in the same process. Run with the working tree at
+fc91f21 (one graph: `max_draft` drafts every cycle, an n-gram continuation as the first of them) and at d1a926c
+(a graph per width the cap takes, n-gram continuations in the widest), each against 7e1d5c3 (a graph per width and
+one for n-gram drafts, the design kept): docs/benchmarks.md, "One graph a chain, measured".
 
     python examples/bench_real/one_graph_ab.py --before COMMIT [--routers ROUTERS] [--dtype bfloat16]
         [--workload sharegpt] [--prompts 6] [--tokens 128] [--repeats 2] [--json OUT]
 
-The earlier loop is `src/tide/decode/fused.py` at COMMIT, its relative imports made absolute, standing in for
-`fused_chain_for` in the "graph per width" row; everything else is the working tree's. Both rows run the repo's
-compiled call (`compile=True`, `machine_check` off). Each row's first call, on the longest prompt, is timed and its
-graphs counted before the timed rounds; the two rows share inductor's cache in this process (their layers' kernels
-are alike), so the first-call seconds here are not a fresh process's (`first_compiled_call.py` measures those).
+The earlier loop is `src/tide/decode/lossless.py` and `fused.py` at COMMIT, their relative imports made absolute,
+standing in for `lossless_decode` in the "graph per width" row; everything else is the working tree's. Both rows run
+the repo's compiled call (`compile=True`, `machine_check` off). Each row's first call, on the longest prompt, is
+timed and its graphs counted before the timed rounds; the two rows share inductor's cache in this process (their
+layers' kernels are alike), so the first-call seconds here are not a fresh process's (`first_compiled_call.py`
+measures those).
 """
 
 from __future__ import annotations
@@ -33,23 +36,27 @@ import realmodel  # noqa: E402
 from bench_baselines import bench_rows  # noqa: E402
 
 import tide  # noqa: E402
-import tide.decode.lossless as lossless  # noqa: E402
+import tide.generation as generation  # noqa: E402
 
 CONFIG = {"compile": True, "machine_check": False}
 
 
 def earlier_loop(commit: str):
-    """`tide.decode.fused` as it was at `commit`, imported as a module of its own."""
-    source = subprocess.run(["git", "show", f"{commit}:src/tide/decode/fused.py"], cwd=HERE, check=True,
-                            capture_output=True, text=True).stdout
-    source = re.sub(r"^from \.\.(\w+)", r"from tide.\1", source, flags=re.M)
-    source = re.sub(r"^from \.(\w+)", r"from tide.decode.\1", source, flags=re.M)
-    path = Path(f"/tmp/tide_fused_{commit}.py")
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"tide_fused_{commit}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """`tide.decode.lossless` as it was at `commit` (with that commit's `tide.decode.fused`), imported as modules of
+    their own."""
+    modules = {}
+    for name in ("fused", "lossless"):
+        source = subprocess.run(["git", "show", f"{commit}:src/tide/decode/{name}.py"], cwd=HERE, check=True,
+                                capture_output=True, text=True).stdout
+        source = re.sub(r"^from \.\.(\w+)", r"from tide.\1", source, flags=re.M)
+        source = re.sub(r"^from \.fused ", f"from tide_fused_{commit} ", source, flags=re.M)
+        source = re.sub(r"^from \.(\w+)", r"from tide.decode.\1", source, flags=re.M)
+        path = Path(f"/tmp/tide_{name}_{commit}.py")
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"tide_{name}_{commit}", path)
+        modules[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+    return modules["lossless"]
 
 
 def main(argv=None) -> dict:
@@ -71,14 +78,14 @@ def main(argv=None) -> dict:
     model = tide.TideForCausalLM.from_pretrained(args.routers, base_model=base)
     prompts = bench_real.prompts_for(args.workload, tok, args.prompts)
     greedy = dict(do_sample=False, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
-    one_graph = lossless.fused_chain_for
+    one_graph = generation.lossless_decode
 
     def per_width(ids):
-        lossless.fused_chain_for = before.fused_chain_for
+        generation.lossless_decode = before.lossless_decode
         try:
             return model.generate(ids, **greedy, tide_config=CONFIG)
         finally:
-            lossless.fused_chain_for = one_graph
+            generation.lossless_decode = one_graph
 
     rows = {"one graph": lambda ids: model.generate(ids, **greedy, tide_config=CONFIG), "graph per width": per_width}
     longest = max(prompts, key=lambda ids: ids.shape[1])

@@ -2,8 +2,9 @@
 
 `generate` still prepares the generation config, the logits processors, the stopping criteria, the cache and
 the prompt's inputs; the loop then decodes: `exits.exit_decode` (one token per step, by a walk with per-token exits
-or, compiled, one graph a step) or `lossless.lossless_decode` (draft, verify, accept per cycle). `drafts.py` holds
-what passes between drafting and verification, `accept.py` the acceptance rules, `emit.py` what the loops hand back.
+or, compiled, one graph a step) or `lossless.lossless_decode` (draft, verify, accept per cycle, or, compiled, one
+graph a cycle). `drafts.py` holds what passes between drafting, verification and the loop, `accept.py` the acceptance
+rules, `emit.py` what the loops hand back.
 """
 
 from __future__ import annotations

@@ -51,12 +51,14 @@ def sampling_verdict(drafted: torch.Tensor, draft_scores: torch.Tensor | None, s
     return Verdict(torch.cat([tokens[:accepted], last])[None], accepted)
 
 
-def greedy_verdict_on_device(logits: torch.Tensor, drafts: torch.Tensor):
+def greedy_verdict_on_device(logits: torch.Tensor, drafts: torch.Tensor, counts: torch.Tensor | None = None):
     """The rule of `greedy_verdict` with no host read (what a compiled cycle runs, `fused.py`). logits: [1, k + 1, V]
-    the full model's processed scores; drafts [1, k] -> (tokens [1, k + 1]: the full model's argmax at each
-    position, of which the first accepted + 1 are emitted; accepted [])."""
+    the full model's processed scores; drafts [1, k]; `counts` [k] bool: the drafts that count (padding does not:
+    never accepted) -> (tokens [1, k + 1]: the full model's argmax at each position, of which the first
+    accepted + 1 are emitted; accepted [])."""
     tokens = logits.argmax(-1)
-    return tokens, (drafts == tokens[:, : drafts.shape[1]]).long().cumprod(-1).sum()
+    agree = drafts == tokens[:, : drafts.shape[1]]
+    return tokens, (agree if counts is None else agree & counts).long().cumprod(-1).sum()
 
 
 def sampling_verdict_on_device(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Tensor | None,

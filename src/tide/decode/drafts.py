@@ -1,4 +1,5 @@
-"""The small records that pass between drafting, verification and the decode loop, and what a drafter is."""
+"""The small records that pass between drafting, verification and the decode loop (a cycle's, `Cycle`, from either
+backend), and what a drafter is."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Draft", "Drafter", "Verdict", "Verified"]
+__all__ = ["Cycle", "Draft", "Drafter", "Verdict", "Verified"]
 
 
 @dataclass
@@ -53,6 +54,28 @@ class Verified:
 
     logits: torch.Tensor  # [1, N, V]
     states: torch.Tensor  # [1, N, H]
+
+
+@dataclass
+class Cycle:
+    """What one lossless cycle gives the loop (`lossless.py`), from either backend: the tokens it would emit and
+    what the call's counters take of it (`GenerationStats.record_cycle`); the loop counts the tokens it keeps (a
+    stop may drop the graph's later ones) and the accepted ones among them."""
+
+    tokens: torch.Tensor  # [1, accepted + 1] on the sequence's device (fewer: none after an accepted stopping draft)
+    accepted: int  # drafted tokens among `tokens`
+    drafted: int  # draft steps and n-gram tokens offered
+    topk: int  # the candidates drafted for the next position (1: a chain)
+    ngram_drafted: int = 0  # of `drafted`, n-gram tokens
+    ngram_accepted: int = 0  # of `accepted`, n-gram tokens
+    tree: bool = False  # verified over a tree
+    merged: bool = False  # a tree that held an n-gram branch
+    later_children: int = 0  # accepted tree nodes that were not their parent's first child (draft and verify)
+    layer_passes: int = 0  # layer calls, where the backend knows them a cycle (the graph)
+    graph_s: float | None = None  # the graph: seconds inside it (its launch, guards and host read too)
+    read: list[int] | None = None  # the graph: `tokens` as the host read them, for the stopping criteria
+    scores: torch.Tensor | None = None  # draft and verify, where the call keeps them: [1, k + 1, V] processed
+    raw: torch.Tensor | None = None  # and raw
 
 
 class Drafter(Protocol):

@@ -1,4 +1,4 @@
-"""Trees as one compiled graph and one host read a cycle (`fused.FusedChain`, calls with `draft_topk` > 1), greedy
+"""Trees as one compiled graph and one host read a cycle (`fused.GraphCycles`, calls with `draft_topk` > 1), greedy
 or sampled.
 
 A tree here has a fixed shape per graph (`TreeShape`): after the last emitted token x, the draft head's `siblings`

@@ -1,16 +1,26 @@
-"""The lossless decode loop: draft, verify, accept, repeat; Tide's own, behind `generate`.
+"""The lossless decode loop: draft, verify, accept, repeat, over one of two cycle backends; Tide's own, behind
+`generate`.
 
-Each cycle a drafter (`drafts.Drafter`: `speculative.ChainDrafter`, or `treedraft.TreeDrafter` for tree drafts)
-proposes tokens after the sequence; the call's verifier (`verifier.Verifier`) gives the full model's logits at every
-drafted position and the one after (a tree draft brings them along); logits processors run on each position as
-transformers applies them; `accept.py` decides (a sampled tree draft arrives decided: its walk drew the kept path
-and the token after it); the cache drops what was rejected; the verifier takes the next context and the drafter
-hears what was accepted. The call's counters are taken here, from each cycle's `Draft` and accepted count, and
-the layer calls and prompt tokens the passes counted (`ShallowPasses.layer_calls`, `Verifier.layer_calls`,
-`Verifier.prefilled`); the compiled cycles count their own (`fused.FusedChain`).
-Stopping criteria (EOS, `max_length`, stop strings, the caller's), streamers (accepted tokens only) and
-`return_dict_in_generate` scores and logits are served here. Batch size 1. Nothing here knows the model's
-architecture or how drafts are made.
+The loop owns the sequence, the stopping criteria, the streamer and what `generate` returns (`emit.Emitted`), the
+cache's K/V after a stop, and the call's counters: each cycle's (`GenerationStats.record_cycle`, from the `Cycle`
+its backend gives) and, at the end, the layer calls and prompt tokens the passes counted (`ShallowPasses.layer_calls`,
+`Verifier.layer_calls`, `Verifier.prefilled`). A backend runs a cycle:
+
+- draft and verify (`DraftVerify`): a drafter (`drafts.Drafter`: `speculative.ChainDrafter`, or
+  `treedraft.TreeDrafter` for tree drafts) proposes tokens after the sequence; the call's verifier
+  (`verifier.Verifier`) gives the full model's logits at every drafted position and the one after (a tree draft
+  brings them along); logits processors run on each position as transformers applies them; `accept.py` decides (a
+  sampled tree draft arrives decided: its walk drew the kept path and the token after it); the cache drops what was
+  rejected; the verifier takes the next context and the drafter hears what was accepted. Drafts end at a token that
+  stops generation, and nothing follows one that is accepted; the stopping criteria run on the sequence (with the
+  cycle's scores where the call keeps them).
+- the graph (`fused.GraphCycles`): a compiled cycle as one graph and one host read (the accepted count and the
+  tokens); the stopping criteria run on the host's list of tokens, one at a time (`graphparts.Stops`), and the
+  loop drops the tokens after the first that stops, with their K/V.
+
+The backend is chosen once, after the prompt is prefilled: the graph where the call fits it (`fused.graph_cycles`,
+which otherwise says why not), else draft and verify. `return_dict_in_generate` scores and logits come from draft
+and verify. Batch size 1. Nothing here knows the model's architecture or how drafts are made.
 """
 
 from __future__ import annotations
@@ -21,12 +31,13 @@ import torch
 
 from ..models.compat import crop_cache
 from .accept import greedy_verdict, sampling_verdict
-from .drafts import Draft, Verdict
+from .drafts import Cycle, Draft, Verdict
 from .emit import Emitted
-from .fused import fused_chain_for
+from .fused import graph_cycles
+from .graphparts import Stops
 from .processors import process
 
-__all__ = ["lossless_decode"]
+__all__ = ["DraftVerify", "lossless_decode"]
 
 
 @torch.no_grad()
@@ -40,58 +51,73 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
         cache.activate_past_recording()
     drafter = session.start(generation_config, logits_processor, stopping_criteria, cache,
                             model_kwargs.get("attention_mask"))
-    verifier, stats = session.verifier, session.stats
-    emitted = Emitted(generation_config, streamer)
-    fused = fused_chain_for(session, input_ids, generation_config, logits_processor, cache,
-                            model_kwargs.get("attention_mask"), emitted)
-    if fused is not None:  # compiled greedy chains: one graph and one host read a cycle
-        output = fused.decode(input_ids, stopping_criteria, generation_config, emitted)
-        _count_passes(stats, verifier)
-        return output
-    sample = bool(generation_config.do_sample)
+    verifier, stats, emitted = session.verifier, session.stats, Emitted(generation_config, streamer)
+    cycles = graph_cycles(session, input_ids, generation_config, logits_processor, cache,
+                          model_kwargs.get("attention_mask"), emitted)
+    if isinstance(cycles, str):  # (the reason the call drafts and verifies instead)
+        cycles, stops = DraftVerify(session, drafter, logits_processor, generation_config, emitted), None
+    else:  # (the criteria on the host's tokens)
+        stops, listed = Stops(stopping_criteria, generation_config, input_ids.device), input_ids[0].tolist()
     while True:
         start = time.perf_counter()
+        cycle = cycles.cycle(input_ids)
+        tokens = cycle.tokens
+        if stops is not None:  # the graph's: the criteria on the host's tokens, one at a time; those after a stop
+            kept, done = stops.emitted(listed, cycle.read)  # are dropped
+            listed += cycle.read[:kept]
+            tokens = tokens[:, :kept]
+        input_ids = torch.cat([input_ids, tokens], 1)
+        emitted.add(tokens, cycle.scores, cycle.raw)
+        if stops is None:  # draft and verify's: the criteria on the sequence
+            done = bool(stopping_criteria(input_ids, emitted.scores).any())
+        kept = tokens.shape[1]  # (counted as emitted: tokens computed past a stop and dropped are not)
+        stats.record_cycle(cycle.drafted, min(cycle.accepted, kept), kept, time.perf_counter() - start,
+                           draft_topk=cycle.topk, ngram_drafted=cycle.ngram_drafted,
+                           ngram_accepted=min(cycle.ngram_accepted, kept), tree=cycle.tree, merged=cycle.merged,
+                           later_children=cycle.later_children, layer_passes=cycle.layer_passes,
+                           graph_s=cycle.graph_s)
+        if done:
+            crop_cache(cache, cycle.tokens.shape[1] - kept)  # the K/V of tokens after the one that stopped
+            stats.record_passes(verifier.layer_calls + verifier.shallow.layer_calls, verifier.prefilled)
+            return emitted.finish(input_ids, cache)
+
+
+class DraftVerify:
+    """The draft-and-verify backend: the drafter's draft, the verifier's logits, the call's processors on each
+    position and acceptance on the host; the cache keeps the accepted drafts' K/V."""
+
+    def __init__(self, session, drafter, logits_processor, generation_config, emitted: Emitted):
+        self.verifier, self.drafter, self.cache = session.verifier, drafter, session.cache
+        self.processor, self.sample = logits_processor, bool(generation_config.do_sample)
+        self.keeps_outputs = emitted.keeps_outputs
+
+    def cycle(self, input_ids) -> Cycle:
+        """The cycle after `input_ids` [1, n]: its draft, verified and accepted."""
+        verifier, drafter = self.verifier, self.drafter
         verifier.prefill(input_ids)  # (the first cycle: the cache gets the K/V of all but the last token)
         draft = drafter.draft(input_ids)
         # (a tree walk decided already: it judged each node on the way; a sampled one's acceptance is random and
         # depends on the path it took) Its scores and logits are computed here only where the call keeps them.
         verdict, raw, scores = draft.decided, None, None
-        if verdict is None or emitted.keeps_outputs:
+        if verdict is None or self.keeps_outputs:
             raw = draft.verified if draft.verified is not None else verifier.verify(draft.ids).logits
             raw = raw.to(torch.float32, copy=True)  # [1, k + 1, V]
-            scores = _processed(logits_processor, draft.ids, raw)
-            verdict = verdict if verdict is not None else _decide(draft, scores, sample)
+            scores = _processed(self.processor, draft.ids, raw)
+            verdict = verdict if verdict is not None else _decide(draft, scores, self.sample)
         # Drafts end at a token that stops generation (EOS included) and within the length budget, so the verdict
         # fits; if the stopping draft is accepted, generation ends there: no bonus token.
         tokens = verdict.tokens
         if draft.stops and verdict.accepted == draft.count:
             tokens = tokens[:, : draft.count]
-        accepted = tokens.shape[1] - 1
+        accepted = tokens.shape[1] - 1  # (a stopping draft that was accepted counts as the token after them)
         if draft.count > accepted:
-            crop_cache(cache, draft.count - accepted)
-        input_ids = torch.cat([input_ids, tokens.to(input_ids.device)], 1)
-        emitted.add(tokens, scores, raw)
+            crop_cache(self.cache, draft.count - accepted)
         verifier.accepted(accepted)
         drafter.verified(accepted)
-        _count(stats, draft, accepted, drafter.topk, time.perf_counter() - start)
-        if bool(stopping_criteria(input_ids, emitted.scores).any()):
-            _count_passes(stats, verifier)
-            return emitted.finish(input_ids, cache)
-
-
-def _count(stats, draft: Draft, accepted: int, topk: int, seconds: float) -> None:
-    """A cycle's counters: its draft, of which `accepted` tokens were kept (a stopping draft that was accepted
-    counts as the token after them), its one verification, the drafter's scheme and the cycle's seconds."""
-    stats.record_cycle(draft.count if draft.steps is None else draft.steps, min(accepted, draft.count), accepted + 1,
-                       seconds, draft_topk=topk, ngram_drafted=draft.ngram,
-                       ngram_accepted=sum(draft.from_ngram[:accepted]), tree=draft.tree,
-                       merged=draft.tree and draft.ngram > 0, later_children=draft.later_children if draft.tree else 0)
-
-
-def _count_passes(stats, verifier) -> None:
-    """At the call's end: the layer calls the drafting and verification passes ran, and the prompt tokens the
-    verifier prefilled."""
-    stats.record_passes(verifier.layer_calls + verifier.shallow.layer_calls, verifier.prefilled)
+        return Cycle(tokens.to(input_ids.device), accepted, draft.count if draft.steps is None else draft.steps,
+                     drafter.topk, ngram_drafted=draft.ngram, ngram_accepted=sum(draft.from_ngram[:accepted]),
+                     tree=draft.tree, merged=draft.tree and draft.ngram > 0,
+                     later_children=draft.later_children if draft.tree else 0, scores=scores, raw=raw)
 
 
 def _processed(logits_processor, ids: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:

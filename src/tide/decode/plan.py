@@ -69,7 +69,7 @@ class CallPlan:
     cache_length: the positions of the static cache lent to the call (`decode.cachepool`); None: none is lent.
     reason: one sentence: why this kind.
     fused_chains: compiled lossless: greedy chains may run as one graph a cycle (`decode/fused.py`), which outran
-        the repo's tree in the general loop (docs/benchmarks.md); a call that names `draft_topk` keeps its scheme
+        the repo's tree drafted and verified (docs/benchmarks.md); a call that names `draft_topk` keeps its scheme
         (one graph a cycle too, `decode/fusedtree.py`).
     kv_cache: Tide asks generate for the KV cache where the call leaves `use_cache` unset (Tide's loops decode on
         it, also for models whose config turns it off, such as MPT).

@@ -39,7 +39,7 @@ class GenerationStats:
     merged_cycles: int = 0  # tree cycles whose tree held an n-gram branch besides the head's candidates
     tree_cycles: int = 0  # verification passes over a tree (the others verified a chain: a fallback)
     later_children_accepted: int = 0  # accepted tree nodes that were not their parent's first child (at x: the
-    #   head's top candidate): the head's lower candidates, an n-gram branch beside them (the general loop's trees;
+    #   head's top candidate): the head's lower candidates, an n-gram branch beside them (trees drafted and verified;
     #   fused cycles do not count them)
     # layer arguments: backbone captures Tide's passes ran (`layers/args.py`: one per window of positions where
     # windows hold, else one per pass), and why windows did not hold (None: they did, or were never asked)
@@ -228,7 +228,7 @@ class GenerationStats:
                 f"{self.recompiles} recompile{'s' * (self.recompiles != 1)}")
 
     def _trees_text(self) -> str:
-        """How many verification passes were over trees, and (the general loop's trees) the accepted later children."""
+        """How many verification passes were over trees, and (drafted and verified) the accepted later children."""
         if not self.tree_cycles:
             return ""
         later = "" if self.fused_cycles else (f"; {self.later_children_accepted} accepted nodes not their parent's "
