@@ -40,8 +40,7 @@ def exit_decode(session, input_ids, logits_processor, stopping_criteria, generat
     pads = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=device)
     steps = walk = Walk(session, logits_processor, generation_config, model_kwargs)
-    stops = Stops(stopping_criteria, generation_config, device)  # (the criteria on the host's tokens, for the graph)
-    tokens = graph = listed = None  # (the graph backend, or why not; with it, the host's tokens)
+    tokens = graph = stops = listed = None  # (the graph backend, or why not; with it, the criteria on its tokens)
     while True:
         start = time.perf_counter()
         tokens, scores, raw, read = steps.step(input_ids, tokens)
@@ -65,6 +64,7 @@ def exit_decode(session, input_ids, logits_processor, stopping_criteria, generat
                                 emitted)
             if not isinstance(graph, str):  # (else the reason the call walks on)
                 steps, listed = graph, input_ids[0].tolist()
+                stops = Stops(stopping_criteria, generation_config, device)
 
 
 class Walk:
