@@ -150,3 +150,30 @@ def test_the_budget_caps_training_and_held_out_conversations_in_proportion():
     assert len(texts.train_texts) < 10 and len(texts.held_texts) < 10  # 10 of each without the budget
     assert stream_size(texts.train_texts[:-1], tok, 48)[1] < 40 <= stream_size(texts.train_texts, tok, 48)[1]
     assert [t.prompt for t in texts.held_texts] == texts.timing_texts
+
+
+def test_features_read_in_bfloat16_train_float32_heads_and_leave_the_model_as_it_was():
+    from tide.calibration.forward import WeightsIn
+
+    torch.manual_seed(0)
+    tok = _tok()
+    base = tiny_model("llama")
+    own = {name: p.data_ptr() for name, p in base.named_parameters()}
+    before = {name: p.detach().clone() for name, p in base.named_parameters()}
+    seen = []
+    hook = base.model.layers[0].register_forward_hook(lambda m, args, out: seen.append(
+        (out[0] if isinstance(out, tuple) else out).dtype))
+    model = tide.calibrate(base, tok, dataset=_records(12), config=tide.TideConfig(checkpoint_interval=2,
+                                                                                    target_agreement=0.5),
+                           max_length=48, head_steps=4, passes=1, validation_tokens=0, draft_trials=0,
+                           measure_costs=False, progress=False, feature_dtype="bfloat16")
+    hook.remove()
+    assert torch.bfloat16 in seen and torch.float32 in seen  # the training stream in bfloat16, held-out scoring not
+    for name, p in model.base.named_parameters():  # the very tensors the model had, unchanged
+        assert p.data_ptr() == own[name] and p.dtype == torch.float32 and torch.equal(p.data, before[name])
+    assert all(p.dtype == torch.float32 for p in model.routers.parameters())
+    assert model.config.calibration["train_tokens"] > 0
+    # a float32 model asked for float32 features swaps nothing
+    assert WeightsIn(base, "float32")._swaps == [] and WeightsIn(base, None)._swaps == []
+    with pytest.raises(ValueError, match="feature_dtype"):
+        CalibrationOptions(feature_dtype="int8")

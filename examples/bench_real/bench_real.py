@@ -182,6 +182,10 @@ def main(argv=None):
     cal.add_argument("--compiled-trials", action="store_true", help="also time the default mode and greedy chains "
                      "compiled against the compiled static-cache base (what compile=True calls then run)")
     cal.add_argument("--no-timing-budget", action="store_true", help="time every trial (timing_budget_s=None)")
+    cal.add_argument("--feature-dtype", choices=["bfloat16", "float16"], help="the training stream's forward dtype "
+                     "(calibrate's feature_dtype; the heads still train in float32)")
+    cal.add_argument("--heldout-fraction", type=float, help="calibrate's heldout_fraction (default 0.2)")
+    cal.add_argument("--json", help="write the calibration's summary here")
     cal.add_argument("--heads-only", action="store_true", help="train and score the heads only: no costs, no check "
                      "through the decode step, no timing trials")
     acc = sub.add_parser("accept", help="exit and draft heads' agreement with the full model on held-out text")
@@ -219,10 +223,16 @@ def main(argv=None):
             options["train_tokens"] = args.train_tokens
         if args.no_timing_budget:
             options["timing_budget_s"] = None
+        if args.feature_dtype:
+            options["feature_dtype"] = args.feature_dtype
+        if args.heldout_fraction:
+            options["heldout_fraction"] = args.heldout_fraction
         if args.heads_only:
             options.update(measure_costs=False, validation_tokens=0, draft_trials=0)
         config = {"checkpoint_layers": args.checkpoint_layers} if args.checkpoint_layers else {}
-        calibrate(args.data, args.out, args.num_samples, args.threads, config, **options)
+        result = calibrate(args.data, args.out, args.num_samples, args.threads, config, **options)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
     elif args.command == "accept":
         acceptance(args.routers, args.workload)
     elif args.command == "bench":

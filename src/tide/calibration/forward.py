@@ -11,6 +11,7 @@ positions: never the padding), a chunk of rows at a time, keeping each row's top
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from ..layers.calls import capture_outputs
 from ..modeling import TideForCausalLM
 from .headloss import TEACHER_TOP
 
-__all__ = ["Capture", "capture", "exit_labels", "label_of", "head_top", "head_chunk"]
+__all__ = ["Capture", "capture", "exit_labels", "label_of", "head_top", "head_chunk", "WeightsIn"]
 
 
 @dataclass
@@ -56,6 +57,27 @@ def capture(tide: TideForCausalLM, batch, top: bool = False) -> Capture:
         logits = out.logits[keep]
         full_top1, best = logits.argmax(-1), logits.topk(TEACHER_TOP, -1).indices if top else None
     return Capture({k: states[k][keep] for k in tide.checkpoints}, final, full_top1, context, first, best)
+
+
+class WeightsIn:
+    """A module's floating-point parameters in another dtype for a while: `with weights(): ...` runs the module on
+    copies in `dtype` (made once, here), and puts its own tensors back after, whatever happens inside; buffers
+    (rotary frequencies) stay as they are. A dtype of None, or the parameters' own, changes nothing."""
+
+    def __init__(self, module: torch.nn.Module, dtype: str | torch.dtype | None):
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        params = [p for p in module.parameters() if p.is_floating_point()]  # a tied head and embedding: one
+        self._swaps = [] if dtype is None else [(p, p.data, p.data.to(dtype)) for p in params if p.dtype != dtype]
+
+    @contextmanager
+    def __call__(self):
+        for param, _, copy in self._swaps:
+            param.data = copy
+        try:
+            yield
+        finally:
+            for param, own, _ in self._swaps:
+                param.data = own
 
 
 def head_chunk(vocab_size: int) -> int:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..heads.draftvocab import candidate_sizes, ranked_vocabulary
 from ..modeling import TideForCausalLM
 from .distributed import Processes
-from .forward import Capture, capture, head_chunk, label_of
+from .forward import Capture, WeightsIn, capture, head_chunk, label_of
 from .headloss import TEACHER_TOP, Candidates, draw_negatives, head_kl, uses_candidates
 from .heldout import ranked_draft_vocabulary
 from .options import CalibrationOptions
@@ -33,9 +33,12 @@ def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.
     num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
     trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs,
                        train_tokens=procs.max_int(tokens) * procs.world)
+    reading = WeightsIn(tide.base, opts.feature_dtype)  # the base forward's dtype (the heads train in float32)
     for batch in phases.counted("data", batches(train_texts, ctx.tokenizer, opts, tide.base.device)):
         with phases("training"):
-            trainer.add(capture(tide, batch, top=trainer.candidates))
+            with reading():
+                cap = capture(tide, batch, top=trainer.candidates)
+            trainer.add(cap)
         bar.update(batch["texts"])
         bar.set_postfix(kl=f"{trainer.last_kl:.3f}")
     with phases("training"):
