@@ -10,7 +10,8 @@ import torch
 from transformers.cache_utils import StaticCache
 
 from generation_helpers import chi_square, chi_square_limit
-from tide.decode.fusedtree import TreeShape, _compact, sampled_path
+from tide.decode.accept import sampling_tree_verdict_on_device as sampled_path
+from tide.decode.fusedtree import TreeShape, _compact
 from tiny_models import noisy_tide
 
 
@@ -43,9 +44,10 @@ def test_the_path_moves_to_the_slots_after_x():
                                          ([5, 1, 2, 3, 4], [1, 1, 1, 1, 0])],  # its second token is padding
                          ids=["distinct", "repeat", "padding"])
 def test_a_sampled_tree_emits_what_the_full_model_samples(ids, counts):
-    """The sampled rule as the graph runs it (`sampled_path`), against fixed distributions at every node of a tree of
-    2 siblings and an n-gram branch of 2: the first emitted token is distributed as the full model's distribution
-    after x, and the next as the distribution after the node the first one went through (chi-square, 6,000 runs)."""
+    """The sampled rule as the graph runs it (`accept.sampling_tree_verdict_on_device`), against fixed distributions
+    at every node of a tree of 2 siblings and an n-gram branch of 2: the first emitted token is distributed as the
+    full model's distribution after x, and the next as the distribution after the node the first one went through
+    (chi-square, 6,000 runs)."""
     torch.manual_seed(0)
     shape, vocab, runs = TreeShape(siblings=2, ngram=2), 6, 6000
     p = torch.rand(shape.size, vocab) ** 2

@@ -175,9 +175,8 @@ def _record_verdicts(monkeypatch, verdicts: Counter) -> None:
     verdicts, trees from their sampled walks (every node on the path accepted; a node with children where the walk
     ended: its children all rejected)."""
     import tide.decode.lossless as lossless
-    from tide.decode.treedraft import TreeDrafter
 
-    decide, walk, start = lossless._decide, TreeDrafter._sampled_walk, len(PROMPT)
+    decide, walk, start = lossless._decide, lossless.tree_verdict, len(PROMPT)
 
     def judged(first: int, accepted: int, rejected: bool):
         verdicts.update((first + i, True) for i in range(accepted))
@@ -189,13 +188,13 @@ def _record_verdicts(monkeypatch, verdicts: Counter) -> None:
         judged(draft.ids.shape[1] - draft.count - start + 1, verdict.accepted, verdict.accepted < draft.count)
         return verdict
 
-    def tree(drafter, tree, logits, input_ids):
-        path, ids, last = walk(drafter, tree, logits, input_ids)
+    def tree(tree, logits, input_ids, process, stops, sample):
+        path, verdict = walk(tree, logits, input_ids, process, stops, sample)
         judged(input_ids.shape[1] - start + 1, len(path) - 1, bool(tree.children[path[-1]]))
-        return path, ids, last
+        return path, verdict
 
     monkeypatch.setattr(lossless, "_decide", chain)
-    monkeypatch.setattr(TreeDrafter, "_sampled_walk", tree)
+    monkeypatch.setattr(lossless, "tree_verdict", tree)
 
 
 def _install_oracle(model, base, monkeypatch) -> None:

@@ -741,7 +741,7 @@ def test_tree_sampling_matches_the_closed_form_distribution(head, monkeypatch):
 
 
 def test_draft_tree_shares_prefixes_and_blocks_non_ancestors():
-    from tide.decode.treedraft import DraftTree
+    from tide.decode.drafts import DraftTree
 
     tree = DraftTree()
     for token in (7, 3, 9):  # the head's candidates

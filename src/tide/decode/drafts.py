@@ -1,41 +1,94 @@
-"""The small records that pass between drafting, verification and the decode loop (a cycle's, `Cycle`, from either
-backend), and what a drafter is."""
+"""The small records that pass between drafting, verification and the decode loop (a tree draft's trie, `DraftTree`;
+a cycle's, `Cycle`, from either backend), and what a drafter is."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-__all__ = ["Cycle", "Draft", "Drafter", "Verdict", "Verified"]
+__all__ = ["Cycle", "Draft", "DraftTree", "Drafter", "Verdict", "Verified"]
+
+
+class DraftTree:
+    """A trie of drafted tokens under the root x (node 0): each node's token, parent and depth, and whether it
+    lies on the n-gram branch. Parents come before their children."""
+
+    def __init__(self):
+        self.tokens, self.parents, self.depths, self.ngram = [-1], [-1], [0], [False]
+        self.children: list[dict[int, int]] = [{}]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, ngram: bool = False) -> int:
+        """The node for `token` under `parent`: the existing one (shared prefix) or a new one."""
+        node = self.children[parent].get(token)
+        if node is None:
+            node = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.ngram.append(False)
+            self.children.append({})
+            self.children[parent][token] = node
+        self.ngram[node] = self.ngram[node] or ngram
+        return node
+
+    def add_chain(self, tokens: list[int], ngram: bool = False) -> None:
+        """A branch from the root through `tokens`, in order."""
+        node = 0
+        for token in tokens:
+            node = self.add(node, token, ngram)
+
+    @property
+    def has_ngram(self) -> bool:
+        return any(self.ngram)
+
+    def later_children(self, path: list[int]) -> int:
+        """Of a path from the root (node indices, the root first), the nodes that are not their parent's first
+        child."""
+        return sum(next(iter(self.children[self.parents[node]].values())) != node for node in path[1:])
+
+    def blocked(self) -> torch.Tensor:
+        """[N, N] (query node, key node), x included: True where a node would see an earlier node that is not its
+        ancestor. Later nodes are left to the causal mask. (Shared between trees of one shape: do not modify.)"""
+        return _blocked(tuple(self.parents))
+
+
+@functools.lru_cache(maxsize=256)
+def _blocked(parents: tuple[int, ...]) -> torch.Tensor:
+    sees = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for node in range(len(parents)):
+        if node:
+            sees[node] = sees[parents[node]]
+        sees[node, node] = True
+    return ~sees & torch.ones_like(sees).tril()
 
 
 @dataclass
 class Draft:
-    """What a drafter proposes after the sequence it was given.
+    """What a drafter proposes after the sequence it was given; it decides nothing (acceptance is `accept.py`'s).
 
-    `ids` is the sequence with the drafted tokens appended. `scores` holds the processed draft scores the tokens
-    were sampled from (sampling only; the speculative-sampling rule needs them). A tree draft verifies its
-    candidates in the same pass that drafts them and hands over the full model's logits as `verified`; its walk
-    also decides what is kept (it judged each node on the way; under sampling the acceptance is random and depends
-    on the path), and hands over that verdict as `decided`: the loop emits it as is, without judging the draft
-    again. A draft whose last token would stop generation says so (`stops`): if verification accepts it, nothing
-    follows it. The rest says what the loop counts for the draft (`GenerationStats`).
+    A chain: `ids` is the sequence with the drafted tokens appended. `scores` holds the processed draft scores the
+    tokens were sampled from (sampling only; the speculative-sampling rule needs them). A draft whose last token
+    would stop generation says so (`stops`): if verification accepts it, nothing follows it. A tree (`tree`, a
+    `DraftTree` under the sequence's last token): its tokens are the trie's, `ids` is the sequence and
+    `count` 0; the backend verifies the whole trie and keeps the path that acceptance walks. The rest says what the
+    loop counts for the draft (`GenerationStats`).
     """
 
     ids: torch.Tensor  # [1, n + k]
     count: int  # k, the drafted tokens at the end of `ids`
     scores: torch.Tensor | None = None  # [1, k, V] (sampling)
-    verified: torch.Tensor | None = None  # [1, k + 1, V] full-model logits at the last k + 1 positions of `ids`
     stops: bool = False  # the last drafted token ends generation (EOS, a stop string, the caller's criteria)
-    decided: Verdict | None = None  # the verdict, already decided (a tree walk): every drafted token kept
     steps: int | None = None  # draft steps and n-gram tokens offered (`drafted`: a tree's head step offers its
     #   candidates for one position as one step); None: `count`
     ngram: int = 0  # of `steps`, n-gram tokens
     from_ngram: tuple[bool, ...] = ()  # per drafted token of `ids` (or none): offered by an n-gram continuation
-    tree: bool = False  # `ids` ends with the path a tree's walk kept; its verification went over the whole tree
-    later_children: int = 0  # of that path, the nodes that were not their parent's first child
+    tree: DraftTree | None = None  # a tree draft's trie (its n-gram branch: `ngram` tokens); None: a chain
 
 
 @dataclass
@@ -80,11 +133,13 @@ class Cycle:
 
 class Drafter(Protocol):
     """What the lossless loop drafts with (`speculative.ChainDrafter`, `treedraft.TreeDrafter`): a draft after the
-    sequence `ids` [1, n] each cycle, and, once it is verified, how many of its tokens the loop accepted; `topk`:
-    the candidates it drafts for the next position (1: a chain), for the stats."""
+    sequence `ids` [1, n] each cycle (it only proposes: the backend verifies it, `accept.py` decides), and, once it
+    is decided, how many of its tokens the loop accepted; `tree_mask` False: the draft was a tree, but no tree mask
+    reached the layers, and the backend verified the head's top candidate alone, as a chain of one. `topk`: the
+    candidates it drafts for the next position (1: a chain), for the stats."""
 
     topk: int
 
     def draft(self, ids: torch.Tensor) -> Draft: ...
 
-    def verified(self, accepted: int) -> None: ...
+    def verified(self, accepted: int, tree_mask: bool = True) -> None: ...

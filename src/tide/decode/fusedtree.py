@@ -9,9 +9,10 @@ of its own, padded to `ngram` tokens (`valid` of them count). The cycle (`tree_c
 2. the siblings and the n-gram branch through layers 0..E in one pass, with a tree mask (each node sees the
    sequence, its ancestors and itself);
 3. layers E+1..L-1 and the head over every node in one pass, with the same mask;
-4. acceptance on the device: greedy, a node is accepted where its token is the full model's argmax after its parent
-   and its parent is accepted (`_greedy_path`); sampling, the multi-draft rule for point masses, exact
-   (`sampled_path`); the deepest accepted node ends the path, and the token after it is its argmax, or drawn;
+4. acceptance on the device (`accept.py`): greedy, a node is accepted where its token is the full model's argmax
+   after its parent and its parent is accepted (`greedy_tree_verdict_on_device`); sampling, the multi-draft rule for
+   point masses, exact (`sampling_tree_verdict_on_device`); the deepest accepted node ends the path, and the token
+   after it is its argmax, or drawn;
 5. the path's K/V moved to the slots after x in every cache layer, and each layer's length cut to the path.
 
 Nodes are written to the static cache in that order (x, the siblings, the n-gram branch), so slots and positions
@@ -24,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .accept import draw
+from .accept import greedy_tree_verdict_on_device, sampling_tree_verdict_on_device
 from .cachepool import slots
 
-__all__ = ["TreeShape", "sampled_path", "tree_cycle"]
+__all__ = ["TreeShape", "tree_cycle"]
 
 
 class TreeShape:
@@ -100,9 +101,9 @@ def tree_cycle(shallow, head, deep, offset, logits_from_normed, cache, token, co
     logits = logits.masked_fill(where[depths][:, None] & suppressed, float("-inf"))
     counts = torch.cat([torch.ones(1 + k, dtype=torch.bool, device=device), torch.arange(m, device=device) < valid])
     if warp is None:
-        end, after = _greedy_path(logits, ids, shape, counts)
+        end, after = greedy_tree_verdict_on_device(logits, ids, shape, counts)
     else:
-        end, after = sampled_path(warp(logits.float()).softmax(-1), ids, shape, counts)
+        end, after = sampling_tree_verdict_on_device(warp(logits.float()).softmax(-1), ids, shape, counts)
     accepted = depths.index_select(0, end)  # [1]
     path = torch.tensor(shape.path, device=device).index_select(0, end)[0]  # [D + 1] slots
     steps = torch.arange(shape.max_depth + 1, device=device)
@@ -111,56 +112,6 @@ def tree_cycle(shallow, head, deep, offset, logits_from_normed, cache, token, co
     for layer in cache.layers:
         layer.cumulative_length.sub_(shape.size - 1 - accepted[0])
     return torch.cat([accepted, emitted]), after.view(1, 1), normed[0].index_select(0, end)
-
-
-def _greedy_path(logits, ids, shape: TreeShape, counts):
-    """Greedy acceptance: a node is accepted where its token is the full model's argmax after its parent and its
-    parent is accepted; the deepest accepted node ends the path (the first of equals: a sibling before the n-gram
-    branch's node at the same depth), and its argmax is the token after it -> (the end's slot [1], the token [1])."""
-    best = logits.argmax(-1)  # [n]
-    matches = (ids == best[_parents(shape, ids.device)]) & counts
-    end = _deepest(shape, [matches[v] for v in range(shape.size)])
-    return end, best.index_select(0, end)
-
-
-def sampled_path(p, ids, shape: TreeShape, counts):
-    """Sampled acceptance, exact (the multi-draft rule of `accept.among_certain_drafts`, per node, on the device):
-    p [n, V] the full model's distributions after each node; ids [n] the nodes' tokens, each a point mass; counts
-    [n] bool (padding does not). From x down, a node's children are tried in slot order: child c is accepted with
-    probability r(t_c), r being its parent's distribution with the mass of the children tried before set to 0 and
-    renormalised (a child repeating an earlier one's token has none left); the deepest accepted node ends the path,
-    and the token after it is drawn from its distribution without its children's tokens (all tried, all
-    rejected) -> (the end's slot [1], the token [1])."""
-    device, dtype = p.device, p.dtype
-    parents = _parents(shape, device)
-    earlier = torch.tensor(shape.earlier_siblings, device=device)  # [n, n] bool
-    repeats = (earlier & (ids[:, None] == ids[None, :]) & counts[None, :]).any(-1)
-    mass = torch.where(counts & ~repeats, p[parents, ids], 0.0)  # [n]
-    left = p.sum(-1)[parents] - earlier.to(dtype) @ mass  # the parent's mass not yet tried
-    u = torch.rand(shape.size, device=device, dtype=dtype)
-    passes = ((u * left < mass) | ((left - mass <= 0) & (mass > 0)))  # (the second: the rest rounded away)
-    chosen = passes & ~((earlier.to(dtype) @ passes.to(dtype)) > 0)  # the first child of its parent that passes
-    end = _deepest(shape, [chosen[v] for v in range(shape.size)])
-    tried = torch.tensor(shape.children, device=device).index_select(0, end)[0] & counts  # [n]
-    target = p.index_select(0, end)[0]  # [V]
-    removed = torch.zeros_like(target).scatter_reduce(0, ids, tried.to(dtype), "amax") > 0
-    residual = target.masked_fill(removed, 0.0)
-    residual = torch.where(residual.sum() > 0, residual, target)
-    return end, draw(residual[None])[0]
-
-
-def _parents(shape: TreeShape, device) -> torch.Tensor:
-    return torch.tensor([max(q, 0) for q in shape.parents], device=device)
-
-
-def _deepest(shape: TreeShape, passed: list) -> torch.Tensor:
-    """The deepest node whose every ancestor's test (and its own) passed, x (depth 0) where none did, as a [1] index
-    (a 0-d one would be read on the host); the first of equals."""
-    accepted = [torch.ones((), dtype=torch.bool, device=passed[0].device)]
-    for v in range(1, shape.size):
-        accepted.append(passed[v] & accepted[shape.parents[v]])
-    depths = torch.tensor(shape.depths, device=passed[0].device)
-    return (torch.stack(accepted).long() * (depths + 1)).argmax().view(1)
 
 
 def _compact(cache, start: torch.Tensor, path: torch.Tensor) -> None:

@@ -7,13 +7,16 @@ its backend gives) and, at the end, the layer calls and prompt tokens the passes
 `Verifier.layer_calls`, `Verifier.prefilled`). A backend runs a cycle:
 
 - draft and verify (`DraftVerify`): a drafter (`drafts.Drafter`: `speculative.ChainDrafter`, or
-  `treedraft.TreeDrafter` for tree drafts) proposes tokens after the sequence; the call's verifier
-  (`verifier.Verifier`) gives the full model's logits at every drafted position and the one after (a tree draft
-  brings them along); logits processors run on each position as transformers applies them; `accept.py` decides (a
-  sampled tree draft arrives decided: its walk drew the kept path and the token after it); the cache drops what was
-  rejected; the verifier takes the next context and the drafter hears what was accepted. Drafts end at a token that
-  stops generation, and nothing follows one that is accepted; the stopping criteria run on the sequence (with the
-  cycle's scores where the call keeps them).
+  `treedraft.TreeDrafter` for tree drafts) proposes tokens after the sequence, a chain or a trie, and decides
+  nothing; the call's verifier (`verifier.Verifier`) gives the full model's logits at every drafted position and
+  the one after (a trie's nodes in one pass with a tree mask, `Verifier.verify_tree`; where no tree mask reaches
+  the layers, the head's top candidate alone, as a chain of one); logits processors run on each position as
+  transformers applies them (a trie's on each node's own prefix); `accept.py` decides (a chain's verdict, or a
+  trie's walk: the kept path and the token after it); the cache drops what was rejected (a trie's: the path's K/V
+  moved right after the last emitted token, `Verifier.keep_path`); the verifier takes the next context and the
+  drafter hears what was accepted. Drafts end at a token that stops generation, and nothing follows one that is
+  accepted (a trie's walk ends at such a child); the stopping criteria run on the sequence (with the cycle's
+  scores where the call keeps them).
 - the graph (`fused.GraphCycles`): a compiled cycle as one graph and one host read (the accepted count and the
   tokens); the stopping criteria run on the host's list of tokens, one at a time (`graphparts.Stops`), and the
   loop drops the tokens after the first that stops, with their K/V.
@@ -25,12 +28,13 @@ and verify. Batch size 1. Nothing here knows the model's architecture or how dra
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
 from ..models.compat import crop_cache
-from .accept import greedy_verdict, sampling_verdict
+from .accept import certain_scores, greedy_verdict, sampling_verdict, tree_verdict
 from .drafts import Cycle, Draft, Verdict
 from .emit import Emitted
 from .fused import graph_cycles
@@ -55,7 +59,8 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
     cycles = graph_cycles(session, input_ids, generation_config, logits_processor, cache,
                           model_kwargs.get("attention_mask"), emitted)
     if isinstance(cycles, str):  # (the reason the call drafts and verifies instead)
-        cycles, stops = DraftVerify(session, drafter, logits_processor, generation_config, emitted), None
+        cycles = DraftVerify(session, drafter, logits_processor, stopping_criteria, generation_config, emitted)
+        stops = None
     else:  # (the criteria on the host's tokens)
         stops, listed = Stops(stopping_criteria, generation_config, input_ids.device), input_ids[0].tolist()
     while True:
@@ -84,26 +89,29 @@ def lossless_decode(session, input_ids, logits_processor, stopping_criteria, gen
 
 class DraftVerify:
     """The draft-and-verify backend: the drafter's draft, the verifier's logits, the call's processors on each
-    position and acceptance on the host; the cache keeps the accepted drafts' K/V."""
+    position and acceptance on the host (`accept.py`); the cache keeps the accepted drafts' K/V."""
 
-    def __init__(self, session, drafter, logits_processor, generation_config, emitted: Emitted):
+    def __init__(self, session, drafter, logits_processor, stopping_criteria, generation_config, emitted: Emitted):
         self.verifier, self.drafter, self.cache = session.verifier, drafter, session.cache
-        self.processor, self.sample = logits_processor, bool(generation_config.do_sample)
+        self.processor, self.criteria = logits_processor, stopping_criteria
+        self.sample, self.head_rows = bool(generation_config.do_sample), session.model.num_head_rows
         self.keeps_outputs = emitted.keeps_outputs
 
     def cycle(self, input_ids) -> Cycle:
         """The cycle after `input_ids` [1, n]: its draft, verified and accepted."""
         verifier, drafter = self.verifier, self.drafter
         verifier.prefill(input_ids)  # (the first cycle: the cache gets the K/V of all but the last token)
-        draft = drafter.draft(input_ids)
-        # (a tree walk decided already: it judged each node on the way; a sampled one's acceptance is random and
-        # depends on the path it took) Its scores and logits are computed here only where the call keeps them.
-        verdict, raw, scores = draft.decided, None, None
-        if verdict is None or self.keeps_outputs:
-            raw = draft.verified if draft.verified is not None else verifier.verify(draft.ids).logits
-            raw = raw.to(torch.float32, copy=True)  # [1, k + 1, V]
-            scores = _processed(self.processor, draft.ids, raw)
-            verdict = verdict if verdict is not None else _decide(draft, scores, self.sample)
+        draft, tree_mask = drafter.draft(input_ids), True
+        if draft.tree is not None:
+            verified = verifier.verify_tree(draft.tree, input_ids.shape[1])
+            if verified is not None:
+                return self._tree_cycle(input_ids, draft, verified.logits)
+            # no tree mask reached the layers: the head's top candidate alone, a chain of one (its state pending;
+            # under sampling a draft certain of it)
+            draft, tree_mask = self._top_candidate(input_ids, draft.tree), False
+        raw = verifier.verify(draft.ids).logits.to(torch.float32, copy=True)  # [1, k + 1, V]
+        scores = _processed(self.processor, draft.ids, raw)
+        verdict = _decide(draft, scores, self.sample)
         # Drafts end at a token that stops generation (EOS included) and within the length budget, so the verdict
         # fits; if the stopping draft is accepted, generation ends there: no bonus token.
         tokens = verdict.tokens
@@ -113,11 +121,38 @@ class DraftVerify:
         if draft.count > accepted:
             crop_cache(self.cache, draft.count - accepted)
         verifier.accepted(accepted)
-        drafter.verified(accepted)
+        drafter.verified(accepted, tree_mask=tree_mask)
         return Cycle(tokens.to(input_ids.device), accepted, draft.count if draft.steps is None else draft.steps,
                      drafter.topk, ngram_drafted=draft.ngram, ngram_accepted=sum(draft.from_ngram[:accepted]),
-                     tree=draft.tree, merged=draft.tree and draft.ngram > 0,
-                     later_children=draft.later_children if draft.tree else 0, scores=scores, raw=raw)
+                     scores=scores, raw=raw)
+
+    def _tree_cycle(self, input_ids, draft: Draft, logits: torch.Tensor) -> Cycle:
+        """The cycle of a verified tree draft (`logits` [1, N, V]: the full model's at x and each node): the walk's
+        verdict (`accept.tree_verdict`; a child that would stop generation ends it, as its last token); the cache
+        keeps the path's K/V. Its scores and logits are computed only where the call keeps them."""
+        tree = draft.tree
+        path, verdict = tree_verdict(tree, logits, input_ids, functools.partial(process, self.processor), self._stops,
+                                     self.sample)
+        path_logits, accepted = self.verifier.keep_path(path).logits, verdict.accepted
+        raw = scores = None
+        if self.keeps_outputs:
+            raw = path_logits.to(torch.float32, copy=True)  # [1, accepted + 1, V]
+            ids = torch.cat([input_ids, verdict.tokens[:, :accepted].to(input_ids.device)], 1)
+            scores = _processed(self.processor, ids, raw)
+        self.verifier.accepted(accepted)
+        self.drafter.verified(accepted)
+        return Cycle(verdict.tokens.to(input_ids.device), accepted, draft.steps, self.drafter.topk,
+                     ngram_drafted=draft.ngram, ngram_accepted=sum(tree.ngram[node] for node in path[1:]), tree=True,
+                     merged=draft.ngram > 0, later_children=tree.later_children(path), scores=scores, raw=raw)
+
+    def _top_candidate(self, input_ids, tree) -> Draft:
+        """A chain draft of the tree's top candidate (the head's best: its first node)."""
+        top = torch.tensor([[tree.tokens[1]]], dtype=input_ids.dtype, device=input_ids.device)
+        return Draft(torch.cat([input_ids, top], 1), 1, certain_scores(top, self.head_rows) if self.sample else None)
+
+    def _stops(self, tokens: torch.Tensor, scores: torch.Tensor) -> bool:
+        """Whether a stopping criterion fires on `tokens` [1, T] (`scores`: the last token's)."""
+        return bool(self.criteria(tokens, scores).any())
 
 
 def _processed(logits_processor, ids: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,10 @@ Drafting runs each token through the shallow layers 0..E only (E = the draft lay
 cache (`shallow.py`): those layers' K/V are exactly what the full model writes. The exit head at E drafts the
 next token. Verification (`verifier.py`) runs the last draft through the shallow layers, then the deep layers
 E+1..L-1 over all the drafted positions at once (their layer-E states were kept), which makes the cache even
-again and gives the full model's logits for every position. Acceptance (longest greedy prefix, or the
-speculative-sampling rule), cache cropping, logits processors, stopping criteria, streaming of accepted tokens
-and the counters are the decode loop's (`decode/lossless.py`). Batch size 1. No router or threshold is
-involved: a wrong draft costs time, never output. Drafts read the full model's final normed state at the
+again and gives the full model's logits for every position. Acceptance (`accept.py`: the longest greedy prefix,
+the speculative-sampling rule, a tree's walk), cache cropping, logits processors, stopping criteria, streaming of
+accepted tokens and the counters are the decode loop's (`decode/lossless.py`). Batch size 1. No router or
+threshold is involved: a wrong draft costs time, never output. Drafts read the full model's final normed state at the
 position before the drafted token (the "context") when the draft layer has a draft head
 (`TideForCausalLM.draft_logits`); verification computes that state for every position it checks, and the
 accepted count picks the next draft's.
@@ -15,9 +15,9 @@ accepted count picks the next draft's.
 `LosslessSession` is a call's configuration and shared resources; `start` makes the call's `ShallowPasses`,
 `Verifier` and drafter. `ChainDrafter` drafts chains from the head, or the n-gram continuation where there is one
 (`ngram.NgramDrafter`); with `draft_topk` > 1, `treedraft.TreeDrafter` drafts one tree instead (the head's
-candidates and the n-gram continuation as a deeper branch) and hands the loop the accepted path with logits it
-has already verified (under sampling, with the verdict its walk drew). Drafters check the call's stopping
-criteria through one `Stops`.
+candidates and the n-gram continuation as a deeper branch). Drafters only propose: the loop's backend verifies
+a chain or a tree and `accept.py` decides what is kept. Drafters check the call's stopping criteria through one
+`Stops`.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class LosslessSession:
                   if self.draft_ngram else None)
         chain = ChainDrafter(self, shallow, self.verifier, stops, ngrams, logits_processor, sample)
         if self.draft_topk > 1 and self.head_drafts:
-            return TreeDrafter(self, shallow, self.verifier, stops, ngrams, chain, logits_processor, sample)
+            return TreeDrafter(self, shallow, self.verifier, stops, ngrams, chain, logits_processor)
         return chain
 
     def grown_mask(self, length: int):
@@ -162,14 +162,14 @@ class ChainDrafter:
         scores = torch.stack(draft_scores, 1) if (draft_scores and self.do_sample) else None
         return Draft(tokens, self.drafted, scores, stops=stops)
 
-    def single(self, input_ids: torch.LongTensor, token: torch.Tensor, scores: torch.Tensor | None) -> Draft:
-        """A chain of the one token `token` [1, 1] the caller drafted from the head, its state pending (a tree's
-        head step where no tree mask reached the layers), counted as this drafter's for the cap."""
+    def drafted_one(self) -> None:
+        """The last draft was one token from the head that another drafter drafted (a tree's top candidate, verified
+        alone where no tree mask reached the layers): counted as this drafter's, for the cap."""
         self.drafted = 1
-        return Draft(torch.cat([input_ids, token], 1), 1, scores)
 
-    def verified(self, accepted: int) -> None:
-        """After the loop accepted `accepted` of the drafts: the cap (of head drafts: n-gram drafts leave it)."""
+    def verified(self, accepted: int, tree_mask: bool = True) -> None:
+        """After the loop accepted `accepted` of the drafts: the cap (of head drafts: n-gram drafts leave it).
+        (`tree_mask`: for tree drafts, which this drafter never drafts.)"""
         self.cap = next_cap(self.cap, self.drafted, accepted, self.session.max_draft)
 
     def _chain_in_one_call(self, input_ids: torch.LongTensor, budget: int) -> Draft | None:

@@ -6,27 +6,26 @@ often among its top few (docs/benchmarks.md), and where the text repeats itself 
 
 1. x runs through the shallow layers 0..E (as a chain draft would) and the draft head at E gives k candidates
    for the next position. Where the latest n-gram occurred before, its continuation c1, c2, ... is a branch
-   several tokens deep. Both go into one trie (`DraftTree`): branches that share a prefix share nodes (a
+   several tokens deep. Both go into one trie (`drafts.DraftTree`): branches that share a prefix share nodes (a
    candidate equal to c1 is c1's node).
 2. Every node runs through layers 0..E at once, at position x's + its depth, seeing the context, x, its
    ancestors and itself, not its siblings or cousins (a tree attention mask).
 3. The deep layers E+1..L-1 run over x and every node at once, with the same mask; the final head gives the
    full model's logits at x and at each node.
-4. The tree is walked. Greedy: from x, move to the child equal to the full model's token there (after the
-   logits processors), as long as one exists and that token would not stop generation; the path goes to the
-   decode loop as an already verified draft (its logits are those of step 3, so the loop's acceptance test and
-   bonus token, from the last accepted node's logits, run unchanged). Sampling: every draft here is certain of
-   its token (the head's top candidates, an n-gram continuation), and the multi-draft rule for such drafts
-   (SpecInfer; EAGLE's recursive rejection sampling; `accept.among_certain_drafts`) decides: at a node with the
-   full model's distribution p (processed scores, softmax; the processors see that node's own prefix), its
-   children are tried in order, child c accepted with probability r(c), r being p with the rejected siblings'
-   mass set to 0 and renormalised; on acceptance the walk moves to c and goes on with c's p; when every child
-   is rejected the next token is drawn from r, and after an accepted leaf from the leaf's p. Each token comes
-   out with probability p: P(c1) = p(c1), P(c2) = (1 - p(c1)) * p(c2) / (1 - p(c1)) = p(c2), and so on, and
-   any other token's (1 - sum of p(children)) * p(x) / (1 - sum of p(children)) = p(x). An accepted child that
-   would stop generation ends the walk as its last token, as the greedy walk's stopping token does. The walk
-   hands the loop its verdict (`Draft.decided`): the path's tokens and the one drawn after them.
-   Either way the cache keeps the accepted path's K/V, moved right after x in order, and drops the other nodes'.
+4. The tree is walked (`accept.tree_verdict`). Greedy: from x, move to the child equal to the full model's token
+   there (after the logits processors), as long as one exists and that token would not stop generation; the
+   path's tokens are kept and the full model's token after the last accepted node follows them (the bonus
+   token). Sampling: every draft here is certain of its token (the head's top candidates, an n-gram
+   continuation), and the multi-draft rule for such drafts (SpecInfer; EAGLE's recursive rejection sampling;
+   `accept.among_certain_drafts`) decides: at a node with the full model's distribution p (processed scores,
+   softmax; the processors see that node's own prefix), its children are tried in order, child c accepted with
+   probability r(c), r being p with the rejected siblings' mass set to 0 and renormalised; on acceptance the walk
+   moves to c and goes on with c's p; when every child is rejected the next token is drawn from r, and after an
+   accepted leaf from the leaf's p. Each token comes out with probability p: P(c1) = p(c1), P(c2) = (1 - p(c1)) *
+   p(c2) / (1 - p(c1)) = p(c2), and so on, and any other token's (1 - sum of p(children)) * p(x) / (1 - sum of
+   p(children)) = p(x). An accepted child that would stop generation ends the walk as its last token, as the
+   greedy walk's stopping token does. Either way the cache keeps the accepted path's K/V, moved right after x in
+   order, and drops the other nodes'.
 
 The tree mask is the mask the backbone builds for the chunk [x, nodes] with the entries between non-ancestors
 blocked, and positions set to depths; the nodes' shallow calls are the same calls without x's row (one capture
@@ -42,88 +41,39 @@ positions live in the mask rather than in `position_ids` (alibi) never get here 
 chains are judged as chains: sampling a head chain from the head's distribution and an n-gram chain as certain of
 its tokens, by the speculative-sampling rule.
 
-`TreeDrafter` builds the trie (step 1) and walks it (step 4); the passes of steps 2 and 3 and the cache's
-compaction are the call's verifier's (`verifier.Verifier.verify_tree`, `keep_path`), the chains the chain
-drafter's (`speculative.ChainDrafter`) and the n-gram drafter's (`ngram.NgramDrafter`).
+`TreeDrafter` only proposes: it runs step 1 and hands the loop the trie (`Draft.tree`). The loop's draft-and-verify
+backend (`lossless.DraftVerify`) runs the passes of steps 2 and 3 (the call's verifier's: `Verifier.verify_tree`),
+has `accept.tree_verdict` walk the tree (step 4) and compacts the cache (`Verifier.keep_path`); where no tree mask
+reached the layers it verifies the head's top candidate alone, as a chain of one, and tells the drafter
+(`TreeDrafter.verified`). The fallback chains are the chain drafter's (`speculative.ChainDrafter`) and the n-gram
+drafter's (`ngram.NgramDrafter`). Compiled tree cycles run all four steps as one graph (`fusedtree.py`).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..models.compat import is_static_layer, layer_length, plain_dynamic_layers
-from .accept import among_certain_drafts, certain_scores
-from .drafts import Draft, Verdict
+from .drafts import Draft, DraftTree
 from .processors import process
 from .verifier import room_for
 
-__all__ = ["DraftTree", "TreeDrafter"]
-
-
-class DraftTree:
-    """A trie of drafted tokens under the root x (node 0): each node's token, parent and depth, and whether it
-    lies on the n-gram branch. Parents come before their children."""
-
-    def __init__(self):
-        self.tokens, self.parents, self.depths, self.ngram = [-1], [-1], [0], [False]
-        self.children: list[dict[int, int]] = [{}]
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def add(self, parent: int, token: int, ngram: bool = False) -> int:
-        """The node for `token` under `parent`: the existing one (shared prefix) or a new one."""
-        node = self.children[parent].get(token)
-        if node is None:
-            node = len(self.tokens)
-            self.tokens.append(token)
-            self.parents.append(parent)
-            self.depths.append(self.depths[parent] + 1)
-            self.ngram.append(False)
-            self.children.append({})
-            self.children[parent][token] = node
-        self.ngram[node] = self.ngram[node] or ngram
-        return node
-
-    def add_chain(self, tokens: list[int], ngram: bool = False) -> None:
-        """A branch from the root through `tokens`, in order."""
-        node = 0
-        for token in tokens:
-            node = self.add(node, token, ngram)
-
-    @property
-    def has_ngram(self) -> bool:
-        return any(self.ngram)
-
-    def blocked(self) -> torch.Tensor:
-        """[N, N] (query node, key node), x included: True where a node would see an earlier node that is not its
-        ancestor. Later nodes are left to the causal mask. (Shared between trees of one shape: do not modify.)"""
-        return _blocked(tuple(self.parents))
-
-
-@functools.lru_cache(maxsize=256)
-def _blocked(parents: tuple[int, ...]) -> torch.Tensor:
-    sees = torch.zeros(len(parents), len(parents), dtype=torch.bool)
-    for node in range(len(parents)):
-        if node:
-            sees[node] = sees[parents[node]]
-        sees[node, node] = True
-    return ~sees & torch.ones_like(sees).tril()
+__all__ = ["TreeDrafter"]
 
 
 class TreeDrafter:
-    """Lossless drafting of a trie per cycle, greedy or sampled: the head's `session.draft_topk` candidates and the
-    n-gram continuation (`session`: a `speculative.LosslessSession`; the rest, the call's `ShallowPasses`,
-    `Verifier`, `Stops`, `NgramDrafter` or None, and `ChainDrafter`, which drafts where a tree cannot)."""
+    """Lossless drafting of a trie per cycle: the head's `session.draft_topk` candidates and the n-gram
+    continuation (`session`: a `speculative.LosslessSession`; the rest, the call's `ShallowPasses`, `Verifier`,
+    `Stops`, `NgramDrafter` or None, and `ChainDrafter`, which drafts where a tree cannot). It proposes the trie;
+    the backend verifies it and `accept.tree_verdict` walks it."""
 
-    def __init__(self, session, shallow, verifier, stops, ngrams, chain, logits_processor, sample: bool):
+    def __init__(self, session, shallow, verifier, stops, ngrams, chain, logits_processor):
         self.session, self.shallow, self.verifier, self.stops = session, shallow, verifier, stops
-        self.ngrams, self.chain, self.logits_processor, self.do_sample = ngrams, chain, logits_processor, sample
+        self.ngrams, self.chain, self.logits_processor = ngrams, chain, logits_processor
         self.k = session.draft_topk
         self.usable = None  # known at the first call: the cache can be compacted and the layers take a tree mask
         self.chained = False  # the last cycle drafted a chain of the chain drafter's (it keeps the cap)
+        self.lone = False  # the last tree's context was x alone (attention may take no mask there: causal needs none)
 
     @property
     def topk(self) -> int:
@@ -131,8 +81,16 @@ class TreeDrafter:
         the model's attention turned out to take no tree."""
         return self.k if self.usable is None or self.usable else 1
 
-    def verified(self, accepted: int) -> None:
-        """After the loop accepted `accepted` drafted tokens: a chain of the chain drafter's tells it."""
+    def verified(self, accepted: int, tree_mask: bool = True) -> None:
+        """After the loop accepted `accepted` drafted tokens: a chain of the chain drafter's tells it. `tree_mask`
+        False: no tree mask reached the layers, and the backend verified the tree's top candidate alone, a chain
+        of one (the chain drafter's, for its cap); past a one-token context, this model's attention takes no tree
+        mask: chains from here on."""
+        if not tree_mask:
+            if not self.lone:
+                self.usable = False
+            self.chained = True
+            self.chain.drafted_one()
         if self.chained:
             self.chain.verified(accepted)
 
@@ -152,67 +110,11 @@ class TreeDrafter:
             hidden, (logits, _) = self.shallow.head(x, session.grown_mask(input_ids.shape[1]), self.verifier.context)
             self.verifier.keep(x, hidden)
             draft_scores = process(self.logits_processor, input_ids, logits.float())
-            candidates = draft_scores.topk(self.k, dim=-1).indices  # [1, k]
-            tree = DraftTree()
-            for token in candidates[0].tolist():
-                tree.add(0, token)
-            tree.add_chain(continuation, ngram=True)
-            verified = self.verifier.verify_tree(tree, input_ids.shape[1])
-        if verified is None:  # no tree mask reached the layers: a chain draft of one (the verifier verifies it)
-            if layer_length(cache, 0) > 1:  # (a one-token context may get no mask: causal attention needs none)
-                self.usable = False  # this model's attention takes none: chains from here on
-            self.chained = True
-            top = candidates[:, :1]  # the head's top candidate: a draft certain of it (sampling)
-            scores = certain_scores(top, session.model.num_head_rows) if self.do_sample else None
-            return self.chain.single(input_ids, top, scores)
-        self.chained = False
-        return self._walked(tree, verified.logits, input_ids, len(continuation))
-
-    def _walked(self, tree: DraftTree, logits: torch.Tensor, input_ids: torch.LongTensor, ngram: int) -> Draft:
-        """The draft of a verified tree (`logits` [1, N, V]: the full model's at x and each node): its walk's path,
-        with the walk's verdict; the cache keeps the path's K/V."""
-        walk = self._sampled_walk if self.do_sample else self._walk
-        path, out, last = walk(tree, logits, input_ids)
-        later = sum(next(iter(tree.children[tree.parents[node]].values())) != node for node in path[1:])
-        verified = self.verifier.keep_path(path)
-        count = len(path) - 1
-        # the walk decided: the path's tokens, then the token after them (the loop does not judge them again)
-        decided = Verdict(torch.cat([out[:, out.shape[1] - count:], last.to(out.device)], 1), count)
+            candidates = draft_scores.topk(self.k, dim=-1).indices  # [1, k], the best first
+        tree = DraftTree()
+        for token in candidates[0].tolist():
+            tree.add(0, token)
+        tree.add_chain(continuation, ngram=True)
+        self.chained, self.lone = False, layer_length(cache, 0) <= 1
         # one head step (k candidates) and the n-gram tokens
-        return Draft(out, count, verified=verified.logits, decided=decided, steps=1 + ngram, ngram=ngram,
-                     from_ngram=tuple(tree.ngram[node] for node in path[1:]), tree=True, later_children=later)
-
-    def _walk(self, tree: DraftTree, logits: torch.Tensor, input_ids: torch.LongTensor):
-        """The accepted path (node indices, x first), the sequence with its tokens, and the full model's token
-        [1, 1] after them: from x, the child equal to the full model's processed argmax, while one exists and that
-        token would not stop generation (a stopping token is the one after the path, as the loop's bonus token)."""
-        path, ids = [0], input_ids
-        while True:
-            node = path[-1]
-            # (a copy: processors may work in place, and the loop may apply them to these logits itself)
-            scores = process(self.logits_processor, ids, logits[:, node].to(torch.float32, copy=True))
-            target = scores.argmax(-1, keepdim=True)
-            child = tree.children[node].get(int(target))
-            if child is None or self.stops(torch.cat([ids, target], 1), logits[:, node]):
-                return path, ids, target
-            path.append(child)
-            ids = torch.cat([ids, target], 1)
-
-    def _sampled_walk(self, tree: DraftTree, logits: torch.Tensor, input_ids: torch.LongTensor):
-        """The accepted path (node indices, x first), the sequence with its tokens, and the token [1, 1] drawn
-        after them, by the multi-draft rule for drafts certain of their tokens (`among_certain_drafts`): at each
-        node its children in order, each accepted with its probability under what the rejected ones leave of the
-        full model's processed distribution there; the walk ends where every child is rejected (the token drawn
-        from the rest), at a leaf (drawn from its distribution), or at an accepted child that would stop
-        generation (that child is the last token, as a stopping token is the greedy walk's last)."""
-        path, ids = [0], input_ids
-        while True:
-            node = path[-1]
-            scores = process(self.logits_processor, ids, logits[:, node].to(torch.float32, copy=True))
-            children = tree.children[node]
-            tried, token = among_certain_drafts(scores.softmax(-1)[0], list(children))
-            target = torch.tensor([[token]], dtype=ids.dtype, device=ids.device)
-            if tried < 0 or self.stops(torch.cat([ids, target], 1), logits[:, node]):
-                return path, ids, target
-            path.append(children[token])
-            ids = torch.cat([ids, target], 1)
+        return Draft(input_ids, 0, steps=1 + len(continuation), ngram=len(continuation), tree=tree)

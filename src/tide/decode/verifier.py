@@ -163,7 +163,7 @@ class Verifier:
 
     # ------------------------------------------------------------------ trees
     def verify_tree(self, tree, length: int) -> Verified | None:
-        """The full model at the pending token x and at each node of `tree` (a `treedraft.DraftTree` under x, the
+        """The full model at the pending token x and at each node of `tree` (a `drafts.DraftTree` under x, the
         last of a sequence of `length` tokens); None if no tree mask reached the layers (nothing has changed)."""
         session, parts, cache, n = self.session, self.session.parts, self.cache, len(tree)
         mask = session.grown_mask(length)
