@@ -139,7 +139,7 @@ class ExitGraph:
     @classmethod
     def for_session(cls, session) -> ExitGraph | None:
         """The call's exit graph, or None where its steps walk as before."""
-        config, parts = session.config, session.parts
+        config, parts = session.options, session.parts
         if (not session.spans.compiled or session.spans.cuda_graphs  # (CUDA graphs: not measured with torch.cond)
                 or session.recompute is not None or not session.consulted
                 or not parts.uniform_layers or config.kv_fill == "layerwise"

@@ -38,7 +38,7 @@ class ExitSession:
     """One `generate` call in exit mode: the decode step plus its counters."""
 
     def __init__(self, model, config: TideGenerationConfig, spans: SpanRunner | None = None):
-        self.model, self.base, self.config, self.parts = model, model.base, config, model.parts
+        self.model, self.base, self.options, self.parts = model, model.base, config, model.parts
         self.spans = spans or SpanRunner(self.parts)  # runs of layers between checkpoints (compiled or eager)
         # The checkpoints consulted, with the threshold in force at each: those past `min_layers` whose
         # threshold can fire (>= 1.0 never does, scores being sigmoids). The stats name these.
@@ -64,7 +64,7 @@ class ExitSession:
             self.stats.record_passes(0, 0 if input_ids is None else input_ids.numel())
             if self.recompute is not None:
                 self.recompute.after_prefill(past_key_values)
-            if self.config.prefill_exit and input_ids is not None and past_key_values is not None:
+            if self.options.prefill_exit and input_ids is not None and past_key_values is not None:
                 logits = self.prefill_step(input_ids, past_key_values, kwargs)
                 return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
             return self.original_forward(input_ids=input_ids, past_key_values=past_key_values, **kwargs)

@@ -167,7 +167,7 @@ def graph_cycles(session, input_ids, generation_config, logits_processor, cache,
         return "per-token scores or logits asked for"
     if not session.spans.compiled:
         return "eager spans"
-    if not session.head_drafts:
+    if not session.options.head_drafts:
         return "no drafts from the head"
     if not parts.uniform_layers:
         return "layers that do not all take one set of arguments"
@@ -178,7 +178,7 @@ def graph_cycles(session, input_ids, generation_config, logits_processor, cache,
     session.verifier.prefill(input_ids)  # the cache holds all but the last token; the context
     if not all(layer.is_initialized for layer in cache.layers):
         return "a cache layer the prompt did not initialise"
-    head = session.model.draft_function(session.draft_layer, session.draft_vocab_size)
+    head = session.model.draft_function(session.draft_layer, session.options.draft_vocab_size)
     if head is None:
         return "no draft function at the draft layer"
     views = views_of(session.model, parts, (0, session.draft_layer + 1, parts.num_layers), (False, True))
@@ -198,12 +198,12 @@ class GraphCycles:
         self.keys = cache.layers[0].max_cache_len
         dynamic_length(cache)  # (one graph for every cache length)
         self.tree = tree  # a tree's candidates for the next position (0: a chain)
-        self.cap = session.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
+        self.cap = session.options.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
         self.dtype = next(session.parts.layers[0].parameters()).dtype
         # the last token (laid out afresh, as every later one: one graph) and the context the prefill left
         self.token, self.context = dense(input_ids[:, -1:]), session.context
         tokens = input_ids[0].tolist()
-        self.ngrams = NgramLookup(session.draft_ngram) if session.draft_ngram else None
+        self.ngrams = NgramLookup(session.options.draft_ngram) if session.options.draft_ngram else None
         if self.ngrams:
             self.ngrams.extend(tokens)
         self.seen = processors.seen(tokens, input_ids.device)
@@ -215,7 +215,7 @@ class GraphCycles:
         # (the cache Tide lends a compiled call has room for a full draft after the last token: tokens past the
         # length limit are computed and dropped, and no graph is made for a narrower width near the end)
         room = self.keys - length
-        continuation = self.ngrams.continuation(session.max_draft) if self.ngrams else []
+        continuation = self.ngrams.continuation(session.options.max_draft) if self.ngrams else []
         start = time.perf_counter()
         read, self.token, self.context, width, continuation, tree = self._graph(continuation, room, length)
         read = read.tolist()  # the cycle's one host read
@@ -227,7 +227,7 @@ class GraphCycles:
         if self.seen is not None:
             self.seen[tokens[0]] = True
         if not (tree or continuation):  # (n-gram drafts leave the head's cap; a tree has none)
-            self.cap = next_cap(self.cap, width, accepted, session.max_draft)
+            self.cap = next_cap(self.cap, width, accepted, session.options.max_draft)
         # (a tree: the n-gram tokens accepted are those of the path that emitted the continuation's tokens)
         through = min(accepted, len(continuation)) if not tree or new[:accepted] == continuation[:accepted] else 0
         return Cycle(tokens, accepted, (self.tree + len(continuation)) if tree else (len(continuation) or width),
@@ -245,7 +245,7 @@ class GraphCycles:
         session, cache, device, dtype = self.session, self.cache, self.token.device, self.dtype
         common = (self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache,
                   self.token, self.context)
-        shape = self.tree and TreeShape(self.tree, session.max_draft if continuation else 0)
+        shape = self.tree and TreeShape(self.tree, session.options.max_draft if continuation else 0)
         if shape and room >= shape.size - 1:
             given = (torch.tensor([continuation + continuation[-1:] * (shape.ngram - len(continuation))],
                                   device=device) if continuation else None)
@@ -254,8 +254,8 @@ class GraphCycles:
                 "tide_tree_{}_{}".format(*shape.key()) + "_sampled" * (self.processors.warp is not None), *common,
                 shape, dtype, self.processors.suppress(length, shape.max_depth), self.processors.warp, given,
                 torch.tensor(len(continuation), device=device)), 1, continuation, True)
-        if continuation and room >= session.max_draft:  # padded to one width: one graph for every continuation
-            width, valid = session.max_draft, torch.tensor(len(continuation), device=device)
+        if continuation and room >= session.options.max_draft:  # padded to one width: one graph for every continuation
+            width, valid = session.options.max_draft, torch.tensor(len(continuation), device=device)
             given = torch.tensor([continuation + continuation[-1:] * (width - len(continuation))], device=device)
         else:
             continuation, given, valid = [], None, None

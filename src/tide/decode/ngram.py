@@ -66,7 +66,7 @@ class NgramDrafter:
         """The tokens that followed the latest n-gram of `input_ids` [1, n] where it last occurred (none: draft
         from the head), as many as a draft may hold."""
         self.lookup.update(input_ids)
-        return self.lookup.continuation(min(self.session.max_draft, self.stops.room(input_ids)))
+        return self.lookup.continuation(min(self.session.options.max_draft, self.stops.room(input_ids)))
 
     def draft(self, input_ids: torch.LongTensor, continuation: list[int]) -> Draft:
         """The draft `continuation` (an earlier occurrence's next tokens), up to the first that would stop

@@ -36,7 +36,7 @@ class ShallowPasses:
         if tokens.shape[1] == 1:
             hidden = session.spans.run(0, self.last, hidden, calls)
         else:
-            with few_row_linears(session.parts, session.few_row_layout), grouped_query_attention_in_place():
+            with few_row_linears(session.parts, session.options.few_row_layout), grouped_query_attention_in_place():
                 hidden = session.spans.run(0, self.last, hidden, calls, eager=True)
         self.layer_calls += self.last
         return hidden
@@ -46,11 +46,11 @@ class ShallowPasses:
         compiled call where spans are compiled: -> (layer-E state [1, 1, H], (logits [1, V], the draft's normed
         state [1, H]))."""
         session = self.session
-        function = session.model.draft_function(session.draft_layer, session.draft_vocab_size)
+        function = session.model.draft_function(session.draft_layer, session.options.draft_vocab_size)
         if function is None:  # a replaced draft_logits: called as it is
             hidden = self.run(token, mask)
             return hidden, session.model.draft_logits(session.draft_layer, hidden[:, -1], context,
-                                                      session.draft_vocab_size)
+                                                      session.options.draft_vocab_size)
         hidden, calls = self._calls(token, mask)
         hidden, drafted = session.spans.run_then(0, self.last, hidden, calls, function, context)
         self.layer_calls += self.last
@@ -64,7 +64,7 @@ class ShallowPasses:
         embeddings the backbone transforms beyond adding positions, arguments with no recognisable position axis,
         a replaced `draft_logits`), and nothing has run."""
         session, layer_args = self.session, self.session.layer_args
-        head = session.model.draft_function(session.draft_layer, session.draft_vocab_size)
+        head = session.model.draft_function(session.draft_layer, session.options.draft_vocab_size)
         if head is None or not (self.chains_in_one_call and session.spans.compiled and session.parts.uniform_layers):
             return None
         past = layer_length(self.cache, 0)

@@ -57,11 +57,8 @@ class LosslessSession:
         self.draft_layer = config.resolve_draft_layer(model.checkpoints, self.parts.num_layers)
         # drafts run the draft layer's heads on its states: they must share its device and dtype
         model.routers.check_placement(self.draft_layer, next(self.parts.layers[self.draft_layer].parameters()))
-        self.max_draft = config.max_draft
-        self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1
-        self.draft_vocab_size = config.draft_vocab_size
-        self.draft_ngram, self.head_drafts = config.draft_ngram, config.head_drafts
-        self.few_row_layout = config.few_row_layout  # the CPU linears' layout in multi-position passes
+        self.options = config  # the call's options (`TideGenerationConfig`), read where they are used
+        self.draft_topk = config.draft_topk if self.parts.spec.tree_drafts else 1  # (trees where the family takes them)
         self.stats = GenerationStats(self.parts.num_layers, [self.draft_layer], mode="lossless", kv_strategy="exact",
                                      draft_vocab_size=config.draft_vocab_size, switches=config.switches)
         self.original_forward = base_forward(model.base)
@@ -84,10 +81,10 @@ class LosslessSession:
         self.verifier = Verifier(self, cache, shallow)
         stops = Stops(stopping_criteria, generation_config.max_length)
         sample = bool(generation_config.do_sample)
-        ngrams = (NgramDrafter(self, NgramLookup(self.draft_ngram), shallow, self.verifier, stops, sample)
-                  if self.draft_ngram else None)
+        ngrams = (NgramDrafter(self, NgramLookup(self.options.draft_ngram), shallow, self.verifier, stops, sample)
+                  if self.options.draft_ngram else None)
         chain = ChainDrafter(self, shallow, self.verifier, stops, ngrams, logits_processor, sample)
-        if self.draft_topk > 1 and self.head_drafts:
+        if self.draft_topk > 1 and self.options.head_drafts:
             return TreeDrafter(self, shallow, self.verifier, stops, ngrams, chain, logits_processor)
         return chain
 
@@ -130,7 +127,7 @@ class ChainDrafter:
                  ngrams: NgramDrafter | None, logits_processor, sample: bool):
         self.session, self.shallow, self.verifier, self.stops, self.ngrams = session, shallow, verifier, stops, ngrams
         self.logits_processor, self.do_sample = logits_processor, sample
-        self.cap = session.max_draft  # the longest chain the head drafts next
+        self.cap = session.options.max_draft  # the longest chain the head drafts next
         self.drafted = 0  # the head's drafts in the last chain (n-gram drafts: none, they leave the cap)
 
     def draft(self, input_ids: torch.LongTensor) -> Draft:
@@ -139,7 +136,7 @@ class ChainDrafter:
         if continuation:
             return self.ngrams.draft(input_ids, continuation)
         session, verifier = self.session, self.verifier
-        budget = min(self.cap, self.stops.room(input_ids)) if session.head_drafts else 0
+        budget = min(self.cap, self.stops.room(input_ids)) if session.options.head_drafts else 0
         tokens, draft_scores, stops = input_ids, [], False
         token, context = input_ids[:, -1:], verifier.context
         with torch.no_grad():
@@ -170,7 +167,7 @@ class ChainDrafter:
     def verified(self, accepted: int, tree_mask: bool = True) -> None:
         """After the loop accepted `accepted` of the drafts: the cap (of head drafts: n-gram drafts leave it).
         (`tree_mask`: for tree drafts, which this drafter never drafts.)"""
-        self.cap = next_cap(self.cap, self.drafted, accepted, self.session.max_draft)
+        self.cap = next_cap(self.cap, self.drafted, accepted, self.session.options.max_draft)
 
     def _chain_in_one_call(self, input_ids: torch.LongTensor, budget: int) -> Draft | None:
         """A greedy chain of `budget` drafts in one compiled call (`ShallowPasses.chain`), cut after the first that

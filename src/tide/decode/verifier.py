@@ -145,7 +145,7 @@ class Verifier:
         ids, states = self.ids, self.states  # [1, P + 1], [1, P + 1, H]
         positions = ids.shape[1]
         deep_length = layer_length(cache, session.parts.num_layers - 1)  # deep layers: every position before these
-        pad = self._padding(positions, session.max_draft + 1, lambda widest: min(
+        pad = self._padding(positions, session.options.max_draft + 1, lambda widest: min(
             getattr(layer, "max_cache_len", 0) for layer in cache.layers) - deep_length >= widest)
         eager, pad = pad is None, pad or 0  # (None: no room left to pad; the last few verifications run eagerly)
         if pad:
@@ -155,7 +155,8 @@ class Verifier:
         _, calls = session.layer_args.calls(ids, cache, inputs.get("attention_mask"), inputs["position_ids"],
                                             past=deep_length)
         deep = range(session.draft_layer + 1, session.parts.num_layers)
-        with few_row_linears(session.parts, session.few_row_layout), grouped_query_attention_in_place():  # P + 1 rows
+        layout = session.options.few_row_layout  # (the CPU linears' layout for P + 1 rows)
+        with few_row_linears(session.parts, layout), grouped_query_attention_in_place():
             states = session.spans.run(deep.start, deep.stop, states, calls, eager=eager)
             states = self._unpadded(states, positions, pad, deep)
             normed = session.parts.final_norm(states)
@@ -167,7 +168,7 @@ class Verifier:
         last of a sequence of `length` tokens); None if no tree mask reached the layers (nothing has changed)."""
         session, parts, cache, n = self.session, self.session.parts, self.cache, len(tree)
         mask = session.grown_mask(length)
-        widest = 1 + session.draft_topk + session.max_draft  # x, k candidates and the longest continuation
+        widest = 1 + session.draft_topk + session.options.max_draft  # x, k candidates and the longest continuation
         pad = self._padding(n, widest, lambda widest: room_for(cache, widest)) if tree.has_ngram else 0
         if self.trees_through_backbone is None:  # (known at the first tree: the call's cache and compile options stay)
             self.trees_through_backbone = self._through_backbone()
@@ -194,7 +195,8 @@ class Verifier:
                                                           past_key_values=LengthView(cache, have)), blocked[1:, 1:],
                                       start=have)
             shallow = additive_masks(parts, shallow)
-        with few_row_linears(parts, session.few_row_layout), grouped_query_attention_in_place():  # N - 1 and N rows
+        layout = session.options.few_row_layout  # (the CPU linears' layout for N - 1 and N rows)
+        with few_row_linears(parts, layout), grouped_query_attention_in_place():
             states = session.spans.run(0, session.draft_layer + 1, shallow[0].hidden, shallow, eager=eager)
             states = session.spans.run(session.draft_layer + 1, parts.num_layers, torch.cat([self.states, states], 1),
                                        deep, eager=eager)
