@@ -40,6 +40,7 @@ from .emit import Emitted
 from .fused import graph_cycles
 from .graphparts import Stops
 from .processors import process
+from .speculative import Stops as DraftStops
 
 __all__ = ["DraftVerify", "lossless_decode"]
 
@@ -93,7 +94,7 @@ class DraftVerify:
 
     def __init__(self, session, drafter, logits_processor, stopping_criteria, generation_config, emitted: Emitted):
         self.verifier, self.drafter, self.cache = session.verifier, drafter, session.cache
-        self.processor, self.criteria = logits_processor, stopping_criteria
+        self.processor, self.stops = logits_processor, DraftStops(stopping_criteria, generation_config.max_length)
         self.sample, self.head_rows = bool(generation_config.do_sample), session.model.num_head_rows
         self.keeps_outputs = emitted.keeps_outputs
 
@@ -131,7 +132,7 @@ class DraftVerify:
         verdict (`accept.tree_verdict`; a child that would stop generation ends it, as its last token); the cache
         keeps the path's K/V. Its scores and logits are computed only where the call keeps them."""
         tree = draft.tree
-        path, verdict = tree_verdict(tree, logits, input_ids, functools.partial(process, self.processor), self._stops,
+        path, verdict = tree_verdict(tree, logits, input_ids, functools.partial(process, self.processor), self.stops,
                                      self.sample)
         path_logits, accepted = self.verifier.keep_path(path).logits, verdict.accepted
         raw = scores = None
@@ -149,10 +150,6 @@ class DraftVerify:
         """A chain draft of the tree's top candidate (the head's best: its first node)."""
         top = torch.tensor([[tree.tokens[1]]], dtype=input_ids.dtype, device=input_ids.device)
         return Draft(torch.cat([input_ids, top], 1), 1, certain_scores(top, self.head_rows) if self.sample else None)
-
-    def _stops(self, tokens: torch.Tensor, scores: torch.Tensor) -> bool:
-        """Whether a stopping criterion fires on `tokens` [1, T] (`scores`: the last token's)."""
-        return bool(self.criteria(tokens, scores).any())
 
 
 def _processed(logits_processor, ids: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
