@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "third of the other phases' time, at least 30 s; 'none': no cap)")
     p.add_argument("--compiled-trials", action="store_true",
                    help="also time the kept mode compiled (torch.compile) against the base model's compiled decode")
+    p.add_argument("--decode-threads", type=_integer(1), metavar="N",
+                   help="time costs and trials on N CPU threads, the threads decoding will use (default: the "
+                        "process's own)")
     p.add_argument("--no-pin-cores", action="store_true",
                    help="under `accelerate launch --cpu`, leave the processes' cores as launched (by default each "
                         "process of one machine takes its own share of the cores)")

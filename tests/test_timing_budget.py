@@ -19,14 +19,15 @@ phases = importlib.import_module("tide.calibration.phases")
 TRIAL_S = 10.0
 
 
-def _calibrate(monkeypatch, budget, **options):
+def _calibrate(monkeypatch, budget, threads=None, **options):
     clock = [0.0]
-    timed = []
+    timed, threads = [], [] if threads is None else threads
 
     def fake_speedup(model, prompts, tide_config, new_tokens=24, repeats=3, baseline="generate", bar=None):
         clock[0] += TRIAL_S
         timed.append((tide_config["mode"], baseline, tide_config.get("draft_layer"), tide_config.get("max_draft"),
                       tide_config.get("draft_topk")))
+        threads.append(torch.get_num_threads())
         return 1.3 if tide_config["mode"] == "exit" else 1.5
 
     monkeypatch.setattr(trials, "measured_speedup", fake_speedup)
@@ -46,6 +47,19 @@ def test_no_budget_times_everything_and_records_no_budget(monkeypatch):
     assert not [w for w in caught if "timing budget" in str(w.message)]
     assert "timing_budget" not in model.config.calibration
     assert len(model.config.calibration["draft_selection"]["trials"]) == 3
+
+
+def test_trials_run_on_the_decode_threads_and_the_record_says_how_many(monkeypatch):
+    """`decode_threads`: costs, the decode check and the trials run on that many threads, training on the process's
+    own, restored after; the record names the threads the trials ran on."""
+    own = torch.get_num_threads()
+    asked = 2 if own == 1 else 1
+    threads = []
+    model, timed = _calibrate(monkeypatch, None, threads=threads, decode_threads=asked)
+    assert timed and set(threads) == {asked} and torch.get_num_threads() == own
+    assert model.config.calibration["timing_threads"] == asked
+    with pytest.raises(ValueError, match="decode_threads must be a positive integer"):
+        tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(4), decode_threads=0)
 
 
 def test_a_zero_budget_cuts_every_trial(monkeypatch):
@@ -142,7 +156,9 @@ def test_the_cli_passes_the_budget():
     args = build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o", "--timing-budget-s", "30"])
     assert args.timing_budget_s == 30.0
     args = build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o"])
-    assert args.timing_budget_s == "auto" and not args.compiled_trials
+    assert args.timing_budget_s == "auto" and not args.compiled_trials and args.decode_threads is None
+    assert build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o", "--decode-threads",
+                                      "1"]).decode_threads == 1
     args = build_parser().parse_args(["calibrate", "m", "--dataset", "d", "--out", "o", "--timing-budget-s", "none",
                                       "--compiled-trials"])
     assert args.timing_budget_s is None and args.compiled_trials

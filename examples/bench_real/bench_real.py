@@ -185,6 +185,8 @@ def main(argv=None):
     cal.add_argument("--feature-dtype", choices=["bfloat16", "float16"], help="the training stream's forward dtype "
                      "(calibrate's feature_dtype; the heads still train in float32)")
     cal.add_argument("--heldout-fraction", type=float, help="calibrate's heldout_fraction (default 0.2)")
+    cal.add_argument("--decode-threads", type=int, help="threads the costs, decode check and timing trials run on "
+                     "(calibrate's decode_threads; the bench decodes on 1)")
     cal.add_argument("--json", help="write the calibration's summary here")
     cal.add_argument("--heads-only", action="store_true", help="train and score the heads only: no costs, no check "
                      "through the decode step, no timing trials")
@@ -227,6 +229,8 @@ def main(argv=None):
             options["feature_dtype"] = args.feature_dtype
         if args.heldout_fraction:
             options["heldout_fraction"] = args.heldout_fraction
+        if args.decode_threads:
+            options["decode_threads"] = args.decode_threads
         if args.heads_only:
             options.update(measure_costs=False, validation_tokens=0, draft_trials=0)
         config = {"checkpoint_layers": args.checkpoint_layers} if args.checkpoint_layers else {}

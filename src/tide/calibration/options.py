@@ -38,6 +38,10 @@ class CalibrationOptions:
     validation_tokens: int = 1024  # held-out tokens decoded through the decode step to check the target (0: skip)
     draft_trials: int = 3  # lossless drafting schemes timed against the base model (best estimates first; 0: skip)
     compiled_trials: bool = False  # also time the kept mode compiled against the base model's compiled decode
+    # the CPU threads decoding will run on: costs, the decode check and the timing trials run with that many (what a
+    # scheme costs against a base step depends on it), training and held-out scoring with the process's own; None:
+    # the process's own throughout
+    decode_threads: int | None = None
     # several CPU processes on one machine (`accelerate launch --cpu`): each takes its own share of the cores
     # (`distributed.Processes.pin_to_own_cores`); False leaves the launcher's affinity as it is
     pin_cores: bool = True
@@ -63,6 +67,10 @@ class CalibrationOptions:
         if self.train_tokens is not None and (isinstance(self.train_tokens, bool) or
                                               not isinstance(self.train_tokens, int) or self.train_tokens < 1):
             raise ValueError(f"calibrate: train_tokens must be a positive integer or None, got {self.train_tokens!r}.")
+        threads = self.decode_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"calibrate: decode_threads must be a positive integer or None, got "
+                             f"{self.decode_threads!r}.")
         if self.buffer_size is not None and (not isinstance(self.buffer_size, int) or self.buffer_size < 1):
             raise ValueError(f"calibrate: buffer_size must be a positive integer or None, got {self.buffer_size!r}.")
         if not isinstance(self.heldout_fraction, (int, float)) or not 0.0 < self.heldout_fraction < 1.0:

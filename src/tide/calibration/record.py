@@ -51,6 +51,7 @@ def build_record(ctx: Context, dataset: str, *, texts: Texts, trainer, held: Hel
     record.compiled_chains = compiled_chains
     record.decode_validation = as_record(point.validation, Validation)
     record.phase_seconds = phases.rounded()
+    record.timing_threads = ctx.opts.decode_threads or torch.get_num_threads()
     record.work_per_rank = _work_per_rank(procs, (len(texts.train_texts), trainer.train_tokens), held_local,
                                           getattr(ctx.tide.heldout_selection, "decoded_per_rank", None),
                                           trainer.head_rows)

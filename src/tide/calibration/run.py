@@ -12,6 +12,9 @@ generate text.
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from tqdm.auto import tqdm
 
 from ..config import TideConfig
@@ -65,17 +68,30 @@ def calibrate(
     ctx = Context.start(tide, tokenizer, opts)
     texts = read_texts(ctx, dataset, prompts, dataset_config=dataset_config, split=split, text_column=text_column)
     trainer, ranked, held, held_local = _train_and_score(ctx, texts)
-    measured = cost_measurement(ctx, texts)
-    point = choose_thresholds(ctx, held, measured, len(texts.all_held))
-    draft_selection = choose_drafts(ctx, held, measured.costs, ranked, texts.all_held, point)
-    with CompileWatch() as compiling:  # (the compiled trials' graphs: persisted below, the repo's config final)
-        compiled_timing, compiled_chains = time_default_compiled(ctx, measured.prompts, draft_selection)
+    with decoding_threads(opts.decode_threads):  # (costs, the decode check and the trials: as decoding will run)
+        measured = cost_measurement(ctx, texts)
+        point = choose_thresholds(ctx, held, measured, len(texts.all_held))
+        draft_selection = choose_drafts(ctx, held, measured.costs, ranked, texts.all_held, point)
+        with CompileWatch() as compiling:  # (the compiled trials' graphs: persisted below, the repo's config final)
+            compiled_timing, compiled_chains = time_default_compiled(ctx, measured.prompts, draft_selection)
     record = build_record(ctx, data_name(dataset, prompts), texts=texts, trainer=trainer, held=held,
                           held_local=held_local, costs=measured.costs, point=point, draft_selection=draft_selection,
                           compiled_timing=compiled_timing, compiled_chains=compiled_chains)
     tide.config.calibration = record.to_dict()
     persist_compiled(tide, compiling.graphs)
     return tide
+
+
+@contextlib.contextmanager
+def decoding_threads(threads: int | None):
+    """torch's intra-op threads set to `threads` inside the block (None: left as they are), restored after."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _train_and_score(ctx: Context, texts: Texts) -> tuple:

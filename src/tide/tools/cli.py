@@ -71,7 +71,7 @@ def cmd_calibrate(args) -> None:
                            dataset_config=args.dataset_config, split=args.split, text_column=args.text_column,
                            num_samples=args.num_samples, max_length=args.max_length, batch_size=args.batch_size,
                            timing_budget_s=args.timing_budget_s, compiled_trials=args.compiled_trials,
-                           pin_cores=not args.no_pin_cores)
+                           decode_threads=args.decode_threads, pin_cores=not args.no_pin_cores)
     if not Processes.current(base.device).is_main:  # under `accelerate launch`: the main process writes
         return
     model.save_pretrained(args.out)
