@@ -3,6 +3,7 @@ one."""
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 from generation_helpers import exits_by_sign
 from tiny_models import noisy_tide, prompt_ids
@@ -87,3 +88,21 @@ def test_tree_verification_runs_the_compiled_backbone(monkeypatch):
                              tide_config=config)
     assert torch.equal(out, ref) and widths and set(widths) == {4}
     assert model.last_stats.tree_cycles == len(widths)
+
+
+def test_compiled_calls_on_sliding_window_layers():
+    """compile=True on a model with sliding-window layers (Gemma 2): the compiled base and compiled exit mode run on
+    the static cache Tide lends (its sliding layers included), token for token the base model's and the eager exit
+    walk's; lossless mode, whose rejected drafts those layers cannot roll back, says what to do instead."""
+    model, base = noisy_tide("gemma2", heads=("translator", "draft"))
+    ids = prompt_ids(12)
+    greedy = dict(max_new_tokens=20, do_sample=False, compile_config=CompileConfig(backend="eager"))
+    out = model.generate(ids, tide_config={"compile": True, "compiled_modes": False}, **greedy)
+    assert model.last_stats.mode == "base (compiled)" and torch.equal(out, base.generate(ids, max_new_tokens=20,
+                                                                                           do_sample=False))
+    exits = {"mode": "exit", "exit_threshold": 0.5}
+    walked = model.generate(ids, max_new_tokens=20, do_sample=False, tide_config=exits)
+    out = model.generate(ids, tide_config={**exits, "compile": True}, **greedy)
+    assert model.last_stats.compiled and torch.equal(out, walked)
+    with pytest.raises(ValueError, match="Drop compile=True and cache_implementation"):
+        model.generate(ids, tide_config={"mode": "lossless", "compile": True}, **greedy)

@@ -28,7 +28,7 @@ from .decode.speculative import LosslessSession
 from .decode.stats import GenerationStats
 from .heads.kernels import kernel_mode
 from .layers.spans import SpanRunner, compile_options, options_key
-from .models.compat import CompileWatch, is_static_layer
+from .models.compat import CompileWatch, is_preallocated_layer
 
 __all__ = ["generate_with_tide", "plan_call", "CallPlan", "attach_stats", "lossless_problem"]
 
@@ -107,7 +107,7 @@ def _compile_options(model, kwargs: dict) -> dict:
     """torch.compile options for a call with `compile=True`, which runs on a static cache: `kwargs` then asks
     generate for one, or must pass one."""
     cache = kwargs.get("past_key_values")
-    if cache is not None and not all(is_static_layer(layer) for layer in cache.layers):
+    if cache is not None and not all(is_preallocated_layer(layer) for layer in cache.layers):
         raise ValueError("tide_config compile=True runs compiled passes on a static cache; pass a StaticCache as "
                          "past_key_values, or none (Tide asks generate for cache_implementation='static').")
     if cache is None:

@@ -252,6 +252,11 @@ def lossless_problem(model, args, kwargs) -> str | None:
     if no_cache(kwargs):
         return "mode='lossless' verifies drafts against the KV cache; drop use_cache=False."
     layers = _layers_without_rollback(model, kwargs)
+    if layers and kwargs.get("past_key_values") is None:  # the static cache the call asks for (compile=True does)
+        return (f"mode='lossless' needs sliding-window cache layers that can roll back rejected drafts, and layers "
+                f"{layers} of the static cache this call runs on (compile=True or cache_implementation='static' "
+                "asks for one) drop evicted positions at once. Drop compile=True and cache_implementation (eager "
+                "lossless runs on a DynamicCache, which keeps them), or use mode='exit'.")
     if layers:
         return (f"mode='lossless' needs sliding-window cache layers that can roll back rejected drafts, and layers "
                 f"{layers} of this call's cache (a static one) drop evicted positions at once. Pass a DynamicCache "

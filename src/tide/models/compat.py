@@ -38,7 +38,7 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.integrations import sdpa_attention
 
-__all__ = ["stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "layer_length",
+__all__ = ["is_preallocated_layer", "stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "layer_length",
            "crop_cache", "keep_path", "keep_of_tail", "plain_dynamic_layers", "is_static_layer", "keep_one_of_tail",
            "has_sliding_layers", "cache_layer_kinds", "unrecoverable_sliding_layers", "sliding_window_of",
            "grouped_query_attention_in_place", "custom_generate_repo", "CompileWatch", "mask_sizes_from_tensors",
@@ -170,6 +170,13 @@ def is_static_layer(layer) -> bool:
     from transformers.cache_utils import StaticLayer
 
     return isinstance(layer, StaticLayer) and not layer.is_sliding
+
+
+def is_preallocated_layer(layer) -> bool:
+    """A `StaticCache` layer, full-attention or sliding-window: preallocated tensors a compiled graph can keep."""
+    from transformers.cache_utils import StaticLayer
+
+    return isinstance(layer, StaticLayer)
 
 
 def has_sliding_layers(cache) -> bool:
