@@ -252,15 +252,14 @@ def lossless_problem(model, args, kwargs) -> str | None:
     if no_cache(kwargs):
         return "mode='lossless' verifies drafts against the KV cache; drop use_cache=False."
     layers = _layers_without_rollback(model, kwargs)
-    if layers and kwargs.get("past_key_values") is None:  # the static cache the call asks for (compile=True does)
-        return (f"mode='lossless' needs sliding-window cache layers that can roll back rejected drafts, and layers "
-                f"{layers} of the static cache this call runs on (compile=True or cache_implementation='static' "
-                "asks for one) drop evicted positions at once. Drop compile=True and cache_implementation (eager "
-                "lossless runs on a DynamicCache, which keeps them), or use mode='exit'.")
     if layers:
+        asked = kwargs.get("past_key_values") is None  # the static cache the call asks for (compile=True does)
+        where = ("the static cache this call runs on (compile=True or cache_implementation='static' asks for one)"
+                 if asked else "this call's cache (a static one)")
+        fix = ("Drop compile=True and cache_implementation (eager lossless runs on a DynamicCache, which keeps them)"
+               if asked else "Pass a DynamicCache (or none) and let generate create it")
         return (f"mode='lossless' needs sliding-window cache layers that can roll back rejected drafts, and layers "
-                f"{layers} of this call's cache (a static one) drop evicted positions at once. Pass a DynamicCache "
-                "(or none) and let generate create it, or use mode='exit'.")
+                f"{layers} of {where} drop evicted positions at once. {fix}, or use mode='exit'.")
     return ((model.config.calibration or {}).get("draft_selection") or {}).get("unavailable")
 
 
