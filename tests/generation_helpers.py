@@ -73,9 +73,9 @@ def chi_square_limit(df: int) -> float:
 
 def count_fused_work(monkeypatch, owner=None, method: str = "cycle") -> tuple[list, list]:
     """([compiled-function launches], [device reads: tolist, item, bool, int, index, float] outside them) counted
-    while `owner.method` runs (default `fused.GraphCycles.cycle`: a cycle), from now until `monkeypatch` undoes
+    while `owner.method` runs (default `lossless.graph.GraphCycles.cycle`: a cycle), from now until `monkeypatch` undoes
     it."""
-    from tide.decode import fused
+    from tide.decode.lossless import graph as fused
     from tide.layers.spans import SpanRunner
 
     owner = owner or fused.GraphCycles

@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 import tide
-from tide.decode.speculative import LosslessUnavailable
+from tide.decode.lossless.verifier import LosslessUnavailable
 from tiny_models import llama_repo, short_ids
 
 GREEDY = dict(do_sample=False, max_new_tokens=5, pad_token_id=0)

@@ -8,7 +8,7 @@ import torch
 
 import tide
 from tide.decode.plan import KINDS, plan_call
-from tide.decode.speculative import LosslessUnavailable
+from tide.decode.lossless.verifier import LosslessUnavailable
 from tiny_models import llama_repo as _model
 from tiny_models import short_ids as _ids
 

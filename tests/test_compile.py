@@ -24,7 +24,7 @@ def _fresh_dynamo():
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # (later calls replaying: tests/test_fused_cycles.py)
 def test_compiled_graphs_are_token_identical(family, monkeypatch):
     """Compiled runs of layers (a single row's exit steps as one graph: tests/test_exit_graph.py, off here)."""
-    from tide.decode.exitgraph import ExitGraph
+    from tide.decode.exits.walkgraph import ExitGraph
 
     monkeypatch.setattr(ExitGraph, "for_session", classmethod(lambda cls, session: None))
     model, base = noisy_tide(family)
@@ -235,10 +235,10 @@ def test_the_draft_head_runs_in_the_shallow_layers_graph():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: learned positions added to the embeddings
 def test_greedy_chains_draft_in_one_compiled_call(family, monkeypatch):
-    """Where the graph backend declines (`decode/fused.py`; forced here), compiled greedy chains with no logits
+    """Where the graph backend declines (`decode/lossless/graph.py`; forced here), compiled greedy chains with no logits
     processors draft every token of a chain in one call (one graph per chain length); a chain cut by a stopping
     draft, and calls with a processor (drafted a call a token), give the base model's tokens."""
-    monkeypatch.setattr("tide.decode.lossless.graph_cycles", lambda *args, **kwargs: "forced")
+    monkeypatch.setattr("tide.decode.lossless.loop.graph_cycles", lambda *args, **kwargs: "forced")
     model, base = noisy_tide(family)
     ids = prompt_ids()
     config = {"mode": "lossless", "max_draft": 4, "compile": True}

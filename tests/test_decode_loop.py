@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tide.decode.accept import greedy_verdict, sampling_verdict
+from tide.decode.lossless.accept import greedy_verdict, sampling_verdict
 from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
 
 MODES = {"exit": {"mode": "exit", "exit_threshold": 0.5}, "chain": {"mode": "lossless", "draft_layer": 1},

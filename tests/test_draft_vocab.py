@@ -250,7 +250,7 @@ def test_draft_trials_stop_only_where_lossless_mode_is_unavailable(monkeypatch):
     from types import SimpleNamespace
 
     from tide.calibration.costs import DraftScheme
-    from tide.decode.speculative import LosslessUnavailable
+    from tide.decode.lossless.verifier import LosslessUnavailable
 
     trials = __import__("tide.calibration.trials", fromlist=["choose_draft"])
     monkeypatch.setattr(trials, "timing_prompts", lambda *args: [])

@@ -1,13 +1,13 @@
-"""Exit mode's single-row compiled steps as one graph each: the loop's graph backend (`decode/fusedexit.py`: token to
+"""Exit mode's single-row compiled steps as one graph each: the loop's graph backend (`decode/exits/graph.py`: token to
 next token, one read a step) and, where the call's processors do not run in a graph, the session's walk as one graph
-(`decode/exitgraph.py`); both `torch.cond` at every consulted checkpoint, token for token as the eager walk and the
-compiled spans, no recompilation across prompt lengths."""
+(`decode/exits/walkgraph.py`); both `torch.cond` at every consulted checkpoint, token for token as the eager walk and
+the compiled spans, no recompilation across prompt lengths."""
 
 import pytest
 import torch
 from transformers import CompileConfig
 
-import tide.decode.exits
+import tide.decode.exits.loop
 from generation_helpers import count_fused_work, exits_by_sign
 from tide.decode.cachepool import bucket
 from tiny_models import noisy_tide, prompt_ids
@@ -83,14 +83,14 @@ def test_one_graph_launch_and_few_host_reads_a_step(monkeypatch, fused):
     """Counted: each decode step calls one compiled graph and reads the device once in the graph backend (the token
     and the exit layer), twice in the session's walk (the exit layer, and the cache's length for the layers'
     arguments), however many checkpoints it passes."""
-    from tide.decode.exitsession import ExitSession
-    from tide.decode.fusedexit import GraphSteps
+    from tide.decode.exits.session import ExitSession
+    from tide.decode.exits.graph import GraphSteps
 
     model = _model()
     ids = prompt_ids()
     kwargs = dict(do_sample=False, max_new_tokens=12, compile_config=EAGER_BACKEND, tide_config=EXIT)
     if not fused:
-        monkeypatch.setattr(tide.decode.exits, "graph_steps", lambda *args, **kw: "walked")
+        monkeypatch.setattr(tide.decode.exits.loop, "graph_steps", lambda *args, **kw: "walked")
     model.generate(ids, **kwargs)
     launches, reads = (count_fused_work(monkeypatch, GraphSteps, "step") if fused else
                        count_fused_work(monkeypatch, ExitSession, "decode_step"))
@@ -105,13 +105,13 @@ def test_the_backend_is_chosen_once_with_a_reason_where_the_graph_does_not_fit(m
     """After the prompt's token the loop asks once for the graph backend, which says why not where the call does not
     fit it: a processor that reads the sequence, more than one row, per-token scores."""
     chosen = []
-    original = tide.decode.exits.graph_steps
+    original = tide.decode.exits.loop.graph_steps
 
     def recorded(*args, **kwargs):
         chosen.append(original(*args, **kwargs))
         return chosen[-1]
 
-    monkeypatch.setattr(tide.decode.exits, "graph_steps", recorded)
+    monkeypatch.setattr(tide.decode.exits.loop, "graph_steps", recorded)
     model, ids = _model(), prompt_ids()
     kwargs = dict(do_sample=False, max_new_tokens=8, compile_config=EAGER_BACKEND, tide_config=EXIT)
     model.generate(ids, **kwargs)

@@ -1,5 +1,6 @@
-"""Compiled chains as one graph and one host read a cycle (the lossless loop's graph backend, `decode/fused.py`): token
-for token as the base model, counted launches and synchronisations, no recompilation across prompt lengths."""
+"""Compiled chains as one graph and one host read a cycle (the lossless loop's graph backend,
+`decode/lossless/graph.py`): token for token as the base model, counted launches and synchronisations, no recompilation
+across prompt lengths."""
 
 from collections import Counter
 
@@ -8,16 +9,18 @@ import torch
 from transformers import CompileConfig, TextStreamer
 from transformers.modeling_outputs import BaseModelOutput
 
-import tide.decode.lossless
-from tide.decode import fused, graphparts
-from tide.decode.accept import sampling_verdict_on_device
+import tide.decode.lossless.loop
+from tide.decode.lossless import graph as fused
+from tide.decode import graphparts
+from tide.decode.lossless.accept import sampling_verdict_on_device
 from generation_helpers import chi_square, chi_square_limit, count_fused_work
 from tiny_models import noisy_tide, prompt_ids, tiny_tokenizer
 
 EAGER_BACKEND = CompileConfig(backend="eager")
 SMALL = {"llama": {}, "gpt2": dict(n_layer=4)}  # (fewer layers where the model still talks: faster tracing)
 LOSSLESS = {"mode": "lossless", "max_draft": 3, "compile": True}
-TREE = {**LOSSLESS, "draft_topk": 3, "max_draft": 2}  # a greedy tree: one graph a cycle too (`decode/fusedtree.py`)
+# a greedy tree: one graph a cycle too (`decode/lossless/graphtree.py`)
+TREE = {**LOSSLESS, "draft_topk": 3, "max_draft": 2}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -148,7 +151,7 @@ def test_calls_the_graph_does_not_serve_draft_and_verify_with_the_reason(warm, m
     model, base = warm
     ids = prompt_ids()
     built = []
-    monkeypatch.setattr(tide.decode.lossless, "graph_cycles",
+    monkeypatch.setattr(tide.decode.lossless.loop, "graph_cycles",
                         lambda *a, **k: built.append(fused.graph_cycles(*a, **k)) or built[-1])
     for config, extra in ((LOSSLESS, {"no_repeat_ngram_size": 2}), (TREE, {"repetition_penalty": 1.3})):
         assert torch.equal(generate(model, ids, config, max_new_tokens=8, **extra),

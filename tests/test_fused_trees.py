@@ -1,4 +1,4 @@
-"""Compiled trees as one graph and one host read a cycle (`decode/fusedtree.py`): the shape's ancestry and
+"""Compiled trees as one graph and one host read a cycle (`decode/lossless/graphtree.py`): the shape's ancestry and
 paths, the K/V moved to the path, and the sampled rule's distributions. Token for token as the base model, one
 launch and one read a cycle, and no recompilation across prompt lengths: `test_fused_cycles.py`, on its warm
 model."""
@@ -10,8 +10,8 @@ import torch
 from transformers.cache_utils import StaticCache
 
 from generation_helpers import chi_square, chi_square_limit
-from tide.decode.accept import sampling_tree_verdict_on_device as sampled_path
-from tide.decode.fusedtree import TreeShape, _compact
+from tide.decode.lossless.accept import sampling_tree_verdict_on_device as sampled_path
+from tide.decode.lossless.graphtree import TreeShape, _compact
 from tiny_models import noisy_tide
 
 

@@ -43,7 +43,7 @@ def test_sdpa_attention_is_token_identical(family, scheme, monkeypatch):
     model, base = noisy_tide(family, attention="sdpa")
     converted = []
     real = layercalls.additive_masks
-    for module in ("tide.layers.args", "tide.decode.verifier"):
+    for module in ("tide.layers.args", "tide.decode.lossless.verifier"):
         monkeypatch.setattr(f"{module}.additive_masks", lambda parts, calls: converted.append(
             real(parts, calls)) or converted[-1])
     ids = prompt_ids()
@@ -134,7 +134,7 @@ def test_sliding_window_models_stay_token_identical_past_the_window(family):
 
 
 def test_a_sliding_cache_that_cannot_roll_back_is_a_clear_error():
-    from tide.decode.speculative import check_rollback
+    from tide.decode.lossless.verifier import check_rollback
     from transformers import DynamicCache
 
     base = tiny_model("mistral")

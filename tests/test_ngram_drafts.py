@@ -8,7 +8,7 @@ import torch
 
 from generation_helpers import chi_square, chi_square_limit
 from test_lossless import _exact_joint
-from tide.decode.ngram import NgramLookup
+from tide.decode.lossless.ngram import NgramLookup
 from tiny_models import noisy_tide
 
 REPEATS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]])

@@ -5,7 +5,7 @@ import torch
 from transformers import GenerationConfig, StaticCache
 
 import tide
-from tide.decode.speculative import LosslessUnavailable
+from tide.decode.lossless.verifier import LosslessUnavailable
 from tiny_models import noisy_tide, prompt_ids
 
 GREEDY = dict(do_sample=False, max_new_tokens=12, pad_token_id=0)

@@ -174,7 +174,7 @@ def _record_verdicts(monkeypatch, verdicts: Counter) -> None:
     """Count in `verdicts` each judged draft as (generated token index, 1-based; accepted?): chains from the loop's
     verdicts, trees from their sampled walks (every node on the path accepted; a node with children where the walk
     ended: its children all rejected)."""
-    import tide.decode.lossless as lossless
+    import tide.decode.lossless.loop as lossless
 
     decide, walk, start = lossless._decide, lossless.tree_verdict, len(PROMPT)
 
@@ -198,8 +198,8 @@ def _record_verdicts(monkeypatch, verdicts: Counter) -> None:
 
 
 def _install_oracle(model, base, monkeypatch) -> None:
-    from tide.decode.ngram import NgramLookup
-    from tide.decode.treedraft import TreeDrafter
+    from tide.decode.lossless.ngram import NgramLookup
+    from tide.decode.lossless.tree import TreeDrafter
 
     oracle = _Oracle(base)
     model.draft_logits = oracle.draft_logits

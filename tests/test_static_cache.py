@@ -71,8 +71,8 @@ def test_tree_verification_runs_the_compiled_backbone(monkeypatch):
     graph, replayed by later calls), token for token the base model."""
     from transformers import CompileConfig
 
-    import tide.decode.lossless
-    monkeypatch.setattr(tide.decode.lossless, "graph_cycles", lambda *args, **kwargs: "forced")
+    import tide.decode.lossless.loop
+    monkeypatch.setattr(tide.decode.lossless.loop, "graph_cycles", lambda *args, **kwargs: "forced")
     model, base = noisy_tide("llama")
     ids = prompt_ids()
     ref = base.generate(ids, do_sample=False, max_new_tokens=16)

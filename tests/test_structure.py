@@ -205,7 +205,7 @@ def _stats_writers() -> tuple[set, set]:
 
 # The loops, which record what each cycle or step ran and what their passes counted, through `GenerationStats`'
 # `record_*` methods; the passes they run (drafting, verification, layer arguments) count and hand back.
-STATS_RECORDERS = {"tide.decode.lossless", "tide.decode.exits", "tide.decode.exitsession",
+STATS_RECORDERS = {"tide.decode.lossless.loop", "tide.decode.exits.loop", "tide.decode.exits.session",
                    "tide.decode.baseline", "tide.decode.stats"}
 
 

@@ -55,7 +55,8 @@ def test_compiled_trees_are_token_identical(family):
                          tide_config={**_tree(1, 3), "draft_ngram": 3, "compile": True})
     assert torch.equal(out, ref)
     stats = model.last_stats
-    # (greedy: one graph a cycle where the backbone fits a view, `decode/fusedtree.py`; else the compiled spans)
+    # (greedy: one graph a cycle where the backbone fits a view, `decode/lossless/graphtree.py`; else the compiled
+    # spans)
     assert stats.decode_tokens == 16 and (stats.tree_cycles + stats.fused_cycles > 0) == model.parts.spec.tree_drafts
 
 
@@ -80,7 +81,7 @@ def test_compiled_trees_serve_padding_stops_processors_and_sampling():
     assert ref.sequences.shape[1] < ids.shape[1] + 20  # it stopped at the end-of-sequence token
     assert torch.equal(out.sequences, ref.sequences) and len(out.scores) == len(ref.scores)
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(out.scores, ref.scores))
-    torch.manual_seed(0)  # (a repetition penalty keeps a sampled tree off the one-graph cycle, `fusedtree.py`)
+    torch.manual_seed(0)  # (a repetition penalty keeps a sampled tree off the one-graph cycle, `lossless/graphtree.py`)
     out = model.generate(ids, do_sample=True, max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.2, **run)
     assert out.shape[1] == ids.shape[1] + 16 and model.last_stats.tree_cycles > 0
 
@@ -321,7 +322,7 @@ def test_chain_estimates_use_the_later_drafts_ranks():
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "phi", "gpt_neox"])
 def test_one_capture_serves_both_tree_passes(family, monkeypatch):
     """The candidates' shallow calls are sliced from the deep chunk's calls (same keys, same positions)."""
-    import tide.decode.verifier as verifier
+    import tide.decode.lossless.verifier as verifier
 
     model, base = _wrap(family)
     ids = prompt_ids()
@@ -436,7 +437,7 @@ def test_measure_costs_times_each_verification_point(family, wide, monkeypatch):
 def test_loop_extras_are_zero_where_lossless_mode_cannot_run(monkeypatch):
     from tide.calibration import measure as costs_module
     from tide.hub.card import loop_extras_text
-    from tide.decode.speculative import LosslessUnavailable
+    from tide.decode.lossless.verifier import LosslessUnavailable
 
     model, _ = _wrap()
 
@@ -467,7 +468,7 @@ def test_estimates_charge_generates_own_work():
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_candidates_captured_when_their_calls_cannot_be_sliced(padded, monkeypatch):
-    import tide.decode.verifier as verifier
+    import tide.decode.lossless.verifier as verifier
 
     model, base = _wrap()
     ids = prompt_ids()
@@ -512,7 +513,7 @@ def _merged(topk=3, max_draft=3, **options):
 
 
 def _install_oracles(monkeypatch, model, reference):
-    from tide.decode.ngram import NgramLookup
+    from tide.decode.lossless.ngram import NgramLookup
 
     oracles = _Oracles(reference, model.base.config.vocab_size)
     monkeypatch.setattr(NgramLookup, "continuation", lambda lookup, length: oracles.continuation(lookup, length))
@@ -639,7 +640,7 @@ def test_among_certain_drafts_samples_the_distribution():
     draft of probability 0 is never accepted, and the draft tried second is accepted about p(t2) of the time."""
     from collections import Counter
 
-    from tide.decode.accept import among_certain_drafts
+    from tide.decode.lossless.accept import among_certain_drafts
 
     probs = torch.tensor([0.05, 0.3, 0.0, 0.25, 0.15, 0.25])
     drafted, runs = [3, 2, 1], 6000
@@ -684,8 +685,8 @@ class _SampledOracle:
 def _with_sampled_oracle(monkeypatch):
     """(model, base, oracle, a repetitive prompt): the model's draft head and n-gram lookup replaced by a
     `_SampledOracle` of the base model, which sees the sequence each tree is drafted for."""
-    from tide.decode.ngram import NgramLookup
-    from tide.decode.treedraft import TreeDrafter
+    from tide.decode.lossless.ngram import NgramLookup
+    from tide.decode.lossless.tree import TreeDrafter
 
     model, base = _wrap()
     oracle = _SampledOracle(base)
@@ -706,8 +707,8 @@ def test_tree_sampling_matches_the_closed_form_distribution(head, monkeypatch):
     from collections import Counter
 
     from test_lossless import _exact_joint
-    from tide.decode.ngram import NgramLookup
-    from tide.decode.treedraft import TreeDrafter
+    from tide.decode.lossless.ngram import NgramLookup
+    from tide.decode.lossless.tree import TreeDrafter
 
     model, base = _wrap()
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # "5 6" occurred before: the n-gram branch is "7 8"
@@ -741,7 +742,7 @@ def test_tree_sampling_matches_the_closed_form_distribution(head, monkeypatch):
 
 
 def test_draft_tree_shares_prefixes_and_blocks_non_ancestors():
-    from tide.decode.drafts import DraftTree
+    from tide.decode.lossless.drafts import DraftTree
 
     tree = DraftTree()
     for token in (7, 3, 9):  # the head's candidates

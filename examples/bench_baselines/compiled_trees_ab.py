@@ -10,7 +10,7 @@ import statistics
 import sys
 from pathlib import Path
 
-import tide.decode.verifier as verifier
+import tide.decode.lossless.verifier as verifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_baselines import baseline_ratios, side_bench, time_interleaved  # noqa: E402

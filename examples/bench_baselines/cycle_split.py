@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from tide.decode import verifier
+from tide.decode.lossless import verifier
 from tide.layers.spans import SpanRunner
 from tide.models.architectures import ModelParts
 

@@ -1,6 +1,7 @@
-"""Compiled exit mode, two paths in one process: each step as one graph (`decode/exitgraph.py`: `torch.cond` at every
-consulted checkpoint) and as compiled runs of layers with the tests read on the host between them (forced by patching
-`ExitGraph.for_session` to decline), beside `generate` and the compiled static-cache base; interleaved per prompt.
+"""Compiled exit mode, two paths in one process: each step as one graph (`decode/exits/walkgraph.py`: `torch.cond` at
+every consulted checkpoint) and as compiled runs of layers with the tests read on the host between them (forced by
+patching `ExitGraph.for_session` to decline), beside `generate` and the compiled static-cache base; interleaved per
+prompt.
 
     python examples/bench_baselines/exit_graph_ab.py MODEL ROUTERS TEXT OUT.json [THRESHOLD [PROMPTS TOKENS]]
     (MODEL: a local folder, or "shipped"; TEXT: heldout, code or quote; 1 thread, greedy; THRESHOLD: every
@@ -11,7 +12,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from tide.decode.exitgraph import ExitGraph
+from tide.decode.exits.walkgraph import ExitGraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_baselines import baseline_ratios, side_bench, time_interleaved  # noqa: E402

@@ -1,6 +1,6 @@
-"""Compiled greedy chains, two paths in one process: the fused cycle (`decode/fused.py`: a draft graph, a verification
-graph, one host read) and the general loop (forced by patching `graph_cycles` to decline), beside `generate`, the
-compiled static-cache base and the repo's own scheme compiled; interleaved per prompt.
+"""Compiled greedy chains, two paths in one process: the fused cycle (`decode/lossless/graph.py`: a draft graph, a
+verification graph, one host read) and the general loop (forced by patching `graph_cycles` to decline), beside
+`generate`, the compiled static-cache base and the repo's own scheme compiled; interleaved per prompt.
 
     python examples/bench_baselines/fused_ab.py MODEL ROUTERS TEXT OUT.json [CHAIN_JSON]
     (MODEL: a local folder, or "shipped"; TEXT: heldout, code or quote; 6 prompts x 40 tokens, 1 thread;
@@ -13,7 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-import tide.decode.lossless as loop
+import tide.decode.lossless.loop as loop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_baselines import accepted_per_cycle, baseline_ratios, side_bench, time_interleaved  # noqa: E402

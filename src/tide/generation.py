@@ -4,8 +4,8 @@
 decode, exit mode or lossless mode) and why, and `decode.machinecheck.review` whether the repo's drafting scheme pays
 on this machine (else the base model runs); this module builds that plan's session and runs it. Every call runs
 the base model's own `generate`: Tide's modes hand decoding to one of Tide's loops (`decode/`, through
-`custom_generate`): exit mode's walk per step over an `ExitSession` (exitsession.py), or lossless mode's
-draft-verify cycles over a `LosslessSession` (speculative.py). Each call's session lives in its own loop, so
+`custom_generate`): exit mode's walk per step over an `ExitSession` (exits/session.py), or lossless mode's
+draft-verify cycles over a `LosslessSession` (lossless/session.py). Each call's session lives in its own loop, so
 concurrent calls on one model, from threads or asyncio tasks, each run their own configuration and the base
 model is never changed per call. Exit-mode beam search alone runs transformers' beam loop, with the session
 active for that call's context only (`dispatch.activated`).
@@ -22,9 +22,9 @@ from .config import TideGenerationConfig
 from .decode import compilecache, exit_decode, generate_with_loop, lossless_decode, machinecheck
 from .decode.baseline import BaseSession
 from .decode.dispatch import activated, install
-from .decode.exitsession import ExitSession
+from .decode.exits.session import ExitSession
 from .decode.plan import CallPlan, PlanKind, call_inputs, lossless_problem, no_cache, option, plan_call
-from .decode.speculative import LosslessSession
+from .decode.lossless.session import LosslessSession
 from .decode.stats import GenerationStats
 from .heads.kernels import kernel_mode
 from .layers.spans import SpanRunner, compile_options, options_key
@@ -58,7 +58,8 @@ def _execute(model, plan: CallPlan, args, kwargs):
     run = plan.options
     if plan.kind is PlanKind.LOSSLESS:
         session, loop = LosslessSession(model, run, _spans(model, run, kwargs)), lossless_decode
-        session.fused_chain_first = plan.fused_chains  # compiled: a chain as one graph a cycle (`decode/fused.py`)
+        # compiled: a chain as one graph a cycle (`decode/lossless/graph.py`)
+        session.fused_chain_first = plan.fused_chains
     else:
         session, loop = ExitSession(model, run, _spans(model, run, kwargs)), exit_decode
     with kernel_mode(run.kernels):  # the exit tests' path for this call (its context only)

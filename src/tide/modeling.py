@@ -3,7 +3,7 @@
 The wrapper does not fork the base model: `forward` is the base model's, unknown attributes are
 forwarded to it, and `generate` runs transformers' own generation loop on the base model, with Tide's
 decode step serving it only while a `tide_config` with an operating point is in force (`generation.py`).
-File and Hub I/O lives in `hub/repos.py`; the decode step in `decode/exitsession.py`.
+File and Hub I/O lives in `hub/repos.py`; the decode step in `decode/exits/session.py`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import MAX_DRAFT_TOPK
-from ..decode.speculative import next_cap
+from ..decode.lossless.chain import next_cap
 
 __all__ = ["DraftScheme", "MERGED_TOPK", "draft_candidates", "layer_cost_of_cascade", "prune_checkpoints",
            "chain_cycles", "chain_cost"]

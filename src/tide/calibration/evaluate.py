@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..decode.exitsession import ExitSession
+from ..decode.exits.session import ExitSession
 from ..layers.calls import capture_outputs
 from .thresholds import oracle_depth
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..decode.speculative import LosslessUnavailable
+from ..decode.lossless.verifier import LosslessUnavailable
 from ..layers.args import LayerArgs
 from ..layers.calls import capture_layer_calls
 from ..layers.calltransforms import additive_masks

@@ -29,8 +29,8 @@ MIN_TIMED_ESTIMATE = 0.6
 
 # The greedy drafts timed compiled (`compiled_chains`), as (chain length, n-gram drafts, the head's candidates for
 # the first position): a chain of one, a chain of two with n-gram drafts, and two candidates for one position (a
-# tree, `decode/fusedtree.py`). A compiled cycle is one graph, so its cost beyond a base step is the drafts' passes
-# and the verification's width: on SmolLM2-135M (draft layer 3 of 30, chat) the chains timed x1.10-1.12 of the
+# tree, `decode/lossless/graphtree.py`). A compiled cycle is one graph, so its cost beyond a base step is the drafts'
+# passes and the verification's width: on SmolLM2-135M (draft layer 3 of 30, chat) the chains timed x1.10-1.12 of the
 # compiled base and the two candidates x1.06; on the shipped model's quotes the two candidates x1.07 and the chain
 # of two with n-gram drafts x0.97 (docs/benchmarks.md).
 COMPILED_CHAIN_DRAFTS = ((1, 0, 1), (2, NGRAM, 1), (1, 0, 2))

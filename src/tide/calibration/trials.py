@@ -18,7 +18,7 @@ from contextvars import ContextVar
 
 import torch
 
-from ..decode.speculative import LosslessUnavailable
+from ..decode.lossless.verifier import LosslessUnavailable
 from .distributed import Processes
 from .measure import seconds_of, timing_kwargs
 

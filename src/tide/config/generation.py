@@ -100,13 +100,13 @@ class TideGenerationConfig:
             options runs them regardless.
         compiled_chain (`dict`, *optional*):
             With `compile=True`: lossless mode drafting this greedy chain (`{"draft_layer": 3, "max_draft": 1,
-            "draft_vocab_size": 1536, "draft_ngram": 0}`), each cycle one compiled graph (`tide.decode.fused`);
-            with `"draft_topk": k`, the head's k best candidates for the next position (`tide.decode.fusedtree`).
-            Calibration with `compiled_trials` sets it where such a chain timed faster than both the base model's
-            compiled static-cache decode and the default mode compiled; a compiled call that sets no mode,
-            thresholds, exit or draft option then runs it. An eager call at the defaults of a repo whose eager
-            default drafts nothing (`max_draft=0`, no exits) tries it too: it runs where `machine_check` finds that
-            it pays eagerly on this machine, and the base model otherwise.
+            "draft_vocab_size": 1536, "draft_ngram": 0}`), each cycle one compiled graph (`tide.decode.lossless.graph`);
+            with `"draft_topk": k`, the head's k best candidates for the next position
+            (`tide.decode.lossless.graphtree`). Calibration with `compiled_trials` sets it where such a chain timed
+            faster than both the base model's compiled static-cache decode and the default mode compiled; a compiled
+            call that sets no mode, thresholds, exit or draft option then runs it. An eager call at the defaults of a
+            repo whose eager default drafts nothing (`max_draft=0`, no exits) tries it too: it runs where
+            `machine_check` finds that it pays eagerly on this machine, and the base model otherwise.
         machine_check (`bool`, *optional*, defaults to `True`):
             Lossless mode at the repo's own drafting scheme (a call that names no mode or draft option): weigh the
             tokens a cycle is expected to emit (the repo's calibration record) against what a cycle costs on this

@@ -1,8 +1,8 @@
 """Tide's own decode loops, run by `generate` as its decoding method (transformers' `custom_generate`).
 
 `generate` still prepares the generation config, the logits processors, the stopping criteria, the cache and
-the prompt's inputs; the loop then decodes: `exits.exit_decode` (one token per step, by a walk with per-token exits
-or, compiled, one graph a step) or `lossless.lossless_decode` (draft, verify, accept per cycle, or, compiled, one
+the prompt's inputs; the loop then decodes: `exits.loop.exit_decode` (one token per step, by a walk with per-token exits
+or, compiled, one graph a step) or `lossless.loop.lossless_decode` (draft, verify, accept per cycle, or, compiled, one
 graph a cycle). `drafts.py` holds what passes between drafting, verification and the loop, `accept.py` the acceptance
 rules, `emit.py` what the loops hand back.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from ..models import compat
-from .exits import exit_decode
-from .lossless import lossless_decode
+from .exits.loop import exit_decode
+from .lossless.loop import lossless_decode
 
 __all__ = ["attention_backends", "generate_with_loop", "exit_decode", "lossless_decode"]
 

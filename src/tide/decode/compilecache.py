@@ -1,6 +1,6 @@
 """Compiled work that persists between processes: torch's cache artifacts in a Tide cache folder.
 
-A `compile=True` call traces and compiles its graphs (`decode/fused.py`, `decode/baseline.py`, `layers/spans.py`).
+A `compile=True` call traces and compiles its graphs (`lossless/graph.py`, `decode/baseline.py`, `layers/spans.py`).
 `save` writes what torch compiled in this process (`torch.compiler.save_cache_artifacts`: inductor's generated code
 and AOTAutograd's graphs) to one file per key; the first compiled call of a model in a later process `load`s it
 (`torch.compiler.load_cache_artifacts`), so inductor finds its code made: dynamo still traces the Python, but no

@@ -1,5 +1,5 @@
-"""The pieces Tide's one-graph loops share (`fused.py`, `fusedtree.py`, `fusedexit.py`): what runs inside a
-cycle's or a step's graph, and what the loops around those graphs need.
+"""The pieces Tide's one-graph loops share (`lossless/graph.py`, `lossless/graphtree.py`, `exits/graph.py`): what runs
+inside a cycle's or a step's graph, and what the loops around those graphs need.
 
 - `causal_mask`: the additive causal mask of queries at some positions over a static cache's slots, made in the
   graph.

@@ -18,7 +18,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 
 from ..config import TideConfig, TideGenerationConfig
 from ..models.compat import cache_layer_kinds
-from .speculative import LosslessUnavailable
+from .lossless.verifier import LosslessUnavailable
 
 __all__ = ["CallPlan", "PlanKind", "KINDS", "plan_call", "call_options", "lossless_problem", "per_layer_outputs",
            "call_inputs", "no_cache", "option"]
@@ -68,9 +68,9 @@ class CallPlan:
     compile: the run compiles (Tide's compiled spans, or the base model's compiled forward).
     cache_length: the positions of the static cache lent to the call (`decode.cachepool`); None: none is lent.
     reason: one sentence: why this kind.
-    fused_chains: compiled lossless: greedy chains may run as one graph a cycle (`decode/fused.py`), which outran
+    fused_chains: compiled lossless: greedy chains may run as one graph a cycle (`lossless/graph.py`), which outran
         the repo's tree drafted and verified (docs/benchmarks.md); a call that names `draft_topk` keeps its scheme
-        (one graph a cycle too, `decode/fusedtree.py`).
+        (one graph a cycle too, `lossless/graphtree.py`).
     kv_cache: Tide asks generate for the KV cache where the call leaves `use_cache` unset (Tide's loops decode on
         it, also for models whose config turns it off, such as MPT).
     repo_scheme: lossless: the call drafts the repo's own scheme (it names no mode or draft option), which
@@ -102,8 +102,8 @@ def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:
         options.mode = "exit"  # the call set exit-mode options: it asks for exit mode
     length = _static_cache_length(model, args, kwargs) if options.compile else None
     if length is not None and options.mode != "exit":  # lossless can run: room for a whole draft after the last
-        length += (options.max_draft or 0) + 1  # token (`decode/fused.py`); a tree's siblings and n-gram branch
-        if options.draft_topk > 1:  # (`decode/fusedtree.py`)
+        length += (options.max_draft or 0) + 1  # token (`lossless/graph.py`); a tree's siblings and n-gram branch
+        if options.draft_topk > 1:  # (`lossless/graphtree.py`)
             length += options.draft_topk
     if options.mode == "exit" and not options.has_operating_point:  # (lossless drafts need no thresholds)
         if call is not None and not model.config.thresholds:

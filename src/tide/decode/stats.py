@@ -45,7 +45,7 @@ class GenerationStats:
     # windows hold, else one per pass), and why windows did not hold (None: they did, or were never asked)
     arg_captures: int = 0
     arg_windows_off: str | None = None
-    # compiled greedy chains (`decode/fused.py`): cycles run as one graph and one host read each
+    # compiled greedy chains (`lossless/graph.py`): cycles run as one graph and one host read each
     fused_cycles: int = 0
     fused_graph_s: float = 0.0  # of `decode_time_s`: inside those graphs (their launch, guards and host read too)
     # compile=True: torch.compile's work during the call (`models.compat.CompileWatch`): seconds spent compiling (in

@@ -93,7 +93,7 @@ def fused_available(parts, calls: list[LayerCall], layers: list[int], hidden: to
 
 def stack_for(parts, hidden: torch.Tensor) -> _Stack | None:
     """The stacked K/V projections for states like `hidden` (None where the layers fill one by one): what a compiled
-    graph calls `kv(layers, hidden, rotary)` and `rotary(calls, layers)` on (`decode/exitgraph.py`)."""
+    graph calls `kv(layers, hidden, rotary)` and `rotary(calls, layers)` on (`decode/exits/walkgraph.py`)."""
     return _stack(parts, hidden.device, hidden.dtype)
 
 

@@ -5,7 +5,7 @@ their layer-E states wait here (`Verifier.keep`) until verification runs the dee
 at once, which makes the cache even again and gives the full model's logits and final normed states for each
 position (a `drafts.Verified`, one per verification). A chain's last drafted token runs the shallow layers at
 verification (its draft needs no head after it), unless it already ran (an n-gram chunk). A tree's nodes run all
-the layers in its verification pass (`verify_tree`; `treedraft.py` tells how), and the cache then keeps the K/V of
+the layers in its verification pass (`verify_tree`; `tree.py` tells how), and the cache then keeps the K/V of
 the path its walk kept (`keep_path`). The state at the accepted position is the next draft's context
 (`accepted`); the first context comes from the prefill, the prompt's pass through the base model's own forward.
 
@@ -20,20 +20,12 @@ import inspect
 
 import torch
 
-from ..layers.args import new_positions
-from ..layers.calls import capture_layer_calls, capture_outputs
-from ..layers.calltransforms import additive_mask, additive_masks, tree_mask_calls, without_first_position
-from ..layers.fewrows import few_row_linears
-from ..models.compat import (
-    LengthView,
-    crop_cache,
-    crop_layer,
-    grouped_query_attention_in_place,
-    is_static_layer,
-    keep_path,
-    layer_length,
-    unrecoverable_sliding_layers,
-)
+from ...layers.args import new_positions
+from ...layers.calls import capture_layer_calls, capture_outputs
+from ...layers.calltransforms import additive_mask, additive_masks, tree_mask_calls, without_first_position
+from ...layers.fewrows import few_row_linears
+from ...models.compat import (LengthView, crop_cache, crop_layer, grouped_query_attention_in_place, is_static_layer,
+    keep_path, layer_length, unrecoverable_sliding_layers)
 from .drafts import Verified
 
 __all__ = ["LosslessUnavailable", "Verifier", "check_rollback", "room_for"]
@@ -63,7 +55,7 @@ def room_for(cache, positions: int) -> bool:
 
 
 class Verifier:
-    """One lossless call's verification (`session`: a `speculative.LosslessSession`; `shallow`: its
+    """One lossless call's verification (`session`: a `session.LosslessSession`; `shallow`: its
     `shallow.ShallowPasses`): the pending tokens (run through layers 0..E only) and their layer-E states, the
     latest verification until the loop says what it accepted, the next draft's context."""
 

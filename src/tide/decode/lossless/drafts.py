@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Cycle", "Draft", "DraftTree", "Drafter", "Verdict", "Verified"]
+__all__ = ["Cycle", "Draft", "DraftTree", "Drafter", "Stops", "Verdict", "Verified"]
 
 
 class DraftTree:
@@ -111,7 +111,7 @@ class Verified:
 
 @dataclass
 class Cycle:
-    """What one lossless cycle gives the loop (`lossless.py`), from either backend: the tokens it would emit and
+    """What one lossless cycle gives the loop (`loop.py`), from either backend: the tokens it would emit and
     what the call's counters take of it (`GenerationStats.record_cycle`); the loop counts the tokens it keeps (a
     stop may drop the graph's later ones) and the accepted ones among them."""
 
@@ -132,7 +132,7 @@ class Cycle:
 
 
 class Drafter(Protocol):
-    """What the lossless loop drafts with (`speculative.ChainDrafter`, `treedraft.TreeDrafter`): a draft after the
+    """What the lossless loop drafts with (`chain.ChainDrafter`, `tree.TreeDrafter`): a draft after the
     sequence `ids` [1, n] each cycle (it only proposes: the backend verifies it, `accept.py` decides), and, once it
     is decided, how many of its tokens the loop accepted; `tree_mask` False: the draft was a tree, but no tree mask
     reached the layers, and the backend verified the head's top candidate alone, as a chain of one. `topk`: the
@@ -143,3 +143,27 @@ class Drafter(Protocol):
     def draft(self, ids: torch.Tensor) -> Draft: ...
 
     def verified(self, accepted: int, tree_mask: bool = True) -> None: ...
+
+
+class Stops:
+    """The call's stopping criteria (EOS, length, stop strings, the caller's; generate builds the EOS criterion from
+    the generation config) as drafting checks them, and the tokens its length limit leaves to draft."""
+
+    def __init__(self, stopping_criteria, max_length: int):
+        self.criteria, self.max_length = stopping_criteria, max_length
+
+    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor) -> bool:
+        """Whether a criterion fires on `tokens` [1, T] (`scores`: the last token's, for the criteria)."""
+        return bool(self.criteria(tokens, scores).any())
+
+    def first(self, input_ids: torch.Tensor, drafted: torch.Tensor, scores: torch.Tensor) -> tuple[int, bool]:
+        """(how many of the drafts [1, k] to keep, whether the last kept one stops generation): up to and including
+        the first after which a criterion fires (`scores` [1, k, V]: the drafts' scores, for the criteria)."""
+        for i in range(drafted.shape[1]):
+            if self(torch.cat([input_ids, drafted[:, : i + 1]], 1), scores[:, i]):
+                return i + 1, True
+        return drafted.shape[1], False
+
+    def room(self, input_ids: torch.Tensor) -> int:
+        """Tokens that may be drafted after `input_ids`: the length limit keeps one for the token after them."""
+        return self.max_length - input_ids.shape[1] - 1

@@ -1,11 +1,11 @@
 """The early-exit decode step: one walk through the layers, and the session that runs it inside `generate`.
 
-`ExitSession.forward` is each pass of the exit-mode loop's walk backend (`exits.Walk`), and what the base model's
+`ExitSession.forward` is each pass of the exit-mode loop's walk backend (`loop.Walk`), and what the base model's
 `forward` runs in a beam search while the call is active (see `generation.py` and `dispatch.py`): prompt steps go
 to the base model's own forward; decode steps capture the layers' arguments, walk the stack with per-token exits
 (`walk_layers`), and return logits from each token's exit state. How a walk runs a layer and fills skipped layers'
 K/V is the KV strategy's (`PropagateSteps` here, `recompute.RecomputeSteps`); the session records its passes' stats.
-Logits processors, stopping criteria, streamers and sampling are the loop's (`exits.py`), or transformers' beam
+Logits processors, stopping criteria, streamers and sampling are the loop's (`loop.py`), or transformers' beam
 search's. This module does no file I/O and knows no architecture by name (see `models/architectures.py`).
 """
 
@@ -17,17 +17,17 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..config import TideGenerationConfig
-from ..layers.args import LayerArgs
-from ..layers.calls import capture_layer_calls
-from ..layers.calltransforms import additive_masks, map_calls
-from ..layers.kvfill import fill_kv
-from ..layers.recompute import RecomputeState
-from ..layers.rowsplit import RowSplitCache, can_slice, sliced_call
-from ..layers.spans import SpanRunner
-from .dispatch import base_forward
-from .exitgraph import ExitGraph
-from .stats import GenerationStats
+from ...config import TideGenerationConfig
+from ...layers.args import LayerArgs
+from ...layers.calls import capture_layer_calls
+from ...layers.calltransforms import additive_masks, map_calls
+from ...layers.kvfill import fill_kv
+from ...layers.recompute import RecomputeState
+from ...layers.rowsplit import RowSplitCache, can_slice, sliced_call
+from ...layers.spans import SpanRunner
+from ..dispatch import base_forward
+from .walkgraph import ExitGraph
+from ..stats import GenerationStats
 
 __all__ = ["ExitSession", "walk_layers", "WalkResult", "PropagateSteps", "BACKBONE_KEYS"]
 

@@ -6,8 +6,8 @@ cache's K/V after a stop, and the call's counters: each cycle's (`GenerationStat
 its backend gives) and, at the end, the layer calls and prompt tokens the passes counted (`ShallowPasses.layer_calls`,
 `Verifier.layer_calls`, `Verifier.prefilled`). A backend runs a cycle:
 
-- draft and verify (`DraftVerify`): a drafter (`drafts.Drafter`: `speculative.ChainDrafter`, or
-  `treedraft.TreeDrafter` for tree drafts) proposes tokens after the sequence, a chain or a trie, and decides
+- draft and verify (`DraftVerify`): a drafter (`drafts.Drafter`: `chain.ChainDrafter`, or
+  `tree.TreeDrafter` for tree drafts) proposes tokens after the sequence, a chain or a trie, and decides
   nothing; the call's verifier (`verifier.Verifier`) gives the full model's logits at every drafted position and
   the one after (a trie's nodes in one pass with a tree mask, `Verifier.verify_tree`; where no tree mask reaches
   the layers, the head's top candidate alone, as a chain of one); logits processors run on each position as
@@ -17,11 +17,11 @@ its backend gives) and, at the end, the layer calls and prompt tokens the passes
   drafter hears what was accepted. Drafts end at a token that stops generation, and nothing follows one that is
   accepted (a trie's walk ends at such a child); the stopping criteria run on the sequence (with the cycle's
   scores where the call keeps them).
-- the graph (`fused.GraphCycles`): a compiled cycle as one graph and one host read (the accepted count and the
+- the graph (`graph.GraphCycles`): a compiled cycle as one graph and one host read (the accepted count and the
   tokens); the stopping criteria run on the host's list of tokens, one at a time (`graphparts.Stops`), and the
   loop drops the tokens after the first that stops, with their K/V.
 
-The backend is chosen once, after the prompt is prefilled: the graph where the call fits it (`fused.graph_cycles`,
+The backend is chosen once, after the prompt is prefilled: the graph where the call fits it (`graph.graph_cycles`,
 which otherwise says why not), else draft and verify. `return_dict_in_generate` scores and logits come from draft
 and verify. Batch size 1. Nothing here knows the model's architecture or how drafts are made.
 """
@@ -33,14 +33,14 @@ import time
 
 import torch
 
-from ..models.compat import crop_cache
+from ...models.compat import crop_cache
 from .accept import certain_scores, greedy_verdict, sampling_verdict, tree_verdict
 from .drafts import Cycle, Draft, Verdict
-from .emit import Emitted
-from .fused import graph_cycles
-from .graphparts import Stops
-from .processors import process
-from .speculative import Stops as DraftStops
+from ..emit import Emitted
+from .graph import graph_cycles
+from ..graphparts import Stops
+from ..processors import process
+from .drafts import Stops as DraftStops
 
 __all__ = ["DraftVerify", "lossless_decode"]
 

@@ -1,7 +1,7 @@
 """The lossless loop's graph backend (`GraphCycles`): a cycle as one compiled graph and one host read
 (`tide_config={"compile": True}`).
 
-A cycle of the loop's draft-and-verify backend (`lossless.DraftVerify`) runs the drafter's compiled calls, captures
+A cycle of the loop's draft-and-verify backend (`loop.DraftVerify`) runs the drafter's compiled calls, captures
 each pass's layer arguments on the host, checks each draft against the stopping criteria, reads the accepted count
 and crops the cache layer by layer: host work between compiled spans. Here, for chains from the draft head (a
 full-attention static cache, one attention type), greedy or sampled, a cycle is one graph (`_cycle`, one per chain
@@ -10,7 +10,7 @@ width k, and one for n-gram drafts) and one read; `graph_cycles` says whether a 
 1. **drafts**: the last emitted token x and each of k drafts run through layers 0..E (the draft layer) on the real
    cache, one position a pass; the draft head on each output gives the next draft: its argmax, or a token drawn
    from its distribution after the call's warpers. k follows acceptance as the draft-and-verify chain's cap does
-   (`speculative.next_cap`: one more after a full accept, the accepted count + 1 after a rejection, up to
+   (`chain.next_cap`: one more after a full accept, the accepted count + 1 after a rejection, up to
    `max_draft`). With `draft_ngram`, where the sequence's latest n-gram occurred before, its continuation is the
    draft instead (the host knows it; x and it run through layers 0..E in one pass). The backbone's own forward does
    the work, on a view of it that holds layers 0..E and no final norm (`graphparts.backbone_view`), so positions,
@@ -24,10 +24,10 @@ width k, and one for n-gram drafts) and one read; `graph_cycles` says whether a 
    its uniform draws and the token after the path drawn on the device), the next cycle's token and context, and
    every cache layer's length cut back to the accepted path. Positions come from the static cache's own length
    tensors, so no graph is made again for another prompt length.
-3. **one host read**: the accepted count and the tokens, which the loop (`lossless.py`) takes for the stopping
+3. **one host read**: the accepted count and the tokens, which the loop (`loop.py`) takes for the stopping
    criteria, the streamer, the sequence and the counters.
 
-A call that names `draft_topk` runs a tree instead, one graph a cycle too, greedy or sampled (`fusedtree.py`).
+A call that names `draft_topk` runs a tree instead, one graph a cycle too, greedy or sampled (`graphtree.py`).
 
 The processors that run in the graph are generate's minimum length, the repetition penalty (on the tokens seen so
 far: a mask of the vocabulary the backend keeps on the device, and in the graph each drafted position's drafts
@@ -45,15 +45,15 @@ from __future__ import annotations
 import time
 
 import torch
-from ..layers.spans import dense
+from ...layers.spans import dense
 from .accept import draw, greedy_verdict_on_device, sampling_verdict_on_device
-from .cachepool import dynamic_length, slots
+from ..cachepool import dynamic_length, slots
 from .drafts import Cycle
-from .emit import Emitted
-from .fusedtree import TreeShape, tree_cycle
-from .graphparts import GraphProcessors, causal_mask, one_graph_fits, penalised, seen_at, views_of
+from ..emit import Emitted
+from .graphtree import TreeShape, tree_cycle
+from ..graphparts import GraphProcessors, causal_mask, one_graph_fits, penalised, seen_at, views_of
 from .ngram import NgramLookup
-from .speculative import next_cap
+from .chain import next_cap
 
 __all__ = ["GraphCycles", "graph_cycles"]
 
@@ -198,7 +198,7 @@ class GraphCycles:
         self.keys = cache.layers[0].max_cache_len
         dynamic_length(cache)  # (one graph for every cache length)
         self.tree = tree  # a tree's candidates for the next position (0: a chain)
-        self.cap = session.options.max_draft  # the longest chain the head drafts next (`speculative.next_cap`)
+        self.cap = session.options.max_draft  # the longest chain the head drafts next (`chain.next_cap`)
         self.dtype = next(session.parts.layers[0].parameters()).dtype
         # the last token (laid out afresh, as every later one: one graph) and the context the prefill left
         self.token, self.context = dense(input_ids[:, -1:]), session.context

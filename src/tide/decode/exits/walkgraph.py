@@ -25,17 +25,17 @@ Where it runs: a single-row decode step of a compiled exit-mode call with `kv_st
 full-attention cache, compiled without CUDA graphs (torch captures `torch.cond` as CUDA graphs' conditional nodes,
 which no GPU has measured here yet: with `mode="reduce-overhead"`, a GPU's default, steps run as compiled spans), a
 model whose layers take one set of arguments and whose skipped layers' K/V the batched fill computes
-(`kvfill.fused_available`); anything else walks as before (`exitsession.walk_layers`).
+(`kvfill.fused_available`); anything else walks as before (`session.walk_layers`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layers.kvfill import fused_available, stack_for
-from ..layers.spans import at_offset_zero, run_span
-from ..models.compat import is_static_layer
-from .cachepool import dynamic_length, slots
+from ...layers.kvfill import fused_available, stack_for
+from ...layers.spans import at_offset_zero, run_span
+from ...models.compat import is_static_layer
+from ..cachepool import dynamic_length, slots
 
 __all__ = ["ExitGraph", "Fill", "cond_walk"]
 

@@ -7,7 +7,7 @@ max(p - q, 0); after a fully accepted draft it is drawn from p (`sampling_verdic
 its draws on the device, no host read). The output is distributed exactly as the full model's own samples.
 Several drafts for one position (a tree's children), each certain of its token: the multi-draft rule
 (SpecInfer; EAGLE's recursive rejection sampling) for point masses, `among_certain_drafts`; a whole tree of
-drafts, walked from its root by either rule, `tree_verdict`; a compiled tree's (`fusedtree.TreeShape`), by either
+drafts, walked from its root by either rule, `tree_verdict`; a compiled tree's (`graphtree.TreeShape`), by either
 rule with no host read, `greedy_tree_verdict_on_device` and `sampling_tree_verdict_on_device`.
 """
 
@@ -57,7 +57,7 @@ def sampling_verdict(drafted: torch.Tensor, draft_scores: torch.Tensor | None, s
 
 
 def greedy_verdict_on_device(logits: torch.Tensor, drafts: torch.Tensor, counts: torch.Tensor | None = None):
-    """The rule of `greedy_verdict` with no host read (what a compiled cycle runs, `fused.py`). logits: [1, k + 1, V]
+    """The rule of `greedy_verdict` with no host read (what a compiled cycle runs, `graph.py`). logits: [1, k + 1, V]
     the full model's processed scores; drafts [1, k]; `counts` [k] bool: the drafts that count (padding does not:
     never accepted) -> (tokens [1, k + 1]: the full model's argmax at each position, of which the first
     accepted + 1 are emitted; accepted [])."""
@@ -68,7 +68,7 @@ def greedy_verdict_on_device(logits: torch.Tensor, drafts: torch.Tensor, counts:
 
 def sampling_verdict_on_device(p: torch.Tensor, drafts: torch.Tensor, drawn_from: torch.Tensor | None,
                                counts: torch.Tensor | None = None):
-    """The rule of `sampling_verdict` with no host read (what a compiled cycle runs, `fused.py`). p: [k + 1, V]
+    """The rule of `sampling_verdict` with no host read (what a compiled cycle runs, `graph.py`). p: [k + 1, V]
     the full model's distributions; drafts [k]; drawn_from: [1, k, V] (None when k = 0). Draft i is kept with
     probability min(1, p_i / q_i); after the first rejection, at a, the next token is drawn from max(p_a - q_a, 0)
     (from p_a where that is all zero, as `sampling_verdict`), after k accepted drafts from p_k -> (tokens
@@ -161,8 +161,8 @@ def tree_verdict(tree: DraftTree, logits: torch.Tensor, ids: torch.Tensor,
 
 
 def greedy_tree_verdict_on_device(logits: torch.Tensor, ids: torch.Tensor, shape, counts: torch.Tensor):
-    """Greedy acceptance of a compiled tree with no host read (what `fusedtree.tree_cycle` runs). `shape`: the tree,
-    a `fusedtree.TreeShape` (x first, then its nodes in slot order); logits [n, V] the full model's processed scores
+    """Greedy acceptance of a compiled tree with no host read (what `graphtree.tree_cycle` runs). `shape`: the tree,
+    a `graphtree.TreeShape` (x first, then its nodes in slot order); logits [n, V] the full model's processed scores
     after each node; ids [n] the nodes' tokens; counts [n] bool (padding does not). A node is accepted where its
     token is the full model's argmax after its parent and its parent is accepted; the deepest accepted node ends
     the path (the first of equals: a sibling before the n-gram branch's node at the same depth), and its argmax is
@@ -174,8 +174,8 @@ def greedy_tree_verdict_on_device(logits: torch.Tensor, ids: torch.Tensor, shape
 
 
 def sampling_tree_verdict_on_device(p: torch.Tensor, ids: torch.Tensor, shape, counts: torch.Tensor):
-    """Sampled acceptance of a compiled tree, exact, with no host read (what `fusedtree.tree_cycle` runs: the
-    multi-draft rule of `among_certain_drafts`, per node, on the device). `shape`: the tree, a `fusedtree.TreeShape`
+    """Sampled acceptance of a compiled tree, exact, with no host read (what `graphtree.tree_cycle` runs: the
+    multi-draft rule of `among_certain_drafts`, per node, on the device). `shape`: the tree, a `graphtree.TreeShape`
     (x first, then its nodes in slot order); p [n, V] the full model's distributions after each node; ids [n] the
     nodes' tokens, each a point mass; counts [n] bool (padding does not). From x down, a node's children are tried
     in slot order: child c is accepted with probability r(t_c), r being its parent's distribution with the mass of

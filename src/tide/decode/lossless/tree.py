@@ -42,20 +42,20 @@ chains are judged as chains: sampling a head chain from the head's distribution 
 its tokens, by the speculative-sampling rule.
 
 `TreeDrafter` only proposes: it runs step 1 and hands the loop the trie (`Draft.tree`). The loop's draft-and-verify
-backend (`lossless.DraftVerify`) runs the passes of steps 2 and 3 (the call's verifier's: `Verifier.verify_tree`),
+backend (`loop.DraftVerify`) runs the passes of steps 2 and 3 (the call's verifier's: `Verifier.verify_tree`),
 has `accept.tree_verdict` walk the tree (step 4) and compacts the cache (`Verifier.keep_path`); where no tree mask
 reached the layers it verifies the head's top candidate alone, as a chain of one, and tells the drafter
-(`TreeDrafter.verified`). The fallback chains are the chain drafter's (`speculative.ChainDrafter`) and the n-gram
-drafter's (`ngram.NgramDrafter`). Compiled tree cycles run all four steps as one graph (`fusedtree.py`).
+(`TreeDrafter.verified`). The fallback chains are the chain drafter's (`chain.ChainDrafter`) and the n-gram
+drafter's (`ngram.NgramDrafter`). Compiled tree cycles run all four steps as one graph (`graphtree.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..models.compat import is_static_layer, layer_length, plain_dynamic_layers
+from ...models.compat import is_static_layer, layer_length, plain_dynamic_layers
 from .drafts import Draft, DraftTree
-from .processors import process
+from ..processors import process
 from .verifier import room_for
 
 __all__ = ["TreeDrafter"]
@@ -63,7 +63,7 @@ __all__ = ["TreeDrafter"]
 
 class TreeDrafter:
     """Lossless drafting of a trie per cycle: the head's `session.draft_topk` candidates and the n-gram
-    continuation (`session`: a `speculative.LosslessSession`; the rest, the call's `ShallowPasses`, `Verifier`,
+    continuation (`session`: a `session.LosslessSession`; the rest, the call's `ShallowPasses`, `Verifier`,
     `Stops`, `NgramDrafter` or None, and `ChainDrafter`, which drafts where a tree cannot). It proposes the trie;
     the backend verifies it and `accept.tree_verdict` walks it."""
 

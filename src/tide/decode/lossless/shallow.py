@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.args import new_positions
-from ..layers.calltransforms import positions_of
-from ..layers.fewrows import few_row_linears
-from ..models.compat import grouped_query_attention_in_place, layer_length
+from ...layers.args import new_positions
+from ...layers.calltransforms import positions_of
+from ...layers.fewrows import few_row_linears
+from ...models.compat import grouped_query_attention_in_place, layer_length
 
 __all__ = ["ShallowPasses"]
 
 
 class ShallowPasses:
-    """Runs tokens through layers 0..E on the call's cache (`session`: a `speculative.LosslessSession`)."""
+    """Runs tokens through layers 0..E on the call's cache (`session`: a `session.LosslessSession`)."""
 
     def __init__(self, session, cache):
         self.session, self.cache = session, cache

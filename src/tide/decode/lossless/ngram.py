@@ -54,8 +54,8 @@ class NgramLookup:
 
 
 class NgramDrafter:
-    """Lossless drafts of the sequence's n-gram continuation (`session`: a `speculative.LosslessSession`; `shallow`,
-    `verifier`, `stops`: the call's `ShallowPasses`, `Verifier` and `speculative.Stops`). Used by the chain and
+    """Lossless drafts of the sequence's n-gram continuation (`session`: a `session.LosslessSession`; `shallow`,
+    `verifier`, `stops`: the call's `ShallowPasses`, `Verifier` and `drafts.Stops`). Used by the chain and
     tree drafters, which draft from the head where there is no continuation."""
 
     def __init__(self, session, lookup: NgramLookup, shallow, verifier, stops, sample: bool):

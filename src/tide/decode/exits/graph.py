@@ -1,6 +1,6 @@
 """Exit mode's graph backend: a step is one graph from the token to the next token, and one host read.
 
-`exitgraph.ExitGraph` makes a step's walk one graph, but each step of the walk backend (`exits.Walk`) still goes
+`walkgraph.ExitGraph` makes a step's walk one graph, but each step of the walk backend (`loop.Walk`) still goes
 through the session's forward, the capture of the layers' arguments, the head, the processors and the sampling, on
 the host. Here, for one row on a static full-attention cache with processors that run in the graph
 (`graphparts.GraphProcessors`), a step (`_exit_step`) is:
@@ -8,14 +8,14 @@ the host. Here, for one row on a static full-attention cache with processors tha
 1. the last emitted token x through layers 0..c1 (the first consulted checkpoint) by the backbone's own forward on a
    view of those layers (`graphparts.backbone_view`), its position the static cache's length and its mask made
    inside the graph (`graphparts.causal_mask`), as the lossless cycles do;
-2. `exitgraph.cond_walk`: at each checkpoint `torch.cond` between the batched fill of every later layer's K/V and
+2. `walkgraph.cond_walk`: at each checkpoint `torch.cond` between the batched fill of every later layer's K/V and
    the next view's layers, nested; the rotary the fill needs is a row of a table of every position of the cache,
    captured once per call (`_RotaryTable`);
 3. the final norm and head on the state the walk returns, a minimum length's end-of-sequence scores set to -inf, a
    repetition penalty on the tokens seen so far (a mask of the vocabulary each new token is marked in, on the
    device), and the next token: the argmax, or a draw after the call's warpers;
-4. one host read: the token and x's exit layer, which the exit-mode loop (`exits.exit_decode`) hands to the stopping
-   criteria, the streamer and the stats (each `torch.cond` reads its predicate inside the graph: `exitgraph.py`).
+4. one host read: the token and x's exit layer, which the exit-mode loop (`loop.exit_decode`) hands to the stopping
+   criteria, the streamer and the stats (each `torch.cond` reads its predicate inside the graph: `walkgraph.py`).
 
 The first new token comes from the prompt's full pass, as in every exit-mode call; the loop then runs these steps
 where `graph_steps` finds that the call fits them. One graph per call shape, none made again for another prompt
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.calls import capture_layer_calls
-from ..layers.kvfill import fused_available, stack_for
-from ..layers.spans import dense
-from .accept import draw
-from .cachepool import dynamic_length, slots
-from .exitgraph import Fill, cond_walk
-from .graphparts import GraphProcessors, causal_mask, one_graph_fits, penalised, views_of
+from ...layers.calls import capture_layer_calls
+from ...layers.kvfill import fused_available, stack_for
+from ...layers.spans import dense
+from ..lossless.accept import draw
+from ..cachepool import dynamic_length, slots
+from .walkgraph import Fill, cond_walk
+from ..graphparts import GraphProcessors, causal_mask, one_graph_fits, penalised, views_of
 
 __all__ = ["GraphSteps", "graph_steps"]
 
@@ -108,10 +108,10 @@ class _RotaryTable:
 
 
 def graph_steps(session, input_ids, logits_processor, generation_config, cache, mask, emitted) -> GraphSteps | str:
-    """The graph backend for this call after its first new token, or why its steps walk on (`exits.Walk`)."""
+    """The graph backend for this call after its first new token, or why its steps walk on (`loop.Walk`)."""
     graph = getattr(session, "graph", None)  # (the compiled base's session walks no exits)
     if graph is None:
-        return "its steps do not run as one graph (`exitgraph.ExitGraph`)"
+        return "its steps do not run as one graph (`walkgraph.ExitGraph`)"
     if input_ids.shape[0] != 1:
         return "more than one row"
     if emitted.keeps_outputs:

@@ -3,17 +3,17 @@
 The loop owns the sequence, the padding of finished rows, the stopping criteria, the streamer and what `generate`
 returns (`emit.Emitted`). A backend gives each step's next tokens:
 
-- the walk (`Walk`): the session's forward (`exitsession.ExitSession`: eager, in compiled spans or as one graph,
-  `exitgraph.ExitGraph`; `baseline.BaseSession`: the compiled base) on the prompt as transformers prepares it
+- the walk (`Walk`): the session's forward (`session.ExitSession`: eager, in compiled spans or as one graph,
+  `walkgraph.ExitGraph`; `baseline.BaseSession`: the compiled base) on the prompt as transformers prepares it
   (`prepare_inputs_for_generation`), then on the last tokens with the mask and positions grown by one; processors
   and sampling as in transformers' sampling loop, the stopping criteria on the sequence. The session counts its
   steps, as it does in a beam search.
-- the graph (`fusedexit.GraphSteps`): a compiled single-row step from the last token to the next as one graph, the
+- the graph (`graph.GraphSteps`): a compiled single-row step from the last token to the next as one graph, the
   processors inside it, and one host read (the token and its exit layer); the stopping criteria on the host's list
   of tokens (`graphparts.Stops`), and the loop counts the step.
 
 The prompt's pass gives the first token in every call; the backend for the rest of the call is chosen then, once:
-the graph where the call fits it (`fusedexit.graph_steps`, which otherwise says why not), else the walk. Greedy and
+the graph where the call fits it (`graph.graph_steps`, which otherwise says why not), else the walk. Greedy and
 sampling; beams go through transformers' beam search (`generation.py`).
 """
 
@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from .emit import Emitted
-from .fusedexit import graph_steps
-from .graphparts import Stops
-from .processors import process
+from ..emit import Emitted
+from .graph import graph_steps
+from ..graphparts import Stops
+from ..processors import process
 
 __all__ = ["Walk", "exit_decode"]
 

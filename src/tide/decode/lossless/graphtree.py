@@ -1,4 +1,4 @@
-"""Trees as one compiled graph and one host read a cycle (`fused.GraphCycles`, calls with `draft_topk` > 1), greedy
+"""Trees as one compiled graph and one host read a cycle (`graph.GraphCycles`, calls with `draft_topk` > 1), greedy
 or sampled.
 
 A tree here has a fixed shape per graph (`TreeShape`): after the last emitted token x, the draft head's `siblings`
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .accept import greedy_tree_verdict_on_device, sampling_tree_verdict_on_device
-from .cachepool import slots
+from ..cachepool import slots
 
 __all__ = ["TreeShape", "tree_cycle"]
 
