@@ -23,8 +23,8 @@ from .decode import compilecache, exit_decode, generate_with_loop, lossless_deco
 from .decode.baseline import BaseSession
 from .decode.dispatch import activated, install
 from .decode.exits.session import ExitSession
-from .decode.plan import CallPlan, PlanKind, call_inputs, lossless_problem, no_cache, option, plan_call
 from .decode.lossless.session import LosslessSession
+from .decode.plan import CallPlan, PlanKind, call_inputs, lossless_problem, no_cache, option, plan_call
 from .decode.stats import GenerationStats
 from .heads.kernels import kernel_mode
 from .layers.spans import SpanRunner, compile_options, options_key

@@ -30,10 +30,10 @@ import torch
 from ...layers.calls import capture_layer_calls
 from ...layers.kvfill import fused_available, stack_for
 from ...layers.spans import dense
-from ..lossless.accept import draw
 from ..cachepool import dynamic_length, slots
-from .walkgraph import Fill, cond_walk
 from ..graphparts import GraphProcessors, causal_mask, one_graph_fits, penalised, views_of
+from ..lossless.accept import draw
+from .walkgraph import Fill, cond_walk
 
 __all__ = ["GraphSteps", "graph_steps"]
 

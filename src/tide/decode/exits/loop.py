@@ -24,9 +24,9 @@ import time
 import torch
 
 from ..emit import Emitted
-from .graph import graph_steps
 from ..graphparts import Stops
 from ..processors import process
+from .graph import graph_steps
 
 __all__ = ["Walk", "exit_decode"]
 

@@ -26,8 +26,8 @@ from ...layers.recompute import RecomputeState
 from ...layers.rowsplit import RowSplitCache, can_slice, sliced_call
 from ...layers.spans import SpanRunner
 from ..dispatch import base_forward
-from .walkgraph import ExitGraph
 from ..stats import GenerationStats
+from .walkgraph import ExitGraph
 
 __all__ = ["ExitSession", "walk_layers", "WalkResult", "PropagateSteps", "BACKBONE_KEYS"]
 

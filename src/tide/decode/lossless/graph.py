@@ -45,15 +45,16 @@ from __future__ import annotations
 import time
 
 import torch
+
 from ...layers.spans import dense
-from .accept import draw, greedy_verdict_on_device, sampling_verdict_on_device
 from ..cachepool import dynamic_length, slots
-from .drafts import Cycle
 from ..emit import Emitted
-from .graphtree import TreeShape, tree_cycle
 from ..graphparts import GraphProcessors, causal_mask, one_graph_fits, penalised, seen_at, views_of
-from .ngram import NgramLookup
+from .accept import draw, greedy_verdict_on_device, sampling_verdict_on_device
 from .chain import next_cap
+from .drafts import Cycle
+from .graphtree import TreeShape, tree_cycle
+from .ngram import NgramLookup
 
 __all__ = ["GraphCycles", "graph_cycles"]
 

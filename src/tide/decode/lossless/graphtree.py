@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .accept import greedy_tree_verdict_on_device, sampling_tree_verdict_on_device
 from ..cachepool import slots
+from .accept import greedy_tree_verdict_on_device, sampling_tree_verdict_on_device
 
 __all__ = ["TreeShape", "tree_cycle"]
 

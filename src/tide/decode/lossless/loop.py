@@ -34,13 +34,13 @@ import time
 import torch
 
 from ...models.compat import crop_cache
-from .accept import certain_scores, greedy_verdict, sampling_verdict, tree_verdict
-from .drafts import Cycle, Draft, Verdict
 from ..emit import Emitted
-from .graph import graph_cycles
 from ..graphparts import Stops
 from ..processors import process
+from .accept import certain_scores, greedy_verdict, sampling_verdict, tree_verdict
+from .drafts import Cycle, Draft, Verdict
 from .drafts import Stops as DraftStops
+from .graph import graph_cycles
 
 __all__ = ["DraftVerify", "lossless_decode"]
 

@@ -54,8 +54,8 @@ from __future__ import annotations
 import torch
 
 from ...models.compat import is_static_layer, layer_length, plain_dynamic_layers
-from .drafts import Draft, DraftTree
 from ..processors import process
+from .drafts import Draft, DraftTree
 from .verifier import room_for
 
 __all__ = ["TreeDrafter"]

@@ -24,8 +24,16 @@ from ...layers.args import new_positions
 from ...layers.calls import capture_layer_calls, capture_outputs
 from ...layers.calltransforms import additive_mask, additive_masks, tree_mask_calls, without_first_position
 from ...layers.fewrows import few_row_linears
-from ...models.compat import (LengthView, crop_cache, crop_layer, grouped_query_attention_in_place, is_static_layer,
-    keep_path, layer_length, unrecoverable_sliding_layers)
+from ...models.compat import (
+    LengthView,
+    crop_cache,
+    crop_layer,
+    grouped_query_attention_in_place,
+    is_static_layer,
+    keep_path,
+    layer_length,
+    unrecoverable_sliding_layers,
+)
 from .drafts import Verified
 
 __all__ = ["LosslessUnavailable", "Verifier", "check_rollback", "room_for"]
