@@ -184,3 +184,23 @@ def test_an_eager_call_tries_the_compiled_chain_where_the_eager_default_drafts_n
         assert stats.verify_passes > 0 and stats.drafted > 0
     model.generate(ids, **GREEDY, tide_config={"machine_check": False})
     assert model.last_stats.mode == "base"
+
+
+@pytest.mark.parametrize("measured_speedup, mode", [(1.12, "lossless"), (0.97, "base")])
+def test_calibration_timed_on_this_machine_decides(measured, measured_speedup, mode):
+    """Where the record says its trials ran on this machine (processor and threads: `timing_machine`), the scheme's
+    own timing there decides, with nothing measured; a record from another machine is weighed as before."""
+    calls, cost = measured
+    cost[0] = 1.95  # what the linears' estimate would say: does not pay
+    model = _repo(accepted=0.52)
+    model.config.calibration["draft_selection"]["chosen"]["measured"] = measured_speedup
+    model.config.calibration["timing_machine"] = machinecheck.machine_name(model)
+    model.generate(short_ids(), **GREEDY)
+    assert model.last_stats.mode == mode and not calls
+    verdict = "pays" if mode == "lossless" else "does not pay"
+    assert f"the chain {verdict} on this machine: calibration timed it here at x{measured_speedup:.2f}" in \
+        model.last_stats.plan
+    other = _repo(accepted=0.52)
+    other.config.calibration["timing_machine"] = "cpu:another processor:64 threads"
+    other.generate(short_ids(), **GREEDY)
+    assert other.last_stats.mode == "base" and len(calls) == 1

@@ -51,13 +51,13 @@ def test_no_budget_times_everything_and_records_no_budget(monkeypatch):
 
 def test_trials_run_on_the_decode_threads_and_the_record_says_how_many(monkeypatch):
     """`decode_threads`: costs, the decode check and the trials run on that many threads, training on the process's
-    own, restored after; the record names the threads the trials ran on."""
+    own, restored after; the record names the processor and threads the trials ran on."""
     own = torch.get_num_threads()
     asked = 2 if own == 1 else 1
     threads = []
     model, timed = _calibrate(monkeypatch, None, threads=threads, decode_threads=asked)
     assert timed and set(threads) == {asked} and torch.get_num_threads() == own
-    assert model.config.calibration["timing_threads"] == asked
+    assert model.config.calibration["timing_machine"].endswith(f":{asked} threads")
     with pytest.raises(ValueError, match="decode_threads must be a positive integer"):
         tide.calibrate(tiny_model("llama"), tiny_tokenizer(), dataset=sample_texts(4), decode_threads=0)
 

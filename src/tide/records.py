@@ -250,7 +250,8 @@ class CalibrationRecord(_Record):
     compiled_chains: list[dict] | None = None
     decode_validation: Validation | None = None
     phase_seconds: dict[str, float] | None = None  # {phase: seconds} on the main process
-    timing_threads: int | None = None  # the CPU threads costs, the decode check and the trials ran on (a process's)
+    # the processor and CPU threads costs, the decode check and the trials ran on (`decode.machinecheck.machine_name`)
+    timing_machine: str | None = None
     work_per_rank: dict | None = None  # {"processes": n, phase: {"texts"/"tokens"/...: [per process]}}
     phase_seconds_per_rank: dict[str, list[float]] | None = None  # several processes only
     timing_budget: TimingBudget | None = None  # with `timing_budget_s` only

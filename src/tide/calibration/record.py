@@ -33,7 +33,8 @@ __all__ = ["build_record"]
 
 def build_record(ctx: Context, dataset: str, *, texts: Texts, trainer, held: Heldout, held_local: tuple[int, int],
                  costs, point: OperatingPoint, draft_selection: DraftSelection | None,
-                 compiled_timing: Timing | None, compiled_chains: list[dict] | None = None) -> CalibrationRecord:
+                 compiled_timing: Timing | None, compiled_chains: list[dict] | None = None,
+                 timing_machine: str | None = None) -> CalibrationRecord:
     """What the calibration found, as saved in the config (`TideConfig.calibration`): `dataset` is the data in
     words, `trainer` the training phase's (its tokens and head-step rows), `held_local` this process's held-out
     (texts, tokens)."""
@@ -51,7 +52,7 @@ def build_record(ctx: Context, dataset: str, *, texts: Texts, trainer, held: Hel
     record.compiled_chains = compiled_chains
     record.decode_validation = as_record(point.validation, Validation)
     record.phase_seconds = phases.rounded()
-    record.timing_threads = ctx.opts.decode_threads or torch.get_num_threads()
+    record.timing_machine = timing_machine
     record.work_per_rank = _work_per_rank(procs, (len(texts.train_texts), trainer.train_tokens), held_local,
                                           getattr(ctx.tide.heldout_selection, "decoded_per_rank", None),
                                           trainer.head_rows)

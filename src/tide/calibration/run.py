@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import TideConfig
+from ..decode.machinecheck import machine_name
 from ..hub.card import calibration_table
 from ..modeling import TideForCausalLM
 from ..models.compat import CompileWatch
@@ -69,6 +70,7 @@ def calibrate(
     texts = read_texts(ctx, dataset, prompts, dataset_config=dataset_config, split=split, text_column=text_column)
     trainer, ranked, held, held_local = _train_and_score(ctx, texts)
     with decoding_threads(opts.decode_threads):  # (costs, the decode check and the trials: as decoding will run)
+        timing_machine = machine_name(tide)
         measured = cost_measurement(ctx, texts)
         point = choose_thresholds(ctx, held, measured, len(texts.all_held))
         draft_selection = choose_drafts(ctx, held, measured.costs, ranked, texts.all_held, point)
@@ -76,7 +78,8 @@ def calibrate(
             compiled_timing, compiled_chains = time_default_compiled(ctx, measured.prompts, draft_selection)
     record = build_record(ctx, data_name(dataset, prompts), texts=texts, trainer=trainer, held=held,
                           held_local=held_local, costs=measured.costs, point=point, draft_selection=draft_selection,
-                          compiled_timing=compiled_timing, compiled_chains=compiled_chains)
+                          compiled_timing=compiled_timing, compiled_chains=compiled_chains,
+                          timing_machine=timing_machine)
     tide.config.calibration = record.to_dict()
     persist_compiled(tide, compiling.graphs)
     return tide

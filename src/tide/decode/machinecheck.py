@@ -44,8 +44,8 @@ from ..records import CalibrationRecord
 from . import compilecache
 from .plan import PlanKind
 
-__all__ = ["MARGIN", "Scheme", "review", "check", "check_defaults", "measure_cycle", "expected_tokens", "scheme_of",
-           "cache_path", "decision_text", "machine_name"]
+__all__ = ["MARGIN", "Scheme", "review", "check", "check_defaults", "measure_cycle", "expected_tokens", "timed_here",
+           "scheme_of", "cache_path", "decision_text", "machine_name"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = "tide-machine-1"
@@ -91,15 +91,35 @@ def expected_tokens(model, scheme: Scheme) -> float | None:
     """Tokens a cycle of `scheme` emits, from the repo's calibration record: 1 + the drafts its timing of that scheme
     accepted a cycle (`accepted_per_cycle`, compiled chains first); None where the record holds no such figure."""
     record = CalibrationRecord.from_dict(model.config.calibration or {})
-    entries = [(chain.get("chain") or {}, chain) for chain in record.compiled_chains or []]
-    selection = record.draft_selection
-    drafts = ([selection.chosen] if selection and selection.chosen else []) + (selection.trials if selection else [])
-    entries += [(dataclasses.asdict(d), dataclasses.asdict(d)) for d in drafts]
+    accepted = _recorded(record, scheme, "accepted_per_cycle", compiled=True)
+    if accepted is None:
+        accepted = _recorded(record, scheme, "accepted_per_cycle", compiled=False)
+    return None if accepted is None else 1.0 + accepted
+
+
+def timed_here(model, scheme: Scheme, compiled: bool) -> float | None:
+    """The speedup calibration measured for `scheme` (eager: over `generate`; compiled: over the compiled base), where
+    it timed it on this machine (the same processor and threads: the record's `timing_machine`); None elsewhere."""
+    record = CalibrationRecord.from_dict(model.config.calibration or {})
+    if record.timing_machine is None or record.timing_machine != machine_name(model):
+        return None
+    return _recorded(record, scheme, "measured", compiled)
+
+
+def _recorded(record: CalibrationRecord, scheme: Scheme, name: str, compiled: bool) -> float | None:
+    """`name` of the record's timing of `scheme`: among its compiled chains, or its eager drafting trials."""
+    if compiled:
+        entries = [(chain.get("chain") or {}, chain) for chain in record.compiled_chains or []]
+    else:
+        selection = record.draft_selection
+        drafts = ([selection.chosen] if selection and selection.chosen else []) + (selection.trials if selection
+                                                                                   else [])
+        entries = [(dataclasses.asdict(d), dataclasses.asdict(d)) for d in drafts]
     for fields, entry in entries:
         found = (fields.get("draft_layer"), fields.get("max_draft"), fields.get("draft_topk") or 1,
                  fields.get("draft_vocab_size") or 0, fields.get("draft_ngram") or 0)
-        if found == scheme.record_key() and entry.get("accepted_per_cycle") is not None:
-            return 1.0 + float(entry["accepted_per_cycle"])
+        if found == scheme.record_key() and entry.get(name) is not None:
+            return float(entry[name])
     return None
 
 
@@ -144,6 +164,9 @@ def machine_name(model) -> str:
 def decision_text(verdict: dict) -> str:
     """The check's verdict in words."""
     what = "the chain" if verdict["scheme"].get("tree") is False else "the tree"
+    if verdict.get("timed") is not None:
+        return (f"{what} {'pays' if verdict['pays'] else 'does not pay'} on this machine: calibration timed it "
+                f"here at x{verdict['timed']:.2f}")
     weighed = (f"a cycle costs {verdict['cycle_steps']:.2f} base steps, {verdict['tokens_expected']:.2f} tokens "
                "expected")
     return f"{what} {'pays' if verdict['pays'] else 'does not pay'} on this machine: {weighed}"
@@ -152,7 +175,11 @@ def decision_text(verdict: dict) -> str:
 def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure: bool = False) -> dict | None:
     """The verdict on `scheme` here: {"pays", "cycle_steps", "tokens_expected", "scheme", "key", "measured_s"};
     None where the record holds no figure to weigh. Measured once per key (kept on the model and in the cache
-    folder), unless `remeasure`."""
+    folder), unless `remeasure`. Where calibration timed the scheme on this machine, its timing decides instead
+    ({"pays", "timed", "scheme"}): a measurement of the scheme itself rather than of the linears it runs."""
+    timed = timed_here(model, scheme, compiled)
+    if timed is not None:
+        return {"pays": timed >= MARGIN, "timed": timed, "scheme": dataclasses.asdict(scheme)}
     tokens = expected_tokens(model, scheme)
     if tokens is None:
         return None

@@ -184,9 +184,13 @@ def cmd_check(args) -> None:
         if verdict is None:
             print(f"  {call}: not checked: {why}")
             continue
-        how = "read from" if verdict["cached"] else f"measured in {verdict['measured_s']:.1f} s, kept in"
-        print(f"  {call}: {machinecheck.decision_text(verdict)} (it pays from x{machinecheck.MARGIN:.2f}; {how} "
-              f"{machinecheck.cache_path(verdict['key'])})")
+        if verdict.get("timed") is not None:
+            how = "from the repo's calibration record"
+        elif verdict["cached"]:
+            how = f"read from {machinecheck.cache_path(verdict['key'])}"
+        else:
+            how = f"measured in {verdict['measured_s']:.1f} s, kept in {machinecheck.cache_path(verdict['key'])}"
+        print(f"  {call}: {machinecheck.decision_text(verdict)} (it pays from x{machinecheck.MARGIN:.2f}; {how})")
 
 
 def main(argv: list[str] | None = None) -> int:
