@@ -39,7 +39,7 @@ from ..graphparts import Stops
 from ..processors import process
 from .accept import certain_scores, greedy_verdict, sampling_verdict, tree_verdict
 from .drafts import Cycle, Draft, Verdict
-from .drafts import Stops as DraftStops
+from .drafts import Stops as DraftStops  # (the drafters' view of the criteria; `Stops` above: the graph's tokens)
 from .graph import graph_cycles
 
 __all__ = ["DraftVerify", "lossless_decode"]
