@@ -204,3 +204,31 @@ def test_calibration_timed_on_this_machine_decides(measured, measured_speedup, m
     other.config.calibration["timing_machine"] = "cpu:another processor:64 threads"
     other.generate(short_ids(), **GREEDY)
     assert other.last_stats.mode == "base" and len(calls) == 1
+
+
+def test_a_cycle_is_priced_at_the_width_calibration_verified(measured):
+    """Where the record says how many positions its timings verified a cycle (`verified_per_cycle`), the check
+    prices a cycle at that width (rounded) and its drafts, rather than at the widest the scheme can verify."""
+    calls, _ = measured
+    model = _repo()
+    model.config.calibration["draft_selection"]["chosen"]["verified_per_cycle"] = 2.4
+    model.generate(short_ids(), **GREEDY)
+    (scheme, _), = calls
+    assert (scheme.width, scheme.drafts) == (2, 1)
+    _repo().generate(short_ids(), **GREEDY)  # no figure: the chain's full width, 3 positions and 2 drafts
+    assert (calls[1][0].width, calls[1][0].drafts) == (3, 2)
+
+
+@pytest.mark.real_timing
+@pytest.mark.parametrize("scheme, widest", [({"max_draft": 2}, 3), ({"max_draft": 1, "draft_topk": 2}, 3)],
+                         ids=["chain", "tree"])
+def test_the_trials_record_the_positions_a_cycle_verified(scheme, widest):
+    """`trials.kept(accepted=True)` records the drafts accepted and the positions verified a cycle of the lossless
+    runs it timed: between the last token alone and the scheme's widest cycle."""
+    from tide.calibration import trials
+
+    model = llama_repo(thresholds=False)
+    timing = trials.kept(model, [short_ids()], {"mode": "lossless", "draft_layer": 1, **scheme}, accepted=True,
+                         bar=0.0)
+    assert 1.0 < timing["verified_per_cycle"] <= widest
+    assert 0.0 <= timing["accepted_per_cycle"] <= timing["verified_per_cycle"] - 1

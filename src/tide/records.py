@@ -147,9 +147,10 @@ class DraftRecord(_Record):
     draft_ngram: int | None = None  # > 0: n-gram drafts (a chain's alternative; a tree's branches)
     head_drafts: bool | None = None  # False: n-gram drafts only
     accepted_per_cycle: float | None = None  # drafts accepted a cycle in its timings (`decode/machinecheck.py`)
+    verified_per_cycle: float | None = None  # positions a cycle verified in its timings (likewise)
 
     OMIT_IF_NONE = ("estimate", "draft_vocab_size", "measured", "timings", "draft_ngram", "head_drafts",
-                    "accepted_per_cycle")
+                    "accepted_per_cycle", "verified_per_cycle")
 
 
 @dataclass
@@ -246,7 +247,7 @@ class CalibrationRecord(_Record):
     exit_timing: ExitTiming | None = None
     compiled_timing: Timing | None = None  # the default mode compiled against the compiled base decode
     # greedy chains compiled against the compiled base decode: [{"chain": {...}, "measured", "timings", "active",
-    #   "accepted_per_cycle"}]
+    #   "accepted_per_cycle", "verified_per_cycle"}]
     compiled_chains: list[dict] | None = None
     decode_validation: Validation | None = None
     phase_seconds: dict[str, float] | None = None  # {phase: seconds} on the main process

@@ -56,9 +56,13 @@ def measured_speedup(model, prompts: list[torch.Tensor], tide_config: dict, new_
 
     def tide_run(ids):
         out = model.generate(ids, tide_config=tide_config, **kwargs)
-        if counts is not None and model.last_stats is not None:
-            counts["accepted"] = counts.get("accepted", 0) + model.last_stats.accepted
-            counts["cycles"] = counts.get("cycles", 0) + model.last_stats.verify_passes
+        stats = model.last_stats if counts is not None else None
+        if stats is not None:
+            counts["accepted"] = counts.get("accepted", 0) + stats.accepted
+            counts["cycles"] = counts.get("cycles", 0) + stats.verify_passes
+            # positions verified: the last token's, each chain draft and n-gram token, a tree's candidates
+            counts["verified"] = counts.get("verified", 0) + (stats.verify_passes + stats.drafted
+                                                              + stats.tree_cycles * (stats.draft_topk - 1))
         return out
 
     def base_run(ids):
@@ -110,7 +114,8 @@ def timed(tide, prompts, tide_config: dict, baseline: str = "generate", bar: flo
     return measured_speedup(tide, prompts, tide_config, new_tokens=32, repeats=5, baseline=baseline, bar=bar)
 
 
-# Inside `kept(accepted=True)`: the Tide runs' accepted drafts and verification passes ({"accepted", "cycles"}).
+# Inside `kept(accepted=True)`: the Tide runs' accepted drafts, verification passes and the positions they verified
+# ({"accepted", "cycles", "verified"}).
 _COUNTS: ContextVar = ContextVar("tide_trial_counts", default=None)
 
 
@@ -125,7 +130,8 @@ def kept(tide, prompts, tide_config: dict, first: float | None = None, baseline:
     x1.054 once and were kept (docs/benchmarks.md).
 
     `accepted`: also "accepted_per_cycle", the drafts the lossless runs timed here accepted a cycle (where they
-    drafted), which `decode/machinecheck.py` weighs against another machine's costs."""
+    drafted), and "verified_per_cycle", the positions a cycle verified (a tree's n-gram branch only where the text
+    repeated), which `decode/machinecheck.py` weighs against another machine's costs."""
     counts = {} if accepted else None
     token = _COUNTS.set(counts)
     try:
@@ -136,7 +142,8 @@ def kept(tide, prompts, tide_config: dict, first: float | None = None, baseline:
         _COUNTS.reset(token)
     cycles = (counts or {}).get("cycles")
     return {"measured": min(timings), "timings": timings, "active": min(timings) >= bar,
-            **({"accepted_per_cycle": counts["accepted"] / cycles} if cycles else {})}
+            **({"accepted_per_cycle": counts["accepted"] / cycles, "verified_per_cycle": counts["verified"] / cycles}
+               if cycles else {})}
 
 
 def time_compiled(tide, prompts, tide_config: dict) -> dict:
@@ -259,7 +266,7 @@ def choose_draft(tide, tokenizer, texts, candidates, left=None, procs=None, ngra
         for trial, timing in zip(round_, timings):
             trial["timings"] = timing["timings"]
         chosen = next(({**trial, "measured": timing["measured"],
-                        **{k: v for k, v in timing.items() if k == "accepted_per_cycle"}}
+                        **{k: v for k, v in timing.items() if k in ("accepted_per_cycle", "verified_per_cycle")}}
                        for trial, timing in zip(round_, timings) if timing["active"]), None)
         if chosen is not None:
             selection = {"trials": trials, "chosen": chosen, **({"cut": cut} if cut else {}), **_shares(timed_by)}

@@ -44,8 +44,8 @@ from ..records import CalibrationRecord
 from . import compilecache
 from .plan import PlanKind
 
-__all__ = ["MARGIN", "Scheme", "review", "check", "check_defaults", "measure_cycle", "expected_tokens", "timed_here",
-           "scheme_of", "cache_path", "decision_text", "machine_name"]
+__all__ = ["MARGIN", "Scheme", "review", "check", "check_defaults", "measure_cycle", "expected_tokens", "as_verified",
+           "timed_here", "scheme_of", "cache_path", "decision_text", "machine_name"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = "tide-machine-1"
@@ -64,16 +64,23 @@ class Scheme:
     draft_vocab_size: int = 0
     draft_ngram: int = 0
     tree: bool = False  # one verification tree of `draft_topk` candidates (else a chain)
+    verified: int | None = None  # the positions a cycle verified in calibration's timings, where recorded
 
     @property
     def width(self) -> int:
+        """Positions a cycle verifies: as calibration's timings verified on average (rounded), else the widest."""
+        if self.verified:
+            return self.verified
         if self.tree:
             return 1 + self.draft_topk + (self.max_draft if self.draft_ngram else 0)
         return 1 + self.max_draft
 
     @property
     def drafts(self) -> int:
-        return 1 if self.tree else self.max_draft
+        """Head drafts a cycle: a tree's one step; a chain's cap, or fewer where its cycles verified fewer."""
+        if self.tree:
+            return 1
+        return max(1, min(self.max_draft, self.verified - 1)) if self.verified else self.max_draft
 
     def record_key(self) -> tuple:
         return self.draft_layer, self.max_draft, self.draft_topk, self.draft_vocab_size or 0, self.draft_ngram or 0
@@ -90,11 +97,21 @@ def scheme_of(model, plan) -> Scheme:
 def expected_tokens(model, scheme: Scheme) -> float | None:
     """Tokens a cycle of `scheme` emits, from the repo's calibration record: 1 + the drafts its timing of that scheme
     accepted a cycle (`accepted_per_cycle`, compiled chains first); None where the record holds no such figure."""
-    record = CalibrationRecord.from_dict(model.config.calibration or {})
-    accepted = _recorded(record, scheme, "accepted_per_cycle", compiled=True)
-    if accepted is None:
-        accepted = _recorded(record, scheme, "accepted_per_cycle", compiled=False)
+    accepted = _from_timings(model, scheme, "accepted_per_cycle")
     return None if accepted is None else 1.0 + accepted
+
+
+def as_verified(model, scheme: Scheme) -> Scheme:
+    """`scheme` verifying as many positions a cycle as its timings did on average (`verified_per_cycle`): a tree's
+    n-gram branch, or a chain's full cap, comes only in some cycles; as it is where the record holds no figure."""
+    verified = _from_timings(model, scheme, "verified_per_cycle")
+    return scheme if verified is None else dataclasses.replace(scheme, verified=max(1, round(verified)))
+
+
+def _from_timings(model, scheme: Scheme, name: str) -> float | None:
+    record = CalibrationRecord.from_dict(model.config.calibration or {})
+    value = _recorded(record, scheme, name, compiled=True)
+    return _recorded(record, scheme, name, compiled=False) if value is None else value
 
 
 def timed_here(model, scheme: Scheme, compiled: bool) -> float | None:
@@ -183,6 +200,7 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
     tokens = expected_tokens(model, scheme)
     if tokens is None:
         return None
+    scheme = as_verified(model, scheme)
     key = _key(model, scheme, compiled, layout)
     name = _digest(key)
     memo = model.__dict__.setdefault("_tide_machine_checks", {})
