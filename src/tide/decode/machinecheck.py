@@ -26,6 +26,7 @@ module does not change the scheme, time `generate` or write the router repo.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -94,30 +95,28 @@ def scheme_of(model, plan) -> Scheme:
                   options.draft_ngram or 0, tree=options.draft_topk > 1 and not plan.fused_chains)
 
 
-def expected_tokens(model, scheme: Scheme) -> float | None:
+def expected_tokens(record: CalibrationRecord, scheme: Scheme) -> float | None:
     """Tokens a cycle of `scheme` emits, from the repo's calibration record: 1 + the drafts its timing of that scheme
     accepted a cycle (`accepted_per_cycle`, compiled chains first); None where the record holds no such figure."""
-    accepted = _from_timings(model, scheme, "accepted_per_cycle")
+    accepted = _from_timings(record, scheme, "accepted_per_cycle")
     return None if accepted is None else 1.0 + accepted
 
 
-def as_verified(model, scheme: Scheme) -> Scheme:
+def as_verified(record: CalibrationRecord, scheme: Scheme) -> Scheme:
     """`scheme` verifying as many positions a cycle as its timings did on average (`verified_per_cycle`): a tree's
     n-gram branch, or a chain's full cap, comes only in some cycles; as it is where the record holds no figure."""
-    verified = _from_timings(model, scheme, "verified_per_cycle")
+    verified = _from_timings(record, scheme, "verified_per_cycle")
     return scheme if verified is None else dataclasses.replace(scheme, verified=max(1, round(verified)))
 
 
-def _from_timings(model, scheme: Scheme, name: str) -> float | None:
-    record = CalibrationRecord.from_dict(model.config.calibration or {})
+def _from_timings(record: CalibrationRecord, scheme: Scheme, name: str) -> float | None:
     value = _recorded(record, scheme, name, compiled=True)
     return _recorded(record, scheme, name, compiled=False) if value is None else value
 
 
-def timed_here(model, scheme: Scheme, compiled: bool) -> float | None:
+def timed_here(model, record: CalibrationRecord, scheme: Scheme, compiled: bool) -> float | None:
     """The speedup calibration measured for `scheme` (eager: over `generate`; compiled: over the compiled base), where
     it timed it on this machine (the same processor and threads: the record's `timing_machine`); None elsewhere."""
-    record = CalibrationRecord.from_dict(model.config.calibration or {})
     if record.timing_machine is None or record.timing_machine != machine_name(model):
         return None
     return _recorded(record, scheme, "measured", compiled)
@@ -131,7 +130,7 @@ def _recorded(record: CalibrationRecord, scheme: Scheme, name: str, compiled: bo
         selection = record.draft_selection
         drafts = ([selection.chosen] if selection and selection.chosen else []) + (selection.trials if selection
                                                                                    else [])
-        entries = [(dataclasses.asdict(d), dataclasses.asdict(d)) for d in drafts]
+        entries = [(fields, fields) for fields in map(dataclasses.asdict, drafts)]
     for fields, entry in entries:
         found = (fields.get("draft_layer"), fields.get("max_draft"), fields.get("draft_topk") or 1,
                  fields.get("draft_vocab_size") or 0, fields.get("draft_ngram") or 0)
@@ -194,13 +193,14 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
     None where the record holds no figure to weigh. Measured once per key (kept on the model and in the cache
     folder), unless `remeasure`. Where calibration timed the scheme on this machine, its timing decides instead
     ({"pays", "timed", "scheme"}): a measurement of the scheme itself rather than of the linears it runs."""
-    timed = timed_here(model, scheme, compiled)
+    record = CalibrationRecord.from_dict(model.config.calibration or {})
+    timed = timed_here(model, record, scheme, compiled)
     if timed is not None:
         return {"pays": timed >= MARGIN, "timed": timed, "scheme": dataclasses.asdict(scheme)}
-    tokens = expected_tokens(model, scheme)
+    tokens = expected_tokens(record, scheme)
     if tokens is None:
         return None
-    scheme = as_verified(model, scheme)
+    scheme = as_verified(record, scheme)
     key = _key(model, scheme, compiled, layout)
     name = _digest(key)
     memo = model.__dict__.setdefault("_tide_machine_checks", {})
@@ -290,13 +290,19 @@ def _machine(device: torch.device) -> str:
     """The processor a measurement holds for: a GPU's name, else the CPU's model and the threads torch uses."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{_cpu_name()}:{torch.get_num_threads()} threads"
+
+
+@functools.cache
+def _cpu_name() -> str:
+    """The CPU's model name (read once a process: every lossless call at a repo's scheme asks for it)."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as info:
             name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
     except OSError:
         pass
-    return f"{device.type}:{name}:{torch.get_num_threads()} threads"
+    return name
 
 
 def _key(model, scheme: Scheme, compiled: bool, layout: str) -> dict:
