@@ -112,10 +112,7 @@ def main(argv=None):
     extract = train_s = 0.0
     credit = 0.0
     for group in draft_scale.batched(draft_scale.windows(tok, texts, args.length), args.batch):
-        ids = torch.zeros(len(group), args.length, dtype=torch.long)
-        keep = torch.zeros(len(group), args.length, dtype=torch.bool)
-        for i, (row, mask) in enumerate(group):
-            ids[i, :len(row)], keep[i, :len(row)] = row, mask
+        ids, keep = draft_scale.padded(group, args.length)
         t0 = time.perf_counter()
         x, context, final = draft_scale.features(feat, ids)
         extract += time.perf_counter() - t0

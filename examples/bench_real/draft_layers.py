@@ -24,7 +24,7 @@ import realmodel
 import torch
 from torch import nn
 
-from tide.calibration.chat import chat_texts, messages_of, sharegpt_records
+from tide.calibration.chat import chat_texts, sharegpt_records
 from tide.calibration.headloss import head_kl
 from tide.heads.draftvocab import ranked_vocabulary
 from tide.heads.router import DraftHead
@@ -65,29 +65,6 @@ def features(base, input_ids, layers):
     return out.hidden_states[draft_scale.LAYER + 1], before(final), final, middle
 
 
-def held_sets(base, tok, layers) -> dict:
-    _, held_questions = realmodel.questions()
-    turns = []
-    for record in sharegpt_records(draft_scale.sharegpt_file(), draft_scale.HELD_FROM):
-        first = [m for m in messages_of(record) if m["role"] == "user"][:1]
-        if first and 20 < len(first[0]["content"]) < 600:
-            turns.append(first[0]["content"])
-        if len(turns) == 8:
-            break
-    sets = {}
-    for name, prompts in (("questions", held_questions[:8]), ("sharegpt", turns)):
-        rows = []
-        for q in prompts:
-            prompt = tok(realmodel.chat_prompt(tok, q), return_tensors="pt").input_ids
-            answer = base.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False)
-            feats = [t[0] for t in features(base, answer, layers)]
-            scored = torch.zeros(answer.shape[1], dtype=torch.bool)
-            scored[prompt.shape[1] - 1:answer.shape[1] - 1] = True
-            rows.append((*feats, scored))
-        sets[name] = rows
-    return sets
-
-
 def run(head, key, x, context, middle):
     return head(x, context) if key == "draft_head" else head(x, context, middle)
 
@@ -126,7 +103,7 @@ def main(argv=None):
     torch.manual_seed(0)
     base, tok = realmodel.load()
     layers = args.context_layers
-    sets = held_sets(base, tok, layers)
+    sets = draft_scale.held_sets(base, tok, lambda model, ids: features(model, ids, layers))
     feat = copy.deepcopy(base).to(torch.bfloat16)
     head_w, norm, hidden = base.lm_head.weight.detach().float(), base.model.norm, base.config.hidden_size
     heads = {"draft_head": DraftHead(hidden, None, args.mlp), "fused": FusedContextHead(hidden, len(layers), args.mlp)}
@@ -141,11 +118,7 @@ def main(argv=None):
     results, milestones, start = [], sorted(m for m in args.milestones if m <= args.tokens), time.perf_counter()
     extract = train_s = 0.0
     for group in draft_scale.batched(draft_scale.windows(tok, texts, args.length), args.batch):
-        width = max(len(ids) for ids, _ in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        keep = torch.zeros(len(group), width, dtype=torch.bool)
-        for i, (row, mask) in enumerate(group):
-            ids[i, :len(row)], keep[i, :len(row)] = row, mask
+        ids, keep = draft_scale.padded(group)
         t0 = time.perf_counter()
         got = dict(zip(("x", "context", "final", "middle"), (t[keep] for t in features(feat, ids, layers))))
         extract += time.perf_counter() - t0

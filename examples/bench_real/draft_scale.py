@@ -86,6 +86,16 @@ def windows(tok, texts, length: int):
                 yield ids[start:start + length], mask[start:start + length]
 
 
+def padded(group, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group of (ids, answer mask) windows as (ids, mask) [len(group), width] (None: the longest), zero-padded."""
+    width = width or max(len(ids) for ids, _ in group)
+    ids = torch.zeros(len(group), width, dtype=torch.long)
+    keep = torch.zeros(len(group), width, dtype=torch.bool)
+    for i, (row, mask) in enumerate(group):
+        ids[i, :len(row)], keep[i, :len(row)] = row, mask
+    return ids, keep
+
+
 def batched(rows, batch: int):
     group = []
     for row in rows:
@@ -97,8 +107,9 @@ def batched(rows, batch: int):
         yield group
 
 
-def held_sets(base, tok) -> dict:
-    """name -> list of (layer-3 states, context, final, scored) of the base model's greedy answers (float32)."""
+def held_sets(base, tok, features=features) -> dict:
+    """name -> list of (layer-3 states, context, final, scored) of the base model's greedy answers (float32); with
+    another `features(base, ids)`, its tensors in place of the first three."""
     _, held_questions = realmodel.questions()
     turns = []
     for record in sharegpt_records(sharegpt_file(), HELD_FROM):
@@ -113,10 +124,9 @@ def held_sets(base, tok) -> dict:
         for q in prompts:
             prompt = tok(realmodel.chat_prompt(tok, q), return_tensors="pt").input_ids
             answer = base.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False)
-            x, context, final = (t[0] for t in features(base, answer))
             scored = torch.zeros(answer.shape[1], dtype=torch.bool)
             scored[prompt.shape[1] - 1:answer.shape[1] - 1] = True
-            rows.append((x, context, final, scored))
+            rows.append((*(t[0] for t in features(base, answer)), scored))
         sets[name] = rows
     return sets
 
@@ -177,11 +187,7 @@ def main(argv=None):
     results, milestones, start = [], sorted(m for m in args.milestones if m <= args.tokens), time.perf_counter()
     extract = train_s = 0.0
     for group in batched(windows(tok, texts, args.length), args.batch):
-        width = max(len(ids) for ids, _ in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        keep = torch.zeros(len(group), width, dtype=torch.bool)
-        for i, (row, mask) in enumerate(group):
-            ids[i, :len(row)], keep[i, :len(row)] = row, mask
+        ids, keep = padded(group)
         t0 = time.perf_counter()
         x, context, final = (t[keep] for t in features(feat, ids))
         extract += time.perf_counter() - t0
