@@ -232,3 +232,39 @@ def test_the_trials_record_the_positions_a_cycle_verified(scheme, widest):
                          bar=0.0)
     assert 1.0 < timing["verified_per_cycle"] <= widest
     assert 0.0 <= timing["accepted_per_cycle"] <= timing["verified_per_cycle"] - 1
+
+
+@pytest.mark.parametrize("timed, here, mode", [(1.30, 1.6, "lossless"), (0.98, 1.3, "base")])
+def test_another_machine_scales_the_calibration_timing_by_its_cycle_steps(measured, timed, here, mode):
+    """Where the record holds the scheme's timing and what a cycle cost there in base steps (`cycle_steps`), a call
+    on another machine expects the timing times the steps there over the steps here; the tokens a cycle emits over
+    the steps here would decide the other way in both cases (1.52 / 1.6 does not pay, 1.52 / 1.3 does)."""
+    calls, cost = measured
+    cost[0] = here
+    model = _repo(accepted=0.52)
+    chosen = model.config.calibration["draft_selection"]["chosen"]
+    chosen.update(measured=timed, cycle_steps=1.2 if timed < 1 else 1.5)
+    model.config.calibration["timing_machine"] = "cpu:another processor:64 threads"
+    model.generate(short_ids(), **GREEDY)
+    assert model.last_stats.mode == mode and len(calls) == 1
+    expected = timed * chosen["cycle_steps"] / here
+    assert (f"calibration timed it at x{timed:.2f} where a cycle cost {chosen['cycle_steps']:.2f} base steps; it "
+            f"costs {here:.2f} here: x{expected:.2f} expected") in model.last_stats.plan
+
+
+def test_calibration_records_a_cycle_s_steps_beside_its_timing(measured):
+    """`record_cycle_steps` measures the default call's scheme as the check would (at the width its timings
+    verified) and writes the steps beside that scheme's timing in the record; a record without a timing of the
+    scheme is left as it is."""
+    calls, cost = measured
+    cost[0] = 1.37
+    model = _repo()
+    model.config.calibration["draft_selection"]["chosen"]["verified_per_cycle"] = 2.4
+    record = machinecheck.record_cycle_steps(model)
+    assert record is model.config.calibration and record["draft_selection"]["chosen"]["cycle_steps"] == 1.37
+    (scheme, compiled), = calls
+    assert not compiled and scheme.width == 2
+    untimed = _repo()
+    del untimed.config.calibration["draft_selection"]["chosen"]["measured"]
+    machinecheck.record_cycle_steps(untimed)
+    assert "cycle_steps" not in untimed.config.calibration["draft_selection"]["chosen"] and len(calls) == 1

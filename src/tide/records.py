@@ -148,9 +148,11 @@ class DraftRecord(_Record):
     head_drafts: bool | None = None  # False: n-gram drafts only
     accepted_per_cycle: float | None = None  # drafts accepted a cycle in its timings (`decode/machinecheck.py`)
     verified_per_cycle: float | None = None  # positions a cycle verified in its timings (likewise)
+    # what a cycle cost in base steps by the check's measurement, on the machine that timed it (likewise)
+    cycle_steps: float | None = None
 
     OMIT_IF_NONE = ("estimate", "draft_vocab_size", "measured", "timings", "draft_ngram", "head_drafts",
-                    "accepted_per_cycle", "verified_per_cycle")
+                    "accepted_per_cycle", "verified_per_cycle", "cycle_steps")
 
 
 @dataclass
@@ -247,7 +249,7 @@ class CalibrationRecord(_Record):
     exit_timing: ExitTiming | None = None
     compiled_timing: Timing | None = None  # the default mode compiled against the compiled base decode
     # greedy chains compiled against the compiled base decode: [{"chain": {...}, "measured", "timings", "active",
-    #   "accepted_per_cycle", "verified_per_cycle"}]
+    #   "accepted_per_cycle", "verified_per_cycle", "cycle_steps"}]
     compiled_chains: list[dict] | None = None
     decode_validation: Validation | None = None
     phase_seconds: dict[str, float] | None = None  # {phase: seconds} on the main process

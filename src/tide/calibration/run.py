@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import TideConfig
-from ..decode.machinecheck import machine_name
+from ..decode.machinecheck import machine_name, record_cycle_steps
 from ..hub.card import calibration_table
 from ..modeling import TideForCausalLM
 from ..models.compat import CompileWatch
@@ -81,6 +81,9 @@ def calibrate(
                           compiled_timing=compiled_timing, compiled_chains=compiled_chains,
                           timing_machine=timing_machine)
     tide.config.calibration = record.to_dict()
+    with decoding_threads(opts.decode_threads), ctx.phases("cost measurement"):  # (for other machines' checks)
+        with_steps = ctx.procs.on_main(lambda: record_cycle_steps(tide))
+    tide.config.calibration = {**with_steps, "phase_seconds": ctx.phases.rounded()}
     persist_compiled(tide, compiling.graphs)
     return tide
 

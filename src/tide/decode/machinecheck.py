@@ -17,6 +17,14 @@ both sides (and to each draft, for its share of the layers). Eager calls compute
 graphs, since timing those would compile both the cycle and the base decode. A cycle is one verification over its
 width plus its drafts (each `draft_layer + 1` layers' linears and the head's share over `draft_vocab_size` rows).
 
+The measurement is a proxy: it leaves out what the loops do around the passes, and on SmolLM2 it priced a tree's
+cycle dearer than the trials' timing implied (docs/benchmarks.md). So calibration also measures it on the machine
+that timed the scheme and records it beside the timing (`record_cycle_steps`: "cycle_steps"); elsewhere the check
+scales that timing by the two measurements (the speedup timed there, times a cycle's steps there over its steps
+here), and the proxy's bias falls out where it is the same on both machines. On the machine that timed it, the
+timing decides alone (`timed_here`); a record without "cycle_steps" is weighed by the tokens a cycle emits, as
+above.
+
 A measurement is kept in Tide's cache folder (`machine/` beside `decode/compilecache.py`'s `compiled/`), one file
 per key: the machine (CPU model or GPU name, threads), torch version, base and router configs, scheme, dtype, device,
 eager or compiled, layout. A file that cannot be read or was made for another key is ignored with a log line. This
@@ -46,7 +54,7 @@ from . import compilecache
 from .plan import PlanKind
 
 __all__ = ["MARGIN", "Scheme", "review", "check", "check_defaults", "measure_cycle", "expected_tokens", "as_verified",
-           "timed_here", "scheme_of", "cache_path", "decision_text", "machine_name"]
+           "timed_here", "scheme_of", "cache_path", "decision_text", "machine_name", "record_cycle_steps"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = "tide-machine-1"
@@ -132,9 +140,7 @@ def _recorded(record: CalibrationRecord, scheme: Scheme, name: str, compiled: bo
                                                                                    else [])
         entries = [(fields, fields) for fields in map(dataclasses.asdict, drafts)]
     for fields, entry in entries:
-        found = (fields.get("draft_layer"), fields.get("max_draft"), fields.get("draft_topk") or 1,
-                 fields.get("draft_vocab_size") or 0, fields.get("draft_ngram") or 0)
-        if found == scheme.record_key() and entry.get(name) is not None:
+        if _key_of(fields) == scheme.record_key() and entry.get(name) is not None:
             return float(entry[name])
     return None
 
@@ -160,16 +166,55 @@ def check_defaults(model, compiled: bool, remeasure: bool = False) -> tuple[str,
     """(why, the verdict) for a greedy call of one sequence at the repo's defaults, eager or compiled; the verdict
     is None where nothing is weighed (the call runs no drafting scheme of the repo's, or the record has no
     figure), and `why` says so."""
-    from .plan import plan_call
-
-    ids = torch.zeros(1, 4, dtype=torch.long, device=model.base.device)
-    plan = plan_call(model, {"compile": True} if compiled else None, (ids,), {"max_new_tokens": 8, "do_sample": False})
+    plan = _default_plan(model, compiled)
     if plan.kind is not PlanKind.LOSSLESS or not plan.repo_scheme:
         return f"it runs {plan.kind}: {plan.reason}", None
     verdict = check(model, scheme_of(model, plan), compiled, plan.options.few_row_layout, remeasure)
     if verdict is None:
         return "the repo's calibration record holds no drafts accepted a cycle for its scheme", None
     return plan.reason, verdict
+
+
+def _default_plan(model, compiled: bool):
+    """The plan of a greedy call of one sequence at the repo's defaults, eager or compiled."""
+    from .plan import plan_call
+
+    ids = torch.zeros(1, 4, dtype=torch.long, device=model.base.device)
+    return plan_call(model, {"compile": True} if compiled else None, (ids,), {"max_new_tokens": 8, "do_sample": False})
+
+
+def record_cycle_steps(model) -> dict | None:
+    """Write into the model's calibration record what a cycle of each default call's scheme (eager, compiled) costs
+    here in base steps, by `measure_cycle`: "cycle_steps" beside the scheme's timing, which another machine's check
+    scales by its own measurement (`check`). Run where the trials ran, on the threads they ran on. -> the record."""
+    raw = model.config.calibration
+    if not raw:
+        return raw
+    record = CalibrationRecord.from_dict(raw)
+    for compiled in (False, True):
+        plan = _default_plan(model, compiled)
+        if plan.kind is not PlanKind.LOSSLESS or not plan.repo_scheme:
+            continue
+        scheme = as_verified(record, scheme_of(model, plan))
+        entry = _timing_entry(raw, scheme, compiled)
+        if entry is not None and entry.get("measured") is not None:
+            entry["cycle_steps"] = round(measure_cycle(model, scheme, compiled, plan.options.few_row_layout), 4)
+    return raw
+
+
+def _timing_entry(raw: dict, scheme: Scheme, compiled: bool) -> dict | None:
+    """The record's (as a dict) timing of `scheme`: its compiled chain, or its chosen eager scheme."""
+    entries = (raw.get("compiled_chains") or []) if compiled else [(raw.get("draft_selection") or {}).get("chosen")]
+    for entry in entries:
+        fields = (entry or {}).get("chain", entry) if compiled else entry
+        if fields and _key_of(fields) == scheme.record_key():
+            return entry
+    return None
+
+
+def _key_of(fields: dict) -> tuple:
+    return (fields.get("draft_layer"), fields.get("max_draft"), fields.get("draft_topk") or 1,
+            fields.get("draft_vocab_size") or 0, fields.get("draft_ngram") or 0)
 
 
 def machine_name(model) -> str:
@@ -180,11 +225,15 @@ def machine_name(model) -> str:
 def decision_text(verdict: dict) -> str:
     """The check's verdict in words."""
     what = "the chain" if verdict["scheme"].get("tree") is False else "the tree"
-    if verdict.get("timed") is not None:
+    if verdict.get("timed") is not None and "cycle_steps" not in verdict:
         return (f"{what} {'pays' if verdict['pays'] else 'does not pay'} on this machine: calibration timed it "
                 f"here at x{verdict['timed']:.2f}")
-    weighed = (f"a cycle costs {verdict['cycle_steps']:.2f} base steps, {verdict['tokens_expected']:.2f} tokens "
-               "expected")
+    if verdict.get("timed") is not None:
+        weighed = (f"calibration timed it at x{verdict['timed']:.2f} where a cycle cost {verdict['timed_steps']:.2f} "
+                   f"base steps; it costs {verdict['cycle_steps']:.2f} here: x{verdict['expected']:.2f} expected")
+    else:
+        weighed = (f"a cycle costs {verdict['cycle_steps']:.2f} base steps, {verdict['tokens_expected']:.2f} tokens "
+                   "expected")
     return f"{what} {'pays' if verdict['pays'] else 'does not pay'} on this machine: {weighed}"
 
 
@@ -192,7 +241,9 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
     """The verdict on `scheme` here: {"pays", "cycle_steps", "tokens_expected", "scheme", "key", "measured_s"};
     None where the record holds no figure to weigh. Measured once per key (kept on the model and in the cache
     folder), unless `remeasure`. Where calibration timed the scheme on this machine, its timing decides instead
-    ({"pays", "timed", "scheme"}): a measurement of the scheme itself rather than of the linears it runs."""
+    ({"pays", "timed", "scheme"}): a measurement of the scheme itself rather than of the linears it runs. Where it
+    timed it elsewhere and recorded a cycle's steps there, that timing scaled by the steps there over the steps here
+    decides (also {"timed", "timed_steps", "expected"})."""
     record = CalibrationRecord.from_dict(model.config.calibration or {})
     timed = timed_here(model, record, scheme, compiled)
     if timed is not None:
@@ -212,9 +263,14 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
                 "measured_s": round(time.perf_counter() - start, 3)}
         _write(key, cost)
     memo[name] = cost
-    return {"pays": tokens / cost["cycle_steps"] >= MARGIN, "cycle_steps": cost["cycle_steps"],
-            "tokens_expected": tokens, "scheme": dataclasses.asdict(scheme), "key": key,
-            "measured_s": cost.get("measured_s"), "cached": cached}
+    verdict = {"pays": tokens / cost["cycle_steps"] >= MARGIN, "cycle_steps": cost["cycle_steps"],
+               "tokens_expected": tokens, "scheme": dataclasses.asdict(scheme), "key": key,
+               "measured_s": cost.get("measured_s"), "cached": cached}
+    timed, there = (_recorded(record, scheme, name, compiled) for name in ("measured", "cycle_steps"))
+    if timed is not None and there is not None:
+        expected = timed * there / cost["cycle_steps"]
+        verdict.update(pays=expected >= MARGIN, timed=timed, timed_steps=there, expected=expected)
+    return verdict
 
 
 @torch.no_grad()
