@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import tide
 from tide.calibration.data import DatasetLoadError
+from tide.config.generation import CHAIN_FIELDS
 from tide.hub.repos import REPO_FILES, repo_files
 from tiny_models import FAMILIES, sample_texts, tiny_model, tiny_tokenizer
 
@@ -239,23 +240,27 @@ def test_saved_files_get_the_permissions_the_umask_gives(tmp_path, umask):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no temporary folder left behind
 
 
-def test_the_shipped_smollm2_routers_load_and_draft_exactly():
-    """examples/bench_real/routers-smollm2 (SmolLM2-135M-Instruct's routers, the benchmark of record's) loads onto a
-    random model of SmolLM2's shape (narrower MLP), and the chain it keeps for compiled calls, run eagerly here,
-    gives the base model's tokens."""
+@pytest.mark.parametrize("name, scheme", [("routers-smollm2", "compiled_chain"), ("routers-smollm2-sharegpt", None)])
+def test_the_shipped_smollm2_routers_load_and_draft_exactly(name, scheme):
+    """The SmolLM2-135M-Instruct router repos in examples/bench_real (the benchmark of record's) load onto a random
+    model of SmolLM2's shape (narrower MLP), and the scheme each drafts (the chain `routers-smollm2` keeps for
+    compiled calls, run eagerly here; the tree `routers-smollm2-sharegpt` drafts by default) gives the base model's
+    tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    repo = Path(__file__).resolve().parents[1] / "examples" / "bench_real" / "routers-smollm2"
+    repo = Path(__file__).resolve().parents[1] / "examples" / "bench_real" / name
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=256)).eval()
     model = tide.TideForCausalLM.from_pretrained(repo, base_model=base)
-    chain = model.config.generation["compiled_chain"]
-    assert model.checkpoints == [3] and chain["draft_layer"] == 3
+    defaults = model.config.generation
+    drafts = defaults[scheme] if scheme else {k: defaults[k] for k in CHAIN_FIELDS if k in defaults}
+    assert model.checkpoints == [3] and drafts["draft_layer"] == 3
     ids = torch.randint(0, 49152, (1, 12))
     greedy = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12)
     expected = base.generate(ids, **greedy)
-    out = model.generate(ids, **greedy, tide_config={**chain, "mode": "lossless"})
+    out = model.generate(ids, **greedy, tide_config={**drafts, "mode": "lossless", "machine_check": False})
     assert torch.equal(out, expected)
     assert model.last_stats.mode == "lossless"
+    assert (model.last_stats.tree_cycles > 0) == (drafts.get("draft_topk", 1) > 1)
