@@ -104,8 +104,28 @@ def test_the_token_budget_keeps_the_first_texts_that_hold_it():
     texts = chat_texts(tok, _records(6))
     assert within_budget(texts, tok, 64, 1) == texts[:1]
     assert within_budget(texts, tok, 64, None) == texts
-    with pytest.raises(ValueError, match="train_tokens"):
-        CalibrationOptions(train_tokens=0)
+    for bad in (0, "lots", True):
+        with pytest.raises(ValueError, match="train_tokens"):
+            CalibrationOptions(train_tokens=bad)
+
+
+def test_the_default_budget_reads_what_num_samples_plain_texts_of_max_length_hold():
+    """`train_tokens="auto"` (the default) caps the stream at `num_samples` x `max_length` tokens: plain texts are
+    never cut by it, and long conversations (read in windows of `max_length`) stop there; None reads every text."""
+    from tide.calibration.phases import Context
+    from tide.calibration.texts import read_texts
+
+    tok = _tok()
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
+    assert CalibrationOptions().train_tokens == "auto"
+    opts = CalibrationOptions(num_samples=20, max_length=4, heldout_fraction=0.5, progress=False)
+    assert opts.train_budget == 80
+    capped = read_texts(Context.start(model, tok, opts), _records(20))
+    assert stream_size(capped.train_texts[:-1], tok, 4)[1] < 80 <= stream_size(capped.train_texts, tok, 4)[1]
+    whole = read_texts(Context.start(model, tok, CalibrationOptions(num_samples=20, max_length=4, heldout_fraction=0.5,
+                                                                      train_tokens=None, progress=False)),
+                       _records(20))
+    assert len(capped.train_texts) < len(whole.train_texts) == 10
 
 
 def test_calibration_on_conversations_trains_on_answers_and_times_on_held_out_questions():

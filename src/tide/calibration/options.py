@@ -14,8 +14,10 @@ FEATURE_DTYPES = ("bfloat16", "float16", "float32")  # `feature_dtype`'s values,
 class CalibrationOptions:
     num_samples: int = 512
     # the training stream's budget in tokens (a conversation's answer positions; a plain text's tokens): the first
-    # shuffled training texts that hold it are read (None: every training text)
-    train_tokens: int | None = None
+    # shuffled training texts that hold it are read. "auto": `num_samples` x `max_length`, what as many plain texts
+    # of the longest length hold (conversations are read in windows of `max_length`, so a few hold as much); None:
+    # every training text
+    train_tokens: int | str | None = "auto"
     max_length: int = 256
     batch_size: int = 8
     heldout_fraction: float = 0.2
@@ -55,6 +57,11 @@ class CalibrationOptions:
     prompt_chat: bool | None = None  # with `prompts`: strings go through the chat template (None: where there is one)
     progress: bool = True
 
+    @property
+    def train_budget(self) -> int | None:
+        """`train_tokens` as a number of tokens (None: every training text)."""
+        return self.num_samples * self.max_length if self.train_tokens == "auto" else self.train_tokens
+
     def __post_init__(self):
         for name in ("num_samples", "max_length", "batch_size", "minibatch", "head_steps", "passes",
                      "validation_tokens", "draft_trials", "seed"):
@@ -64,9 +71,10 @@ class CalibrationOptions:
             minimum = 1 if name in ("num_samples", "max_length", "batch_size", "minibatch") else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"calibrate: {name} must be an integer >= {minimum}, got {value!r}.")
-        if self.train_tokens is not None and (isinstance(self.train_tokens, bool) or
-                                              not isinstance(self.train_tokens, int) or self.train_tokens < 1):
-            raise ValueError(f"calibrate: train_tokens must be a positive integer or None, got {self.train_tokens!r}.")
+        tokens = self.train_tokens
+        if tokens not in (None, "auto") and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"calibrate: train_tokens must be a positive integer, \"auto\" or None, got "
+                             f"{self.train_tokens!r}.")
         threads = self.decode_threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"calibrate: decode_threads must be a positive integer or None, got "

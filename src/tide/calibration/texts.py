@@ -61,12 +61,12 @@ def read_texts(ctx: Context, dataset, prompts=None, **load) -> Texts:
 
 def _budgeted(ctx: Context, train: list[str], held: list[str]) -> tuple[list[str], list[str]]:
     """The dataset's training and held-out texts within `train_tokens` (the held-out ones in proportion)."""
-    opts = ctx.opts
-    if opts.train_tokens is None:
+    opts, budget = ctx.opts, ctx.opts.train_budget
+    if budget is None:
         return train, held
     share = opts.heldout_fraction / (1.0 - opts.heldout_fraction)
-    return (within_budget(train, ctx.tokenizer, opts.max_length, opts.train_tokens),
-            within_budget(held, ctx.tokenizer, opts.max_length, max(1, round(opts.train_tokens * share))))
+    return (within_budget(train, ctx.tokenizer, opts.max_length, budget),
+            within_budget(held, ctx.tokenizer, opts.max_length, max(1, round(budget * share))))
 
 
 def _answers(ctx: Context, prompts) -> tuple[list[str], list[str], list[str]]:
