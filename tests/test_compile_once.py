@@ -197,3 +197,54 @@ def test_compile_watch_counts_graphs_recompiles_and_seconds():
     with CompileWatch() as idle:
         double(torch.ones(6))
     assert (idle.graphs, idle.recompiles, idle.seconds) == (0, 0, 0.0)
+
+
+def test_precompiled_graphs_load_without_tracing_and_fall_back_where_they_cannot(tmp_path, monkeypatch, caplog):
+    """Inside `precompiling()` (`tide warmup`) a compiled call's cycle graph is precompiled whole and saved; another
+    model object of the same repo (as a later process) loads it at its first call: no graph compiled, the base model's
+    tokens across cache lengths. A file made under another key is ignored with a log line, and a loaded graph whose
+    guards refuse the arguments gives way to torch.compile: the call's output stays the base model's."""
+    from tide.decode.precompiled import precompiling
+
+    monkeypatch.setenv("TIDE_CACHE", str(tmp_path))
+    overrides = dict(max_position_embeddings=2048)
+    calls = [(prompt_ids(n, seed=n), new) for n, new in [(8, 16), (300, 12)]]
+
+    def run(model, base):
+        for ids, new in calls:
+            out = model.generate(ids, do_sample=False, max_new_tokens=new, compile_config=EAGER_BACKEND,
+                                 tide_config=CHAIN)
+            assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=new))
+            assert model.last_stats.fused_cycles and model.last_stats.recompiles == 0
+        (runner,) = model.span_runners.values()
+        return runner.precompiled.events
+
+    first, base = noisy_tide("llama", model_overrides=overrides)
+    with precompiling():
+        assert [e.get("saved") for e in run(first, base)] == [True]
+    (path,) = (tmp_path / "compiled").glob("*.aot")
+
+    later, base = noisy_tide("llama", model_overrides=overrides)
+    ids, new = calls[0]
+    later.generate(ids, do_sample=False, max_new_tokens=new, compile_config=EAGER_BACKEND, tide_config=CHAIN)
+    assert later.last_stats.graphs_compiled == 0
+    assert [e.get("loaded") for e in run(later, base)] == [True]
+
+    (runner,) = later.span_runners.values()
+    (graph,) = [fn for fn in runner._compiled.values() if hasattr(fn, "fallback")]
+
+    def refuses(*args):
+        raise RuntimeError("GuardManager check failed, reason: a test")
+
+    graph.fn = refuses
+    with caplog.at_level(logging.WARNING, logger="tide.decode.precompiled"):
+        run(later, base)
+    assert "does not take these arguments" in caplog.text and graph.fallback is not None
+
+    header, _, payload = path.read_bytes().partition(b"\n")
+    path.write_bytes(json.dumps(dict(json.loads(header), tide_source="another")).encode() + b"\n" + payload)
+    caplog.clear()
+    other, base = noisy_tide("llama", model_overrides=overrides)
+    with caplog.at_level(logging.WARNING, logger="tide.decode.precompiled"):
+        assert run(other, base) == []
+    assert "made for another tide_source" in caplog.text and other.last_stats.recompiles == 0

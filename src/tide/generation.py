@@ -25,6 +25,7 @@ from .decode.dispatch import activated, install
 from .decode.exits.session import ExitSession
 from .decode.lossless.session import LosslessSession
 from .decode.plan import CallPlan, PlanKind, call_inputs, lossless_problem, no_cache, option, plan_call
+from .decode.precompiled import Precompiled
 from .decode.stats import GenerationStats
 from .heads.kernels import kernel_mode
 from .layers.spans import SpanRunner, compile_options, options_key
@@ -142,7 +143,7 @@ def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
     key = options_key(options)
     if key not in model.span_runners:
         compilecache.load(model, options, model.base.device)  # (what an earlier process compiled, where persisted)
-        model.span_runners[key] = SpanRunner(model.parts, options)
+        model.span_runners[key] = SpanRunner(model.parts, options, Precompiled(model, options, model.base.device))
     return model.span_runners[key]
 
 

@@ -84,9 +84,11 @@ def at_offset_zero(value):
 class SpanRunner:
     """Runs layers start..stop-1 of `parts` with one layer call's arguments; compiled when `options` are given."""
 
-    def __init__(self, parts: ModelParts, options: dict | None = None):
+    def __init__(self, parts: ModelParts, options: dict | None = None, precompiled=None):
         self.parts, self.options = parts, options
         self._compiled: dict = {}  # (start, stop) -> a span's compiled function; "backbone" -> the backbone's
+        # `graph`'s graphs loaded, or precompiled and saved, without tracing (`decode.precompiled.Precompiled`)
+        self.precompiled = precompiled
 
     @property
     def compiled(self) -> bool:
@@ -131,10 +133,11 @@ class SpanRunner:
                             dense(context)))
 
     def graph(self, key, function, name: str, *args, lean: bool = False):
-        """`function(*args)` compiled (one graph per `key`; `function`'s own Python decides what it runs). `lean`:
-        inductor (where it compiles in its default mode) leaves out its checks of every input's size and strides,
-        which dynamo's guards have made already: a graph of nested `torch.cond` branches passes each branch every
-        parameter it reads, and the checks cost more than its smaller kernels."""
+        """`function(*args)` compiled (one graph per `key`; `function`'s own Python decides what it runs), or loaded
+        precompiled where `precompiled` holds it. `lean`: inductor (where it compiles in its default mode) leaves out
+        its checks of every input's size and strides, which dynamo's guards have made already: a graph of nested
+        `torch.cond` branches passes each branch every parameter it reads, and the checks cost more than its smaller
+        kernels."""
         return self._own(self._function(function, ("graph", key), name, lean)(*args))
 
     def backbone(self, **inputs):
@@ -159,14 +162,21 @@ class SpanRunner:
         return call
 
     def _function(self, function, key, name: str, lean: bool = False):
-        """`function` compiled under `key`, as a code object of its own named `name` (its own recompile limit)."""
+        """`function` compiled under `key`, as a code object of its own named `name` (its own recompile limit); a
+        `graph`'s, where `precompiled` has it (or is to make it), its precompiled function."""
         fn = self._compiled.get(key)
         if fn is None:
             code = function.__code__.replace(co_name=name, co_qualname=name)
             options = self.options
             if lean and options.get("backend", "inductor") == "inductor" and options.get("mode") is None:
                 options = {**options, "options": {**(options.get("options") or {}), "size_asserts": False}}
-            fn = self._compiled[key] = torch.compile(types.FunctionType(code, function.__globals__, name), **options)
+
+            def compiled():
+                return torch.compile(types.FunctionType(code, function.__globals__, name), **options)
+
+            precompiled = self.precompiled if key[0] == "graph" else None
+            fn = precompiled and precompiled.wrap(function, key, name, options, compiled)
+            fn = self._compiled[key] = fn or compiled()
         return fn
 
     def _own(self, out):

@@ -309,9 +309,18 @@ class CompileWatch:
     compiled again because its guards failed). The callbacks are process-wide: compilations by another thread in
     the meantime count too."""
 
+    _active: list = []  # the watches whose blocks are running (`note`)
+
     def __init__(self):
         self.seconds, self.graphs, self.recompiles = 0.0, 0, 0
         self._started = 0.0
+
+    @classmethod
+    def note(cls, seconds: float) -> None:
+        """Count a graph compiled where dynamo's callbacks do not run (`torch.compile(...).aot_compile`)."""
+        for watch in cls._active:
+            watch.seconds += seconds
+            watch.graphs += 1
 
     def _start(self, args) -> None:
         self._started = time.perf_counter()
@@ -324,6 +333,7 @@ class CompileWatch:
             self.recompiles += bool(match and int(match.group(2)) > 0)
 
     def __enter__(self) -> CompileWatch:
+        CompileWatch._active.append(self)
         handler = getattr(torch._dynamo, "callback_handler", None)
         if handler is not None:
             handler.register_start_callback(self._start)
@@ -331,6 +341,7 @@ class CompileWatch:
         return self
 
     def __exit__(self, *exc) -> None:
+        CompileWatch._active.remove(self)
         handler = getattr(torch._dynamo, "callback_handler", None)
         for remove, callback in ((getattr(handler, "remove_start_callback", None), self._start),
                                  (getattr(handler, "remove_end_callback", None), self._end)):

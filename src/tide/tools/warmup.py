@@ -3,7 +3,9 @@
 Runs the repo's default compiled call greedy (and, with `sampled`, sampling) on a prompt whose text repeats (so that
 n-gram drafts, where the repo drafts them, find continuations) and on a varied one, long enough for a chain's cap to
 take every width; then writes what torch compiled to Tide's cache folder (`decode/compilecache.py`), where the first
-compiled call of a later process finds it. It does not time or compare anything (`tide bench` does).
+compiled call of a later process finds it. The calls run inside `decode.precompiled.precompiling()`, so each one-graph
+cycle or step is also saved whole, trace included, and a later process loads it without tracing the model again. It
+does not time or compare anything (`tide bench` does).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ def warmup(model, tokenizer=None, sampled: bool = False, new_tokens: int = 48, c
     """Run `model`'s (a TideForCausalLM) compiled calls and save the compiled work -> a report: the file written
     (None where torch had nothing to save), seconds, and per call its graphs compiled and compile seconds."""
     from ..decode import compilecache
+    from ..decode.precompiled import precompiling
     from ..layers.spans import compile_options
 
     device = model.base.device
@@ -29,7 +32,8 @@ def warmup(model, tokenizer=None, sampled: bool = False, new_tokens: int = 48, c
             kwargs = dict(max_new_tokens=new_tokens, do_sample=do_sample, tide_config={"compile": True})
             if compile_config is not None:
                 kwargs["compile_config"] = compile_config
-            model.generate(ids, **kwargs)
+            with precompiling():
+                model.generate(ids, **kwargs)
             stats = model.last_stats
             runs.append({"prompt_tokens": ids.shape[1], "sampled": do_sample, "plan": stats.plan,
                          "graphs_compiled": stats.graphs_compiled, "recompiles": stats.recompiles,

@@ -1,0 +1,227 @@
+"""Compiled graphs that a later process loads without tracing them again: torch's AOT precompile
+(`torch.compile(...).aot_compile` and `torch.compiler.load_compiled_function`) for the one-graph cycles and steps of
+`compile=True` calls (`layers/spans.SpanRunner.graph`), kept in Tide's cache folder beside the cache artifacts of
+`compilecache.py`.
+
+Those artifacts hold inductor's generated code and AOTAutograd's graphs, but not dynamo's trace, so a process that
+loads them still traces the Python of every layer: on SmolLM2-135M a warm first compiled call took 22.5 s, 18.8 s
+of it compiling three graphs. A precompiled graph holds the trace too and loads in about a second (docs/benchmarks.md).
+
+- **Writing.** Inside `precompiling()` (`tide warmup` runs its calls there), each graph a `compile=True` call makes
+  is compiled with `aot_compile` on the call's own arguments, saved (`<digest>.aot`, one file a graph) and used.
+- **Reading.** Any later call whose graph has a file loads it at its first call instead of compiling it.
+- **The key** is everything the graph depends on that its saved guards cannot check: `compilecache.artifact_key`
+  (the base and router configs, torch, the device, the compile options), the graph's own key and name, the
+  transformers version and a digest of Tide's source (the Python the graph was traced from). A file made under
+  another key is ignored with a log line.
+- **Guards.** The saved guards check the arguments: every parameter's and input's shape and dtype, the cache's type
+  and layers, the dynamic cache length's bounds. Guards that name objects of one process (functions, modules,
+  globals) cannot be saved and are left out (`_serialisable`); the key stands for them. Dynamo's marks of dynamic
+  dimensions (`torch._dynamo.maybe_mark_dynamic`'s tensor attributes) are not saved, and the saved guards refuse a
+  tensor that carries them, so they are taken off the arguments around each call of a loaded graph and put back.
+- **Whatever fails** (a graph `aot_compile` cannot capture whole, a file torch cannot load or save, arguments its
+  guards refuse) falls back to `torch.compile` for that graph, with a log line: never an error, never another graph's
+  output.
+
+This module decides nothing about what is compiled; `SpanRunner` asks it for a graph's function (`Precompiled.wrap`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+import types
+from contextvars import ContextVar
+from pathlib import Path
+
+import torch
+
+from . import compilecache
+
+__all__ = ["Precompiled", "precompiling"]
+
+logger = logging.getLogger(__name__)
+_FORMAT = "tide-precompiled-1"
+_PRECOMPILING: ContextVar[bool] = ContextVar("tide_precompiling", default=False)
+# guard kinds that name an object of this process, which a saved function cannot check
+_UNSAVED = ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
+            "WEAKREF_ALIVE")
+# dynamo's marks of dynamic dimensions on a tensor (`maybe_mark_dynamic` and its kin)
+_MARKS = ("_has_dynamo_dim_marking", "_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices",
+          "_dynamo_unbacked_indices", "_dynamo_strict_unbacked_indices", "_dynamo_static_indices")
+
+
+@contextlib.contextmanager
+def precompiling():
+    """Inside the block, the graphs `compile=True` calls make are precompiled and saved (`tide warmup`)."""
+    token = _PRECOMPILING.set(True)
+    try:
+        yield
+    finally:
+        _PRECOMPILING.reset(token)
+
+
+class Precompiled:
+    """The precompiled graphs of one model under one set of compile options on one device."""
+
+    def __init__(self, model, options: dict, device):
+        self.key = {**compilecache.artifact_key(model, options, device), "format": _FORMAT,
+                    "transformers": _transformers_version(), "tide_source": _source_digest()}
+        self.options = options
+        self.events: list[dict] = []  # what each graph did: {"graph", "loaded"/"saved"/"fallback", "seconds"}
+
+    def wrap(self, function, key, name: str, options: dict, compiled):
+        """The function to call for graph `key` (`function` under the code name `name`, compiled with `options`):
+        a precompiled graph where a file holds it or `precompiling()` is on, else None (compile it as usual).
+        `compiled()` gives the usual `torch.compile` function, the fallback."""
+        path = self._path(key, name)
+        if not (_PRECOMPILING.get() or path.is_file()):
+            return None
+        return _Graph(self, function, key, name, options, compiled, path)
+
+    def _path(self, key, name: str) -> Path:
+        digest = _digest({**self.key, "graph": repr(key), "name": name})
+        return compilecache.cache_folder() / f"{name}-{digest[:24]}.aot"
+
+
+class _Graph:
+    """A graph's function: loaded from its file, or precompiled and saved, at its first call; `torch.compile`'s where
+    either fails."""
+
+    def __init__(self, store: Precompiled, function, key, name: str, options: dict, compiled, path: Path):
+        self.store, self.function, self.key, self.name = store, function, key, name
+        self.options, self.compiled, self.path = options, compiled, path
+        self.fn = None  # the loaded or precompiled function
+        self.fallback = None  # torch.compile's, where that failed
+
+    def __call__(self, *args):
+        if self.fallback is None and self.fn is None:
+            self.fn = self._load() if self.path.is_file() else self._precompile(args)
+            if self.fn is None:
+                self.fallback = self.compiled()
+        if self.fallback is not None:
+            return self.fallback(*args)
+        taken = _take_marks(args)
+        try:
+            return self.fn(*args)
+        except RuntimeError as err:
+            if "GuardManager check failed" not in str(err):
+                raise
+            logger.warning("Tide: the precompiled graph %s does not take these arguments (%s); compiling it",
+                           self.name, str(err).splitlines()[0])
+            self._event("fallback", 0.0)
+        finally:
+            _put_back(taken)
+        self.fn, self.fallback = None, self.compiled()
+        return self.fallback(*args)
+
+    def _load(self):
+        start = time.perf_counter()
+        try:
+            header, _, payload = self.path.read_bytes().partition(b"\n")
+            found, expected = json.loads(header), json.loads(json.dumps(self._file_key()))
+            if found != expected:
+                differs = sorted(k for k in set(found) | set(expected) if found.get(k) != expected.get(k))
+                logger.warning("Tide: ignoring the precompiled graph %s made for another %s", self.path,
+                               ", ".join(differs))
+                return None
+            fn = torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=self.function.__globals__)
+        except Exception as err:  # noqa: BLE001 - torch's own format: whatever it raises, the graph compiles instead
+            logger.warning("Tide: ignoring the precompiled graph %s that torch could not load (%s)", self.path, err)
+            return None
+        self._event("loaded", time.perf_counter() - start)
+        return fn
+
+    def _precompile(self, args):
+        from ..models.compat import CompileWatch
+
+        start = time.perf_counter()
+        code = self.function.__code__.replace(co_name=self.name, co_qualname=self.name)
+        options = {**self.options, "fullgraph": True,
+                   "options": {**(self.options.get("options") or {}), "guard_filter_fn": _serialisable}}
+        try:
+            fn = torch.compile(types.FunctionType(code, self.function.__globals__, self.name), **options) \
+                .aot_compile((args, {}))
+            payload = type(fn).serialize(fn).serialized_data
+        except Exception as err:  # noqa: BLE001 - a graph not precompiled is compiled as usual
+            logger.warning("Tide: the graph %s could not be precompiled (%s); compiling it", self.name, err)
+            return None
+        seconds = time.perf_counter() - start
+        CompileWatch.note(seconds)  # (aot_compile runs no dynamo callback)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.part")
+            partial.write_bytes(json.dumps(self._file_key(), sort_keys=True).encode() + b"\n" + payload)
+            partial.replace(self.path)  # (atomic: a reader never sees half a file)
+        except OSError as err:
+            logger.warning("Tide: could not keep the precompiled graph in %s (%s)", self.path, err)
+        self._event("saved", seconds)
+        return fn
+
+    def _file_key(self) -> dict:
+        return {**self.store.key, "graph": repr(self.key), "name": self.name}
+
+    def _event(self, what: str, seconds: float) -> None:
+        self.store.events.append({"graph": self.name, what: True, "seconds": round(seconds, 3)})
+
+
+def _serialisable(entries) -> list[bool]:
+    """The guards a saved function keeps: not global ones, nor any that names an object of this process."""
+    return [not (e.is_global or e.guard_type in _UNSAVED or any(t in _UNSAVED for t in (e.derived_guard_types or ())))
+            for e in entries]
+
+
+def _take_marks(args) -> list:
+    """Take dynamo's dynamic-dimension marks off every tensor in `args` (caches' layer tensors included) -> what to
+    put back (`_put_back`)."""
+    taken = []
+    for tensor in _tensors(args):
+        for name in _MARKS:
+            if name in tensor.__dict__:
+                taken.append((tensor, name, tensor.__dict__.pop(name)))
+    return taken
+
+
+def _put_back(taken: list) -> None:
+    for tensor, name, value in taken:
+        setattr(tensor, name, value)
+
+
+def _tensors(value, nested: bool = True):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item, nested)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item, nested)
+    elif nested and not isinstance(value, torch.nn.Module) and isinstance(getattr(value, "layers", None), list):
+        for layer in value.layers:  # a cache
+            yield from (t for t in vars(layer).values() if isinstance(t, torch.Tensor))
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A digest of Tide's Python source: a graph is traced from it, and a saved graph cannot check it."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:24]
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()
