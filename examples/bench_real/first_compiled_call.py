@@ -6,10 +6,12 @@ Loads the model and the router repo, then times one greedy call (the first held-
 with `tide_config={"compile": True, "machine_check": False}`: the repo's compiled lossless call, whatever this
 machine's pay check would say. It prints the call's seconds, the seconds it spent compiling, the graphs compiled and
 the recompiles (`GenerationStats`). `--cover` then runs the other held-out questions, so that every graph the repo's
-calls take is made (each width of the chain, the n-gram pass), and counts what they compiled; `--save` writes what
-torch compiled in this process to Tide's cache folder (`tide.decode.compilecache.save`, as `tide warmup` does), where
-the next process's first compiled call loads it. Run it in fresh processes with `TORCHINDUCTOR_CACHE_DIR` and
-`TIDE_CACHE` set to the folders to start from (the converted model is read from `$TIDE_CACHE` too).
+calls take is made (each width of the chain, the n-gram pass), and counts what they compiled; `--save` runs the calls
+precompiling (`tide.decode.precompiled.precompiling`: each cycle graph saved whole, trace included) and then writes
+what torch compiled in this process to Tide's cache folder (`tide.decode.compilecache.save`), as `tide warmup` does,
+where the next process's first compiled call loads them. What the precompiled graphs did (saved, loaded) is printed.
+Run it in fresh processes with `TORCHINDUCTOR_CACHE_DIR` and `TIDE_CACHE` set to the folders to start from (the
+converted model is read from `$TIDE_CACHE` too).
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
+    import contextlib
+
     import tide
     from tide.decode import compilecache
+    from tide.decode.precompiled import precompiling
     from tide.layers.spans import compile_options
 
     torch.set_num_threads(1)
@@ -50,10 +55,13 @@ def main(argv=None) -> dict:
     model = tide.TideForCausalLM.from_pretrained(args.routers, base_model=base)
     prompts = bench_real.prompts_for("chat", tok, 24)
     greedy = dict(do_sample=False, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
-    result = {"load_s": round(time.perf_counter() - started, 1), "first": _call(model, prompts[0], greedy)}
+    saving = precompiling if args.save else contextlib.nullcontext
+    with saving():
+        result = {"load_s": round(time.perf_counter() - started, 1), "first": _call(model, prompts[0], greedy)}
     print("first call:", result["first"], flush=True)
     if args.cover:
-        calls = [_call(model, ids, greedy) for ids in prompts[1:]]
+        with saving():
+            calls = [_call(model, ids, greedy) for ids in prompts[1:]]
         result["cover"] = {"calls": len(calls), "graphs": sum(c["graphs"] for c in calls),
                            "recompiles": sum(c["recompiles"] for c in calls),
                            "compile_s": round(sum(c["compile_s"] for c in calls), 1)}
@@ -64,6 +72,9 @@ def main(argv=None) -> dict:
         result["saved"] = {"file": str(path), "bytes": path.stat().st_size if path else 0,
                            "seconds": round(time.perf_counter() - start, 1)}
         print("saved:", result["saved"], flush=True)
+    result["precompiled"] = [event for runner in model.span_runners.values()
+                             for event in getattr(getattr(runner, "precompiled", None), "events", [])]
+    print("precompiled graphs:", result["precompiled"], flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
