@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cache_folder", "artifact_key", "artifact_path", "load", "save"]
+__all__ = ["cache_folder", "artifact_key", "artifact_path", "digest", "load", "save"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = "tide-compiled-1"
@@ -47,11 +47,11 @@ def artifact_key(model, options: dict, device) -> dict:
     device = torch.device(device)
     kind = device.type if device.type != "cuda" else f"cuda:{torch.cuda.get_device_name(device)}"
     return {"format": _FORMAT, "torch": torch.__version__, "device": kind,
-            "base": _digest(base), "routers": _digest(routers), "options": repr(options_key(options))}
+            "base": digest(base), "routers": digest(routers), "options": repr(options_key(options))}
 
 
 def artifact_path(key: dict) -> Path:
-    return cache_folder() / f"{_digest(key)[:24]}.bin"
+    return cache_folder() / f"{digest(key)[:24]}.bin"
 
 
 def load(model, options: dict, device) -> bool:
@@ -59,7 +59,7 @@ def load(model, options: dict, device) -> bool:
     they loaded. A stale or foreign file is ignored with a log line."""
     key = artifact_key(model, options, device)
     loaded = model.__dict__.setdefault("_tide_loaded_artifacts", set())
-    name = _digest(key)
+    name = digest(key)
     if name in loaded:
         return False
     loaded.add(name)
@@ -101,5 +101,6 @@ def save(model, options: dict, device) -> Path | None:
     return path
 
 
-def _digest(value) -> str:
+def digest(value) -> str:
+    """A hex digest of `value` as JSON (keys sorted; what JSON cannot hold, by its repr): the name of a cache file."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()

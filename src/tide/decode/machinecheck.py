@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -253,7 +252,7 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
         return None
     scheme = as_verified(record, scheme)
     key = _key(model, scheme, compiled, layout)
-    name = _digest(key)
+    name = compilecache.digest(key)
     memo = model.__dict__.setdefault("_tide_machine_checks", {})
     cost = None if remeasure else memo.get(name) or _read(key)
     cached = cost is not None
@@ -369,13 +368,14 @@ def _key(model, scheme: Scheme, compiled: bool, layout: str) -> dict:
         for volatile in ("_name_or_path", "transformers_version", "calibration", "generation"):
             config.pop(volatile, None)
     return {"format": _FORMAT, "torch": torch.__version__, "machine": _machine(weight.device),
-            "base": _digest(base), "routers": _digest(routers), "scheme": dataclasses.asdict(scheme),
-            "dtype": str(weight.dtype), "compiled": compiled, "layout": "plain" if compiled else layout}
+            "base": compilecache.digest(base), "routers": compilecache.digest(routers),
+            "scheme": dataclasses.asdict(scheme), "dtype": str(weight.dtype), "compiled": compiled,
+            "layout": "plain" if compiled else layout}
 
 
 def cache_path(key: dict) -> Path:
     """The file of a measurement: `machine/` in Tide's cache folder (`$TIDE_CACHE`, else `~/.cache/tide`)."""
-    return compilecache.cache_folder().parent / "machine" / f"{_digest(key)[:24]}.json"
+    return compilecache.cache_folder().parent / "machine" / f"{compilecache.digest(key)[:24]}.json"
 
 
 def _read(key: dict) -> dict | None:
@@ -406,6 +406,3 @@ def _write(key: dict, cost: dict) -> None:
     except OSError as err:  # a read-only cache folder: the check holds for this process only
         logger.warning("Tide: could not keep the machine check in %s (%s)", path, err)
 
-
-def _digest(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()

@@ -86,7 +86,7 @@ class Precompiled:
         return _Graph(self, function, key, name, options, compiled, path)
 
     def _path(self, key, name: str) -> Path:
-        digest = _digest({**self.key, "graph": repr(key), "name": name})
+        digest = compilecache.digest({**self.key, "graph": repr(key), "name": name})
         return compilecache.cache_folder() / f"{name}-{digest[:24]}.aot"
 
 
@@ -222,6 +222,3 @@ def _transformers_version() -> str:
 
     return transformers.__version__
 
-
-def _digest(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()
