@@ -248,3 +248,32 @@ def test_precompiled_graphs_load_without_tracing_and_fall_back_where_they_cannot
     with caplog.at_level(logging.WARNING, logger="tide.decode.precompiled"):
         assert run(other, base) == []
     assert "made for another tide_source" in caplog.text and other.last_stats.recompiles == 0
+
+
+def test_the_compiled_base_step_is_precompiled_and_loaded(tmp_path, monkeypatch):
+    """The base model's compiled decode step (a compiled call where Tide's modes do not pay: what `tide warmup` runs
+    there) is precompiled and saved inside `precompiling()` as the cycles are, and another model object of the same
+    repo loads it: no graph compiled, the base model's tokens across cache lengths."""
+    import contextlib
+
+    from tide.decode.precompiled import precompiling
+
+    monkeypatch.setenv("TIDE_CACHE", str(tmp_path))
+
+    def graphs_compiled(precompile: bool) -> list[int]:
+        model, base = noisy_tide("llama", model_overrides=dict(max_position_embeddings=2048))
+        model.config.set_generation_defaults(mode="lossless", max_draft=2, compiled_modes=False)
+        counts = []
+        with precompiling() if precompile else contextlib.nullcontext():
+            for n, new in [(8, 16), (300, 20)]:
+                ids = prompt_ids(n, seed=n)
+                out = model.generate(ids, do_sample=False, max_new_tokens=new, compile_config=EAGER_BACKEND,
+                                     tide_config={"compile": True})
+                assert model.last_stats.mode == "base (compiled)"
+                assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=new))
+                counts.append(model.last_stats.graphs_compiled)
+        return counts
+
+    assert graphs_compiled(True) == [1, 0]
+    assert len(list((tmp_path / "compiled").glob("tide_base_step-*.aot"))) == 1
+    assert graphs_compiled(False) == [0, 0]

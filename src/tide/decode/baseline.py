@@ -12,6 +12,8 @@ Two forms of it:
 
 from __future__ import annotations
 
+import types
+
 import torch
 from transformers import StaticCache
 
@@ -19,18 +21,34 @@ from ..layers.spans import options_key
 from ..models.compat import mask_sizes_from_tensors
 from . import compilecache
 from .cachepool import dynamic_length
+from .precompiled import Precompiled
 from .stats import GenerationStats
 
 __all__ = ["BaseSession", "compiled_forward", "compiled_static_decoder"]
 
 
 def compiled_forward(model, options: dict):
-    """`torch.compile(model.base.forward, **options)`, made once per set of options and kept on the model."""
+    """The base model's forward compiled with `options` (`step(**inputs)`), made once per set of options and kept on
+    the model; loaded precompiled where `tide warmup` saved it (`precompiled.py`)."""
     key = ("forward",) + options_key(options)
     if key not in model.span_runners:
         compilecache.load(model, options, model.base.device)  # (what an earlier process compiled, where persisted)
-        model.span_runners[key] = torch.compile(model.base.forward, **options)
+        name = "tide_base_step"
+        code = _base_step.__code__.replace(co_name=name, co_qualname=name)
+
+        def compiled():
+            return torch.compile(types.FunctionType(code, _base_step.__globals__, name), **options)
+
+        store = Precompiled(model, options, model.base.device)
+        step = store.wrap(_base_step, key, name, options, compiled) or compiled()
+        base = model.base
+        model.span_runners[key] = lambda **inputs: step(base, inputs)
     return model.span_runners[key]
+
+
+def _base_step(base, inputs: dict):
+    """The compiled step: the base model's forward on `inputs`, the model an argument (a saved graph holds none)."""
+    return base.forward(**inputs)
 
 
 class BaseSession:

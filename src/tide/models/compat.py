@@ -26,11 +26,11 @@ changed; the test suite calls it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
 import time
-import types
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -291,16 +291,28 @@ def grouped_query_attention_in_place():
 def mask_sizes_from_tensors(cache) -> None:
     """Every initialised full-attention `StaticLayer` of `cache` answers `get_mask_sizes` with its keys' length
     (the same number as its `max_cache_len`), read from the tensor, so that a compiled forward that builds its mask
-    from the cache does not take the cache's length as a constant."""
+    from the cache does not take the cache's length as a constant: the layer becomes a `TensorSizedStaticLayer`, the
+    same layer with that one method (a class's method, which a precompiled graph can name: `decode/precompiled.py`)."""
     from transformers.cache_utils import StaticLayer
 
     for layer in getattr(cache, "layers", ()):
-        if type(layer) is StaticLayer and layer.is_initialized and "get_mask_sizes" not in layer.__dict__:
-            layer.get_mask_sizes = types.MethodType(_tensor_mask_sizes, layer)
+        if type(layer) is StaticLayer and layer.is_initialized:
+            layer.__class__ = _tensor_sized_layer()
 
 
-def _tensor_mask_sizes(layer, query_length: int) -> tuple[int, int]:
-    return layer.keys.shape[2], 0
+@functools.cache
+def _tensor_sized_layer():
+    from transformers.cache_utils import StaticLayer
+
+    class TensorSizedStaticLayer(StaticLayer):
+        """A `StaticLayer` whose masks span its keys' length read from the tensor (`mask_sizes_from_tensors`)."""
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.keys.shape[2], 0
+
+    TensorSizedStaticLayer.__module__, TensorSizedStaticLayer.__qualname__ = __name__, "TensorSizedStaticLayer"
+    globals()["TensorSizedStaticLayer"] = TensorSizedStaticLayer  # (found by name where a saved graph names it)
+    return TensorSizedStaticLayer
 
 
 class CompileWatch:
