@@ -9,7 +9,7 @@ the recompiles (`GenerationStats`). `--cover` then runs the other held-out quest
 calls take is made (each width of the chain, the n-gram pass), and counts what they compiled; `--save` runs the calls
 precompiling (`tide.decode.precompiled.precompiling`: each cycle graph saved whole, trace included) and then writes
 what torch compiled in this process to Tide's cache folder (`tide.decode.compilecache.save`), as `tide warmup` does,
-where the next process's first compiled call loads them. What the precompiled graphs did (saved, loaded) is printed.
+where the next process's first compiled call loads them. The precompiled graphs' files are listed.
 Run it in fresh processes with `TORCHINDUCTOR_CACHE_DIR` and `TIDE_CACHE` set to the folders to start from (the
 converted model is read from `$TIDE_CACHE` too).
 """
@@ -72,8 +72,7 @@ def main(argv=None) -> dict:
         result["saved"] = {"file": str(path), "bytes": path.stat().st_size if path else 0,
                            "seconds": round(time.perf_counter() - start, 1)}
         print("saved:", result["saved"], flush=True)
-    result["precompiled"] = [event for runner in model.span_runners.values()
-                             for event in getattr(getattr(runner, "precompiled", None), "events", [])]
+    result["precompiled"] = sorted(path.name for path in compilecache.cache_folder().glob("*.aot"))
     print("precompiled graphs:", result["precompiled"], flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

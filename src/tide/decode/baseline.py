@@ -16,6 +16,7 @@ import types
 
 import torch
 from transformers import StaticCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..layers.spans import options_key
 from ..models.compat import mask_sizes_from_tensors
@@ -42,13 +43,18 @@ def compiled_forward(model, options: dict):
         store = Precompiled(model, options, model.base.device)
         step = store.wrap(_base_step, key, name, options, compiled) or compiled()
         base = model.base
-        model.span_runners[key] = lambda **inputs: step(base, inputs)
+
+        def forward(**inputs):
+            return CausalLMOutputWithPast(logits=step(base, inputs), past_key_values=inputs.get("past_key_values"))
+
+        model.span_runners[key] = forward
     return model.span_runners[key]
 
 
 def _base_step(base, inputs: dict):
-    """The compiled step: the base model's forward on `inputs`, the model an argument (a saved graph holds none)."""
-    return base.forward(**inputs)
+    """The compiled step: the base model's forward on `inputs` -> its logits. The model is an argument and the
+    output a tensor, so that a saved graph names neither (`precompiled.py`); the static cache is updated in place."""
+    return base.forward(**inputs).logits
 
 
 class BaseSession:
