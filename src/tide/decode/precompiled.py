@@ -73,7 +73,6 @@ class Precompiled:
     def __init__(self, model, options: dict, device):
         self.key = {**compilecache.artifact_key(model, options, device), "format": _FORMAT,
                     "transformers": _transformers_version(), "tide_source": _source_digest()}
-        self.options = options
         self.events: list[dict] = []  # what each graph did: {"graph", "loaded"/"saved"/"fallback", "seconds"}
 
     def wrap(self, function, key, name: str, options: dict, compiled):
