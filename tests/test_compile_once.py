@@ -233,10 +233,15 @@ def test_precompiled_graphs_load_without_tracing_and_fall_back_where_they_cannot
     (runner,) = later.span_runners.values()
     (graph,) = [fn for fn in runner._compiled.values() if hasattr(fn, "fallback")]
 
-    def refuses(*args):
-        raise RuntimeError("GuardManager check failed, reason: a test")
+    checks = []
+    real_check = graph.fn.guard_check
+    monkeypatch.setattr(graph.fn, "guard_check", lambda *args: checks.append(real_check(*args)) or checks[-1])
+    graph.checked = None
+    run(later, base)  # the guards run where the arguments' signature changes (another cache), not every cycle
+    assert checks and all(checks) and len(checks) < later.last_stats.fused_cycles
 
-    graph.fn = refuses
+    monkeypatch.setattr(graph.fn, "guard_check", lambda *args: False)
+    graph.checked = None
     with caplog.at_level(logging.WARNING, logger="tide.decode.precompiled"):
         run(later, base)
     assert "does not take these arguments" in caplog.text and graph.fallback is not None

@@ -62,7 +62,8 @@ def main(argv=None) -> dict:
     if args.cover:
         with saving():
             calls = [_call(model, ids, greedy) for ids in prompts[1:]]
-        result["cover"] = {"calls": len(calls), "graphs": sum(c["graphs"] for c in calls),
+        result["cover"] = {"calls": len(calls), "seconds": round(sum(c["seconds"] for c in calls), 1),
+                           "identical": all(c["identical"] for c in calls), "graphs": sum(c["graphs"] for c in calls),
                            "recompiles": sum(c["recompiles"] for c in calls),
                            "compile_s": round(sum(c["compile_s"] for c in calls), 1)}
         print("the other questions:", result["cover"], flush=True)
@@ -85,7 +86,7 @@ def _call(model, ids, greedy: dict) -> dict:
     seconds = time.perf_counter() - start
     stats = model.last_stats
     same = torch.equal(out, model.base.generate(ids, **greedy))
-    return {"seconds": round(seconds, 1), "compile_s": round(stats.compile_s, 1), "graphs": stats.graphs_compiled,
+    return {"seconds": round(seconds, 2), "compile_s": round(stats.compile_s, 1), "graphs": stats.graphs_compiled,
             "recompiles": stats.recompiles, "mode": stats.mode, "fused_cycles": stats.fused_cycles,
             "prompt_tokens": ids.shape[1], "identical": same}
 

@@ -21,7 +21,9 @@ of it compiling three graphs. A precompiled graph holds the trace too and loads 
   tensor that carries them, so they are taken off the arguments around each call of a loaded graph and put back.
 - **Whatever fails** (a graph `aot_compile` cannot capture whole, a file torch cannot load or save, arguments its
   guards refuse) falls back to `torch.compile` for that graph, with a log line: never an error, never another graph's
-  output.
+  output. The guards run at a graph's first call and again wherever the arguments' signature changes (`_signature`:
+  another cache or module object, a tensor of another shape or dtype, parameters moved to another dtype), not at
+  every call of a decode: on SmolLM2 they cost about a millisecond a call.
 
 This module decides nothing about what is compiled; `SpanRunner` asks it for a graph's function (`Precompiled.wrap`).
 """
@@ -98,6 +100,7 @@ class _Graph:
         self.options, self.compiled, self.path = options, compiled, path
         self.fn = None  # the loaded or precompiled function
         self.fallback = None  # torch.compile's, where that failed
+        self.checked = None  # the arguments' signature (`_signature`) whose guards passed last
 
     def __call__(self, *args):
         if self.fallback is None and self.fn is None:
@@ -106,19 +109,20 @@ class _Graph:
                 self.fallback = self.compiled()
         if self.fallback is not None:
             return self.fallback(*args)
-        taken = _take_marks(args)
-        try:
-            return self.fn(*args)
-        except RuntimeError as err:
-            if "GuardManager check failed" not in str(err):
-                raise
-            logger.warning("Tide: the precompiled graph %s does not take these arguments (%s); compiling it",
-                           self.name, str(err).splitlines()[0])
-            self._event("fallback", 0.0)
-        finally:
-            _put_back(taken)
-        self.fn, self.fallback = None, self.compiled()
-        return self.fallback(*args)
+        signature = _signature(args)
+        if signature != self.checked:  # (the guards cost about a millisecond on SmolLM2: once per signature)
+            taken = _take_marks(args)
+            try:
+                passed = self.fn.guard_check(*args)
+            finally:
+                _put_back(taken)
+            if not passed:
+                logger.warning("Tide: the precompiled graph %s does not take these arguments; compiling it", self.name)
+                self._event("fallback", 0.0)
+                self.fn, self.fallback = None, self.compiled()
+                return self.fallback(*args)
+            self.checked = signature
+        return self.fn.fn(*args)
 
     def _load(self):
         start = time.perf_counter()
@@ -174,6 +178,33 @@ def _serialisable(entries) -> list[bool]:
     """The guards a saved function keeps: not global ones, nor any that names an object of this process."""
     return [not (e.is_global or e.guard_type in _UNSAVED or any(t in _UNSAVED for t in (e.derived_guard_types or ())))
             for e in entries]
+
+
+def _signature(args) -> tuple:
+    """What the saved guards check of `args` that can change between calls without a new argument object: each
+    tensor's shape, strides, dtype and device; each module's (by identity) parameters' dtype and device; every other
+    object by identity, numbers by value. The guards of a loaded graph run where it changes."""
+    out = []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            out.append((value.shape, value.stride(), value.dtype, value.device))
+        elif isinstance(value, (tuple, list)):
+            out.append(_signature(value))
+        elif isinstance(value, dict):
+            out.append((tuple(value), _signature(tuple(value.values()))))
+        elif isinstance(value, torch.nn.Module):
+            weight = next(value.parameters(), None)
+            out.append((id(value), None if weight is None else (weight.dtype, weight.device)))
+        elif isinstance(value, (int, float, str, bool, type(None))):
+            out.append(value)
+        elif isinstance(value, types.MethodType):  # (a bound method is a new object at every attribute lookup)
+            out.append((id(value.__self__), id(value.__func__)))
+        elif isinstance(getattr(value, "layers", None), list):  # a cache: its first layer's tensors too
+            first = vars(value.layers[0]).values() if value.layers else ()
+            out.append((id(value), _signature(tuple(t for t in first if isinstance(t, torch.Tensor)))))
+        else:
+            out.append(id(value))
+    return tuple(out)
 
 
 def _take_marks(args) -> list:
