@@ -18,7 +18,7 @@ of it compiling three graphs. A precompiled graph holds the trace too and loads 
   and layers, the dynamic cache length's bounds. Guards that name objects of one process (functions, modules,
   globals) cannot be saved and are left out (`_serialisable`); the key stands for them. Dynamo's marks of dynamic
   dimensions (`torch._dynamo.maybe_mark_dynamic`'s tensor attributes) are not saved, and the saved guards refuse a
-  tensor that carries them, so they are taken off the arguments around each call of a loaded graph and put back.
+  tensor that carries them, so they are taken off the arguments around each check of the guards and put back.
 - **Whatever fails** (a graph `aot_compile` cannot capture whole, a file torch cannot load or save, arguments its
   guards refuse) falls back to `torch.compile` for that graph, with a log line: never an error, never another graph's
   output. The guards run at a graph's first call and again wherever the arguments' signature changes (`_signature`:
