@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.fewrows import few_row_linears
-from ..records import CalibrationRecord
 from . import compilecache
 from .plan import PlanKind
 
@@ -102,46 +101,52 @@ def scheme_of(model, plan) -> Scheme:
                   options.draft_ngram or 0, tree=options.draft_topk > 1 and not plan.fused_chains)
 
 
-def expected_tokens(record: CalibrationRecord, scheme: Scheme) -> float | None:
-    """Tokens a cycle of `scheme` emits, from the repo's calibration record: 1 + the drafts its timing of that scheme
+def expected_tokens(record: dict, scheme: Scheme) -> float | None:
+    """Tokens a cycle of `scheme` emits, from the repo's calibration record (as the config holds it, like every
+    `record` here): 1 + the drafts its timing of that scheme
     accepted a cycle (`accepted_per_cycle`, compiled chains first); None where the record holds no such figure."""
     accepted = _from_timings(record, scheme, "accepted_per_cycle")
     return None if accepted is None else 1.0 + accepted
 
 
-def as_verified(record: CalibrationRecord, scheme: Scheme) -> Scheme:
+def as_verified(record: dict, scheme: Scheme) -> Scheme:
     """`scheme` verifying as many positions a cycle as its timings did on average (`verified_per_cycle`): a tree's
     n-gram branch, or a chain's full cap, comes only in some cycles; as it is where the record holds no figure."""
     verified = _from_timings(record, scheme, "verified_per_cycle")
     return scheme if verified is None else dataclasses.replace(scheme, verified=max(1, round(verified)))
 
 
-def _from_timings(record: CalibrationRecord, scheme: Scheme, name: str) -> float | None:
+def _from_timings(record: dict, scheme: Scheme, name: str) -> float | None:
     value = _recorded(record, scheme, name, compiled=True)
     return _recorded(record, scheme, name, compiled=False) if value is None else value
 
 
-def timed_here(model, record: CalibrationRecord, scheme: Scheme, compiled: bool) -> float | None:
+def timed_here(model, record: dict, scheme: Scheme, compiled: bool) -> float | None:
     """The speedup calibration measured for `scheme` (eager: over `generate`; compiled: over the compiled base), where
     it timed it on this machine (the same processor and threads: the record's `timing_machine`); None elsewhere."""
-    if record.timing_machine is None or record.timing_machine != machine_name(model):
+    if record.get("timing_machine") is None or record["timing_machine"] != machine_name(model):
         return None
     return _recorded(record, scheme, "measured", compiled)
 
 
-def _recorded(record: CalibrationRecord, scheme: Scheme, name: str, compiled: bool) -> float | None:
+def _recorded(record: dict, scheme: Scheme, name: str, compiled: bool) -> float | None:
     """`name` of the record's timing of `scheme`: among its compiled chains, or its eager drafting trials."""
-    if compiled:
-        entries = [(chain.get("chain") or {}, chain) for chain in record.compiled_chains or []]
-    else:
-        selection = record.draft_selection
-        drafts = ([selection.chosen] if selection and selection.chosen else []) + (selection.trials if selection
-                                                                                   else [])
-        entries = [(fields, fields) for fields in map(dataclasses.asdict, drafts)]
-    for fields, entry in entries:
-        if _key_of(fields) == scheme.record_key() and entry.get(name) is not None:
-            return float(entry[name])
+    for fields, timing in _timings(record, compiled):
+        if _key_of(fields) == scheme.record_key() and timing.get(name) is not None:
+            return float(timing[name])
     return None
+
+
+def _timings(record: dict, compiled: bool, trials: bool = True) -> list[tuple[dict, dict]]:
+    """(a scheme's fields, its timing) in `record`: its compiled chains; or its chosen eager scheme, then (`trials`)
+    the other drafting trials."""
+    if compiled:
+        return [(chain.get("chain") or {}, chain) for chain in record.get("compiled_chains") or []]
+    selection = record.get("draft_selection") or {}
+    drafts = [selection["chosen"]] if selection.get("chosen") else []
+    if trials:
+        drafts += selection.get("trials") or []
+    return [(draft, draft) for draft in drafts]
 
 
 def review(model, plan):
@@ -186,29 +191,19 @@ def record_cycle_steps(model) -> dict | None:
     """Write into the model's calibration record what a cycle of each default call's scheme (eager, compiled) costs
     here in base steps, by `measure_cycle`: "cycle_steps" beside the scheme's timing, which another machine's check
     scales by its own measurement (`check`). Run where the trials ran, on the threads they ran on. -> the record."""
-    raw = model.config.calibration
-    if not raw:
-        return raw
-    record = CalibrationRecord.from_dict(raw)
+    record = model.config.calibration
+    if not record:
+        return record
     for compiled in (False, True):
         plan = _default_plan(model, compiled)
         if plan.kind is not PlanKind.LOSSLESS or not plan.repo_scheme:
             continue
         scheme = as_verified(record, scheme_of(model, plan))
-        entry = _timing_entry(raw, scheme, compiled)
-        if entry is not None and entry.get("measured") is not None:
-            entry["cycle_steps"] = round(measure_cycle(model, scheme, compiled, plan.options.few_row_layout), 4)
-    return raw
-
-
-def _timing_entry(raw: dict, scheme: Scheme, compiled: bool) -> dict | None:
-    """The record's (as a dict) timing of `scheme`: its compiled chain, or its chosen eager scheme."""
-    entries = (raw.get("compiled_chains") or []) if compiled else [(raw.get("draft_selection") or {}).get("chosen")]
-    for entry in entries:
-        fields = (entry or {}).get("chain", entry) if compiled else entry
-        if fields and _key_of(fields) == scheme.record_key():
-            return entry
-    return None
+        timing = next((timing for fields, timing in _timings(record, compiled, trials=False)
+                       if _key_of(fields) == scheme.record_key()), None)  # (eager: the chosen scheme's alone)
+        if timing is not None and timing.get("measured") is not None:
+            timing["cycle_steps"] = round(measure_cycle(model, scheme, compiled, plan.options.few_row_layout), 4)
+    return record
 
 
 def _key_of(fields: dict) -> tuple:
@@ -243,7 +238,7 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
     ({"pays", "timed", "scheme"}): a measurement of the scheme itself rather than of the linears it runs. Where it
     timed it elsewhere and recorded a cycle's steps there, that timing scaled by the steps there over the steps here
     decides (also {"timed", "timed_steps", "expected"})."""
-    record = CalibrationRecord.from_dict(model.config.calibration or {})
+    record = model.config.calibration or {}
     timed = timed_here(model, record, scheme, compiled)
     if timed is not None:
         return {"pays": timed >= MARGIN, "timed": timed, "scheme": dataclasses.asdict(scheme)}
@@ -265,7 +260,7 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
     verdict = {"pays": tokens / cost["cycle_steps"] >= MARGIN, "cycle_steps": cost["cycle_steps"],
                "tokens_expected": tokens, "scheme": dataclasses.asdict(scheme), "key": key,
                "measured_s": cost.get("measured_s"), "cached": cached}
-    timed, there = (_recorded(record, scheme, name, compiled) for name in ("measured", "cycle_steps"))
+    timed, there = (_recorded(record, scheme, field, compiled) for field in ("measured", "cycle_steps"))
     if timed is not None and there is not None:
         expected = timed * there / cost["cycle_steps"]
         verdict.update(pays=expected >= MARGIN, timed=timed, timed_steps=there, expected=expected)
