@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cache_folder", "artifact_key", "artifact_path", "digest", "load", "save"]
+__all__ = ["cache_folder", "artifact_key", "artifact_path", "digest", "load", "save", "read_keyed", "write_keyed"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = "tide-compiled-1"
@@ -66,15 +66,8 @@ def load(model, options: dict, device) -> bool:
     path = artifact_path(key)
     if not path.is_file():
         return False
-    try:
-        header, _, payload = path.read_bytes().partition(b"\n")
-        found = json.loads(header)
-    except (OSError, ValueError) as err:
-        logger.warning("Tide: ignoring unreadable compiled artifacts %s (%s)", path, err)
-        return False
-    if found != key:
-        differs = sorted(k for k in set(key) | set(found) if key.get(k) != found.get(k))
-        logger.warning("Tide: ignoring compiled artifacts %s made for another %s", path, ", ".join(differs))
+    payload = read_keyed(path, key, "compiled artifacts")
+    if payload is None:
         return False
     try:
         torch.compiler.load_cache_artifacts(payload)
@@ -94,11 +87,33 @@ def save(model, options: dict, device) -> Path | None:
     payload, _info = saved
     key = artifact_key(model, options, device)
     path = artifact_path(key)
+    write_keyed(path, key, payload)
+    return path
+
+
+def write_keyed(path: Path, key: dict, payload: bytes) -> None:
+    """`payload` after a header line naming `key`, written atomically: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.part")
     partial.write_bytes(json.dumps(key, sort_keys=True).encode() + b"\n" + payload)
-    partial.replace(path)  # (atomic: a reader never sees half a file)
-    return path
+    partial.replace(path)
+
+
+def read_keyed(path: Path, key: dict, what: str) -> bytes | None:
+    """The payload of a file `write_keyed` wrote for `key`; None, with a log line naming `what`, where the file
+    cannot be read or names another key."""
+    try:
+        header, _, payload = path.read_bytes().partition(b"\n")
+        found = json.loads(header)
+    except (OSError, ValueError) as err:
+        logger.warning("Tide: ignoring unreadable %s %s (%s)", what, path, err)
+        return None
+    key = json.loads(json.dumps(key))  # (as the header reads it back)
+    if found != key:
+        differs = sorted(k for k in set(key) | set(found) if key.get(k) != found.get(k))
+        logger.warning("Tide: ignoring %s %s made for another %s", what, path, ", ".join(differs))
+        return None
+    return payload
 
 
 def digest(value) -> str:

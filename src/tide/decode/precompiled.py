@@ -34,9 +34,7 @@ import contextlib
 import functools
 import hashlib
 import io
-import json
 import logging
-import os
 import time
 import types
 from contextvars import ContextVar
@@ -81,23 +79,20 @@ class Precompiled:
         """The function to call for graph `key` (`function` under the code name `name`, compiled with `options`):
         a precompiled graph where a file holds it or `precompiling()` is on, else None (compile it as usual).
         `compiled()` gives the usual `torch.compile` function, the fallback."""
-        path = self._path(key, name)
+        file_key = {**self.key, "graph": repr(key), "name": name}
+        path = compilecache.cache_folder() / f"{name}-{compilecache.digest(file_key)[:24]}.aot"
         if not (_PRECOMPILING.get() or path.is_file()):
             return None
-        return _Graph(self, function, key, name, options, compiled, path)
-
-    def _path(self, key, name: str) -> Path:
-        digest = compilecache.digest({**self.key, "graph": repr(key), "name": name})
-        return compilecache.cache_folder() / f"{name}-{digest[:24]}.aot"
+        return _Graph(self, function, name, options, compiled, path, file_key)
 
 
 class _Graph:
     """A graph's function: loaded from its file, or precompiled and saved, at its first call; `torch.compile`'s where
     either fails."""
 
-    def __init__(self, store: Precompiled, function, key, name: str, options: dict, compiled, path: Path):
-        self.store, self.function, self.key, self.name = store, function, key, name
-        self.options, self.compiled, self.path = options, compiled, path
+    def __init__(self, store: Precompiled, function, name: str, options: dict, compiled, path: Path, key: dict):
+        self.store, self.function, self.name = store, function, name
+        self.options, self.compiled, self.path, self.key = options, compiled, path, key  # (key: the file's)
         self.fn = None  # the loaded or precompiled function
         self.fallback = None  # torch.compile's, where that failed
         self.checked = None  # the arguments' signature (`_signature`) whose guards passed last
@@ -126,14 +121,10 @@ class _Graph:
 
     def _load(self):
         start = time.perf_counter()
+        payload = compilecache.read_keyed(self.path, self.key, "precompiled graph")
+        if payload is None:
+            return None
         try:
-            header, _, payload = self.path.read_bytes().partition(b"\n")
-            found, expected = json.loads(header), json.loads(json.dumps(self._file_key()))
-            if found != expected:
-                differs = sorted(k for k in set(found) | set(expected) if found.get(k) != expected.get(k))
-                logger.warning("Tide: ignoring the precompiled graph %s made for another %s", self.path,
-                               ", ".join(differs))
-                return None
             fn = torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=self.function.__globals__)
         except Exception as err:  # noqa: BLE001 - torch's own format: whatever it raises, the graph compiles instead
             logger.warning("Tide: ignoring the precompiled graph %s that torch could not load (%s)", self.path, err)
@@ -158,17 +149,11 @@ class _Graph:
         seconds = time.perf_counter() - start
         CompileWatch.note(seconds)  # (aot_compile runs no dynamo callback)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(f".{os.getpid()}.part")
-            partial.write_bytes(json.dumps(self._file_key(), sort_keys=True).encode() + b"\n" + payload)
-            partial.replace(self.path)  # (atomic: a reader never sees half a file)
+            compilecache.write_keyed(self.path, self.key, payload)
         except OSError as err:
             logger.warning("Tide: could not keep the precompiled graph in %s (%s)", self.path, err)
         self._event("saved", seconds)
         return fn
-
-    def _file_key(self) -> dict:
-        return {**self.store.key, "graph": repr(self.key), "name": self.name}
 
     def _event(self, what: str, seconds: float) -> None:
         self.store.events.append({"graph": self.name, what: True, "seconds": round(seconds, 3)})
