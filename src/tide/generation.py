@@ -55,7 +55,8 @@ def _execute(model, plan: CallPlan, args, kwargs):
     if plan.kind is PlanKind.BASE:
         return _run_base(model, plan, args, kwargs)
     if plan.kind is PlanKind.BASE_COMPILED:
-        return _run(model, plan, BaseSession(model, _compile_options(model, kwargs)), exit_decode, args, kwargs)
+        return _run(model, plan, BaseSession(model, _compiled_spans(model, _compile_options(model, kwargs))),
+                    exit_decode, args, kwargs)
     run = plan.options
     if plan.kind is PlanKind.LOSSLESS:
         session, loop = LosslessSession(model, run, _spans(model, run, kwargs)), lossless_decode
@@ -137,9 +138,11 @@ def _ask(kwargs: dict, name: str, value) -> None:
 def _spans(model, run: TideGenerationConfig, kwargs: dict) -> SpanRunner:
     """How the call's sessions run spans of layers: compiled (on a static cache, which `kwargs` then asks generate
     for) with `compile=True`, else eagerly. Compiled spans are kept on the model for later calls."""
-    if not run.compile:
-        return SpanRunner(model.parts)
-    options = _compile_options(model, kwargs)
+    return _compiled_spans(model, _compile_options(model, kwargs)) if run.compile else SpanRunner(model.parts)
+
+
+def _compiled_spans(model, options: dict) -> SpanRunner:
+    """The model's compiled spans and graphs under torch.compile `options`, made once and kept on the model."""
     key = options_key(options)
     if key not in model.span_runners:
         compilecache.load(model, options, model.base.device)  # (what an earlier process compiled, where persisted)

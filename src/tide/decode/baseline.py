@@ -12,57 +12,29 @@ Two forms of it:
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers import StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..layers.spans import options_key
 from ..models.compat import mask_sizes_from_tensors
-from . import compilecache
 from .cachepool import dynamic_length
-from .precompiled import Precompiled
 from .stats import GenerationStats
 
-__all__ = ["BaseSession", "compiled_forward", "compiled_static_decoder"]
-
-
-def compiled_forward(model, options: dict):
-    """The base model's forward compiled with `options` (`step(**inputs)`), made once per set of options and kept on
-    the model; loaded precompiled where `tide warmup` saved it (`precompiled.py`)."""
-    key = ("forward",) + options_key(options)
-    if key not in model.span_runners:
-        compilecache.load(model, options, model.base.device)  # (what an earlier process compiled, where persisted)
-        name = "tide_base_step"
-        code = _base_step.__code__.replace(co_name=name, co_qualname=name)
-
-        def compiled():
-            return torch.compile(types.FunctionType(code, _base_step.__globals__, name), **options)
-
-        store = Precompiled(model, options, model.base.device)
-        step = store.wrap(_base_step, key, name, options, compiled) or compiled()
-        base = model.base
-
-        def forward(**inputs):
-            return CausalLMOutputWithPast(logits=step(base, inputs), past_key_values=inputs.get("past_key_values"))
-
-        model.span_runners[key] = forward
-    return model.span_runners[key]
+__all__ = ["BaseSession", "compiled_static_decoder"]
 
 
 def _base_step(base, inputs: dict):
-    """The compiled step: the base model's forward on `inputs` -> its logits. The model is an argument and the
-    output a tensor, so that a saved graph names neither (`precompiled.py`); the static cache is updated in place."""
+    """The compiled step (`SpanRunner.graph`: loaded precompiled where `tide warmup` saved it): the base model's forward
+    on `inputs` -> its logits. The model is an argument and the output a tensor, so that a saved graph names neither
+    (`precompiled.py`); the static cache is updated in place."""
     return base.forward(**inputs).logits
 
 
 class BaseSession:
     """The base model's decode with compiled steps, in the shape of an exit-mode session (`forward`, `stats`)."""
 
-    def __init__(self, model, options: dict):
-        self.base = model.base
-        self.step = compiled_forward(model, options)
+    def __init__(self, model, spans):
+        self.base, self.spans = model.base, spans  # (spans: the model's compiled `SpanRunner` for the call's options)
         self.stats = GenerationStats(num_layers=model.parts.num_layers, checkpoints=[], mode="base (compiled)")
         self._sized = None  # the cache whose length the step reads from its tensors
 
@@ -77,7 +49,9 @@ class BaseSession:
             mask_sizes_from_tensors(past_key_values)
             dynamic_length(past_key_values)
             self._sized = past_key_values
-        return self.step(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+        inputs = dict(kwargs, input_ids=input_ids, past_key_values=past_key_values)
+        logits = self.spans.graph(("base step",), _base_step, "tide_base_step", self.base, inputs)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
 
 
 def compiled_static_decoder(base, cache_len: int, compile_options: dict | None = None, warp=None):
