@@ -26,7 +26,6 @@ changed; the test suite calls it.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import re
@@ -36,6 +35,7 @@ from contextvars import ContextVar
 
 import torch
 from transformers import Cache, DynamicCache
+from transformers.cache_utils import StaticLayer
 from transformers.integrations import sdpa_attention
 
 __all__ = ["is_preallocated_layer", "stop_strings_as_criteria", "LengthView", "layer_kv", "crop_layer", "layer_length",
@@ -167,15 +167,11 @@ def layer_length(cache, layer: int) -> int:
 
 def is_static_layer(layer) -> bool:
     """A preallocated (`StaticCache`) full-attention layer: it writes at its length counter and never shrinks."""
-    from transformers.cache_utils import StaticLayer
-
     return isinstance(layer, StaticLayer) and not layer.is_sliding
 
 
 def is_preallocated_layer(layer) -> bool:
     """A `StaticCache` layer, full-attention or sliding-window: preallocated tensors a compiled graph can keep."""
-    from transformers.cache_utils import StaticLayer
-
     return isinstance(layer, StaticLayer)
 
 
@@ -293,26 +289,16 @@ def mask_sizes_from_tensors(cache) -> None:
     (the same number as its `max_cache_len`), read from the tensor, so that a compiled forward that builds its mask
     from the cache does not take the cache's length as a constant: the layer becomes a `TensorSizedStaticLayer`, the
     same layer with that one method (a class's method, which a precompiled graph can name: `decode/precompiled.py`)."""
-    from transformers.cache_utils import StaticLayer
-
     for layer in getattr(cache, "layers", ()):
         if type(layer) is StaticLayer and layer.is_initialized:
-            layer.__class__ = _tensor_sized_layer()
+            layer.__class__ = TensorSizedStaticLayer
 
 
-@functools.cache
-def _tensor_sized_layer():
-    from transformers.cache_utils import StaticLayer
+class TensorSizedStaticLayer(StaticLayer):
+    """A `StaticLayer` whose masks span its keys' length read from the tensor (`mask_sizes_from_tensors`)."""
 
-    class TensorSizedStaticLayer(StaticLayer):
-        """A `StaticLayer` whose masks span its keys' length read from the tensor (`mask_sizes_from_tensors`)."""
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.keys.shape[2], 0
-
-    TensorSizedStaticLayer.__module__, TensorSizedStaticLayer.__qualname__ = __name__, "TensorSizedStaticLayer"
-    globals()["TensorSizedStaticLayer"] = TensorSizedStaticLayer  # (found by name where a saved graph names it)
-    return TensorSizedStaticLayer
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
 
 
 class CompileWatch:
@@ -398,7 +384,6 @@ def check() -> None:
         problems.append("transformers.integrations.sdpa_attention.use_gqa_in_sdpa(attention_mask, key, value) changed")
     elif "use_gqa_in_sdpa" not in sdpa_attention.sdpa_attention_forward.__code__.co_names:
         problems.append("sdpa_attention_forward no longer asks use_gqa_in_sdpa whether to repeat K/V heads")
-    from transformers.cache_utils import StaticLayer
 
     if "max_cache_len" not in StaticLayer.get_mask_sizes.__code__.co_names:
         problems.append("StaticLayer.get_mask_sizes no longer answers max_cache_len (which mask_sizes_from_tensors "
