@@ -208,16 +208,16 @@ def _put_back(taken: list) -> None:
         setattr(tensor, name, value)
 
 
-def _tensors(value, nested: bool = True):
+def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item, nested)
+            yield from _tensors(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item, nested)
-    elif nested and not isinstance(value, torch.nn.Module) and isinstance(getattr(value, "layers", None), list):
+            yield from _tensors(item)
+    elif not isinstance(value, torch.nn.Module) and isinstance(getattr(value, "layers", None), list):
         for layer in value.layers:  # a cache
             yield from (t for t in vars(layer).values() if isinstance(t, torch.Tensor))
 
