@@ -3,7 +3,8 @@
 Two forms of it:
 - `BaseSession`: what a Tide call with `tide_config={"compile": True}` runs when Tide's modes do not pay there
   (no operating point, or calibration timed them no faster than this): the base model's own forward, one token
-  a step, through one `torch.compile(base.forward)` graph on the static cache that the call asks generate for;
+  a step, through one compiled graph of its forward (the model's compiled `SpanRunner.graph`, which `tide warmup`
+  precompiles) on the static cache that the call asks generate for;
   generate's processors, stopping criteria and streamer are served by the exit-mode loop (`exits.loop.exit_decode`).
   The prompt, and steps that carry a padding mask (a growing mask is a new shape each step), run eagerly.
 - `compiled_static_decoder(base, cache_len)`: the same decode as a bare greedy loop, outside `generate`, which
