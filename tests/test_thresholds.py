@@ -94,6 +94,10 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
 
     class Held:
         confidence = 0.95
+        speedup = None  # (no costs measured)
+
+        def expected_speedup(self, selection):
+            return self.speedup
 
         def thresholds(self, selection, checkpoints):
             return {"1": 0.5 if selection.exit_error_budget else 1.0}
@@ -103,14 +107,63 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
             fitting = [b for b in EXIT_ERROR_BUDGETS if b <= max_budget]
             return SimpleNamespace(exit_error_budget=fitting[-1] if fitting else 0.0), {}
 
-    def teacher_forced(model, token_lists, config):
+    def teacher_forced(model, token_lists, config, stop_after_errors=None):
         decoded.append(config.thresholds)
-        return SimpleNamespace(agreement=0.5, tokens=1000, mean_layers=1.0)
+        return SimpleNamespace(agreement=0.5, tokens=1000, mean_layers=1.0, stopped=False)
 
     monkeypatch.setattr(validation, "teacher_forced", teacher_forced)
     model = SimpleNamespace(heldout_selection=Held(), checkpoints=[1], config=SimpleNamespace(
         resolve_generation=lambda options: SimpleNamespace(thresholds=options["thresholds"])))
     start = SimpleNamespace(exit_error_budget=EXIT_ERROR_BUDGETS[-1])
-    selection, _, result = validation.validate(model, [[1, 2, 3]], start, {}, 0.99, Processes())
+    selection, _, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
     assert len(decoded) == validation.MAX_VALIDATION_ROUNDS and asked[-1] == 0.0
     assert selection.exit_error_budget == 0.0 and result["agreement"] == 0.5
+    # exits whose layer work would save less than the trials' keep margin are neither decoded nor timed
+    from tide.calibration.trials import KEEP_SPEEDUP
+
+    decoded.clear()
+    model.heldout_selection.speedup = KEEP_SPEEDUP - 0.01
+    selection, _, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
+    assert decoded == [] and result is None and selection.exit_error_budget == 0.0
+
+
+def test_a_decode_check_round_stops_once_it_cannot_pass():
+    """Exits that always leave at a shallow layer of a random model disagree often: a round stops decoding at the
+    disagreement that makes the target unreachable for the whole round, and its record says so; unstopped, the same
+    call decodes every token."""
+    from types import SimpleNamespace
+
+    import tide
+    from tide.calibration.distributed import Processes
+    from tide.calibration.evaluate import teacher_forced
+    from tide.calibration.thresholds import allowed_errors
+    from tide.calibration.validation import validate
+    from tiny_models import prompt_ids, tiny_model
+
+    model = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
+    texts = [prompt_ids(40, seed=s)[0].tolist() for s in range(4)]
+    every = {"mode": "exit", "thresholds": {str(k): 0.0 for k in model.checkpoints}}
+    whole = teacher_forced(model, texts, every)
+    assert whole.tokens == 4 * 38 and not whole.stopped and whole.agreement < 0.9
+    stopped = teacher_forced(model, texts, every, stop_after_errors=3)
+    assert stopped.stopped and stopped.tokens < whole.tokens
+    assert round(stopped.tokens * (1 - stopped.agreement)) == 4  # the disagreement past the three allowed
+
+    class Held:
+        confidence = 0.95
+        decoded_per_rank = None
+
+        def expected_speedup(self, selection):
+            return None
+
+        def thresholds(self, selection, checkpoints):
+            return {str(k): 0.0 if selection.exit_error_budget else 1.0 for k in checkpoints}
+
+        def select(self, target, max_budget=1.0):
+            return SimpleNamespace(exit_error_budget=min(max_budget, 0.1)), {}
+
+    model.heldout_selection = Held()
+    selection, _, result = validate(model, texts, SimpleNamespace(exit_error_budget=0.1), {}, 0.9, Processes())
+    assert selection.exit_error_budget == 0.0  # nothing exits
+    assert result["stopped_early"] and result["tokens"] < 4 * 38
+    assert round(result["tokens"] * (1 - result["agreement"])) == allowed_errors(4 * 38, 0.9, 0.95) + 1

@@ -205,8 +205,9 @@ class Validation(_Record):
     exit_error_budget: float
     mean_layers: float
     tokens_per_rank: list[int] | None = None  # tokens each process decoded, all rounds
+    stopped_early: bool | None = None  # the last round stopped once it could no longer pass (True; else omitted)
 
-    OMIT_IF_NONE = ("tokens_per_rank",)
+    OMIT_IF_NONE = ("tokens_per_rank", "stopped_early")
 
 
 @dataclass
@@ -230,6 +231,7 @@ class CalibrationRecord(_Record):
     dataset: str | None = None
     num_samples: int | None = None
     train_tokens: int | None = None
+    feature_dtype: str | None = None  # the training stream's forward dtype, where not the model's own
     heldout_tokens: int | None = None
     expected_agreement: float | None = None
     agreement_lower_bound: float | None = None
@@ -259,7 +261,7 @@ class CalibrationRecord(_Record):
     phase_seconds_per_rank: dict[str, list[float]] | None = None  # several processes only
     timing_budget: TimingBudget | None = None  # with `timing_budget_s` only
 
-    OMIT_IF_NONE = ("phase_seconds_per_rank", "timing_budget", "compiled_chains", "draft_top1")
+    OMIT_IF_NONE = ("phase_seconds_per_rank", "timing_budget", "compiled_chains", "draft_top1", "feature_dtype")
 
     def to_dict(self) -> dict:
         out = super().to_dict()

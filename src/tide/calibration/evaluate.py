@@ -30,6 +30,7 @@ class QualityReport:
     ppl_tide: float
     ppl_base: float
     mean_layers: float
+    stopped: bool = False  # decoding stopped early: more disagreements than `stop_after_errors`
 
     @property
     def ppl_delta(self) -> float:
@@ -37,8 +38,10 @@ class QualityReport:
 
 
 @torch.no_grad()
-def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix: int = 1) -> QualityReport:
-    """Per-token agreement and perplexity of Tide's decode step against the full model."""
+def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix: int = 1,
+                   stop_after_errors: int | None = None) -> QualityReport:
+    """Per-token agreement and perplexity of Tide's decode step against the full model. `stop_after_errors`: stop
+    as soon as more tokens than that disagreed (the report then covers the tokens decoded, and says `stopped`)."""
     config = model.config.resolve_generation(tide_config)
     session = ExitSession(model, config)
     agree = total = 0
@@ -47,11 +50,15 @@ def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix
     for ids in token_lists:
         if len(ids) <= prefix + 1:
             continue
+        if stop_after_errors is not None and total - agree > stop_after_errors:
+            break
         ids_t = torch.tensor([ids], device=device)
         full = session.original_forward(input_ids=ids_t, use_cache=False).logits[0].float()  # [T, V]
         cache = DynamicCache(config=model.base.config)
         session.forward(input_ids=ids_t[:, :prefix], past_key_values=cache, use_cache=True)
         for t in range(prefix, len(ids) - 1):
+            if stop_after_errors is not None and total - agree > stop_after_errors:
+                break
             logits = session.forward(input_ids=ids_t[:, t : t + 1], past_key_values=cache, use_cache=True).logits
             logits = logits[0, -1].float()
             agree += int(logits.argmax() == full[t].argmax())
@@ -66,6 +73,7 @@ def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix
         ppl_tide=math.exp(nll_tide / max(total, 1)),
         ppl_base=math.exp(nll_base / max(total, 1)),
         mean_layers=stats.mean_layers,
+        stopped=stop_after_errors is not None and total - agree > stop_after_errors,
     )
 
 

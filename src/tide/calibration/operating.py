@@ -100,6 +100,13 @@ class _HeldoutSelection:
             return select(self.layers), {}
         return prune_checkpoints(select, self.layers, self.num_tokens, self.num_layers, self.costs)
 
+    def expected_speedup(self, selection) -> float | None:
+        """The selection's speed-up in layer work by the measured costs (None: no costs)."""
+        if self.costs is None:
+            return None
+        return self.num_layers / layer_cost_of_cascade(selection.checkpoints, self.num_tokens, self.num_layers,
+                                                       self.costs)
+
     @staticmethod
     def thresholds(selection, checkpoints) -> dict[str, float]:
         out = {str(k): 1.0 for k in checkpoints}  # never: not consulted
@@ -165,9 +172,6 @@ def operating_point(model, target_agreement: float, procs: Processes | None = No
                                         if budget.allows("exit mode") else None)
         if exit_timing is not None and not exit_timing["active"]:
             thresholds = dict.fromkeys(thresholds, 1.0)  # exit mode then runs the base model
-    expected = None
-    if held.costs is not None:
-        expected = held.num_layers / layer_cost_of_cascade(selection.checkpoints, held.num_tokens, held.num_layers,
-                                                           held.costs)
-    return OperatingPoint(target_agreement, thresholds, selection, dropped, validation, exit_timing, expected)
+    return OperatingPoint(target_agreement, thresholds, selection, dropped, validation, exit_timing,
+                          held.expected_speedup(selection))
 
