@@ -192,8 +192,33 @@ def test_features_read_in_bfloat16_train_float32_heads_and_leave_the_model_as_it
     for name, p in model.base.named_parameters():  # the very tensors the model had, unchanged
         assert p.data_ptr() == own[name] and p.dtype == torch.float32 and torch.equal(p.data, before[name])
     assert all(p.dtype == torch.float32 for p in model.routers.parameters())
-    assert model.config.calibration["train_tokens"] > 0
+    assert model.config.calibration["train_tokens"] > 0 and model.config.calibration["feature_dtype"] == "bfloat16"
     # a float32 model asked for float32 features swaps nothing
     assert WeightsIn(base, "float32")._swaps == [] and WeightsIn(base, None)._swaps == []
     with pytest.raises(ValueError, match="feature_dtype"):
         CalibrationOptions(feature_dtype="int8")
+
+
+def test_features_auto_read_in_bfloat16_only_where_it_times_faster_on_a_wide_float32_model(monkeypatch):
+    """`feature_dtype="auto"` (the default): bfloat16 for a float32 model of hidden size 512 or more whose products
+    time BF16_MIN_GAIN faster in it; the model's own dtype for a narrow model (never timed), a bfloat16 model, or
+    where bfloat16 is not faster; a dtype asked for is taken as it is."""
+    from tide.calibration import forward
+    from tide.calibration.forward import AUTO_MIN_HIDDEN, BF16_MIN_GAIN, stream_dtype
+
+    assert CalibrationOptions().feature_dtype == "auto"
+    assert 0.0 < forward._bf16_gain(64, torch.device("cpu")) < float("inf")  # (timed: any ratio)
+    narrow = tide.TideForCausalLM.from_base(tiny_model("llama"), tide.TideConfig(checkpoint_interval=2))
+    wide = tide.TideForCausalLM.from_base(tiny_model("llama", hidden_size=AUTO_MIN_HIDDEN, intermediate_size=64,
+                                                     num_hidden_layers=2), tide.TideConfig(checkpoint_interval=1))
+    gain = [BF16_MIN_GAIN]
+    timed = []
+    monkeypatch.setattr(forward, "_bf16_gain", lambda hidden, device: timed.append(hidden) or gain[0])
+    assert stream_dtype(narrow, "auto") is None and not timed
+    assert stream_dtype(wide, "auto") == "bfloat16" and timed == [AUTO_MIN_HIDDEN]
+    gain[0] = BF16_MIN_GAIN * 0.9
+    assert stream_dtype(wide, "auto") is None
+    assert stream_dtype(wide, "float16") == "float16" and stream_dtype(wide, None) is None
+    gain[0] = 10.0
+    half = tide.TideForCausalLM.from_base(wide.base.to(torch.bfloat16), tide.TideConfig(checkpoint_interval=1))
+    assert stream_dtype(half, "auto") is None

@@ -182,8 +182,9 @@ def main(argv=None):
     cal.add_argument("--compiled-trials", action="store_true", help="also time the default mode and greedy chains "
                      "compiled against the compiled static-cache base (what compile=True calls then run)")
     cal.add_argument("--no-timing-budget", action="store_true", help="time every trial (timing_budget_s=None)")
-    cal.add_argument("--feature-dtype", choices=["bfloat16", "float16"], help="the training stream's forward dtype "
-                     "(calibrate's feature_dtype; the heads still train in float32)")
+    cal.add_argument("--feature-dtype", choices=["auto", "bfloat16", "float16", "float32"],
+                     help="the training stream's forward dtype (calibrate's feature_dtype, default auto; the heads "
+                     "still train in float32)")
     cal.add_argument("--heldout-fraction", type=float, help="calibrate's heldout_fraction (default 0.2)")
     cal.add_argument("--decode-threads", type=int, help="threads the costs, decode check and timing trials run on "
                      "(calibrate's decode_threads; the bench decodes on 1)")

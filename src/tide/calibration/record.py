@@ -42,6 +42,7 @@ def build_record(ctx: Context, dataset: str, *, texts: Texts, trainer, held: Hel
     selection = point.selection
     train_tokens = int(procs.sum([trainer.train_tokens])[0])
     record = _summary(selection, held, ctx.cfg, num_layers, dataset, texts.num_texts, train_tokens)
+    record.feature_dtype = trainer.feature_dtype
     record.costs = costs.record() if costs else None
     record.dropped_checkpoints = {str(k): why for k, why in point.dropped.items()}
     record.expected_layer_cost = layer_cost_of_cascade(selection.checkpoints, held.num_tokens, num_layers,

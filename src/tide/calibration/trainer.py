@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..heads.draftvocab import candidate_sizes, ranked_vocabulary
 from ..modeling import TideForCausalLM
 from .distributed import Processes
-from .forward import Capture, WeightsIn, capture, head_chunk, label_of
+from .forward import Capture, WeightsIn, capture, head_chunk, label_of, stream_dtype
 from .headloss import TEACHER_TOP, Candidates, draw_negatives, head_kl, uses_candidates
 from .heldout import ranked_draft_vocabulary
 from .options import CalibrationOptions
@@ -33,7 +33,8 @@ def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.
     num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
     trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs,
                        train_tokens=procs.max_int(tokens) * procs.world)
-    reading = WeightsIn(tide.base, opts.feature_dtype)  # the base forward's dtype (the heads train in float32)
+    trainer.feature_dtype = procs.on_main(lambda: stream_dtype(tide, opts.feature_dtype))  # one choice for all
+    reading = WeightsIn(tide.base, trainer.feature_dtype)  # the base forward's dtype (the heads train in float32)
     for batch in phases.counted("data", batches(train_texts, ctx.tokenizer, opts, tide.base.device)):
         with phases("training"):
             with reading():
@@ -107,6 +108,7 @@ class _Trainer:
         self.head_steps_left = steps if params else 0
         self.generator = torch.Generator(device="cpu").manual_seed(opts.seed)
         self.last_kl = float("nan")
+        self.feature_dtype = None  # the dtype the stream's forward ran in (None: the model's own; `train` sets it)
 
     def add(self, cap: Capture | None) -> None:
         """Buffer a batch's states (None: no batch left on this process, but take the steps the others take)."""
