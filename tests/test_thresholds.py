@@ -94,10 +94,13 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
 
     class Held:
         confidence = 0.95
-        speedup = None  # (no costs measured)
+        speedup = decoded = None  # (no costs measured)
 
         def expected_speedup(self, selection):
             return self.speedup
+
+        def decoded_speedup(self, selection, mean_layers):
+            return self.decoded
 
         def thresholds(self, selection, checkpoints):
             return {"1": 0.5 if selection.exit_error_budget else 1.0}
@@ -105,7 +108,9 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
         def select(self, target, max_budget=1.0):
             asked.append(max_budget)
             fitting = [b for b in EXIT_ERROR_BUDGETS if b <= max_budget]
-            return SimpleNamespace(exit_error_budget=fitting[-1] if fitting else 0.0), {}
+            budget = fitting[-1] if fitting else 0.0
+            return SimpleNamespace(exit_error_budget=budget, checkpoints=[SimpleNamespace(
+                layer=1, threshold=0.5 if budget else 1.0)]), {}
 
     def teacher_forced(model, token_lists, config, stop_after_errors=None):
         decoded.append(config.thresholds)
@@ -114,7 +119,8 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
     monkeypatch.setattr(validation, "teacher_forced", teacher_forced)
     model = SimpleNamespace(heldout_selection=Held(), checkpoints=[1], config=SimpleNamespace(
         resolve_generation=lambda options: SimpleNamespace(thresholds=options["thresholds"])))
-    start = SimpleNamespace(exit_error_budget=EXIT_ERROR_BUDGETS[-1])
+    start = SimpleNamespace(exit_error_budget=EXIT_ERROR_BUDGETS[-1],
+                            checkpoints=[SimpleNamespace(layer=1, threshold=0.5)])
     selection, _, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
     assert len(decoded) == validation.MAX_VALIDATION_ROUNDS and asked[-1] == 0.0
     assert selection.exit_error_budget == 0.0 and result["agreement"] == 0.5
@@ -123,8 +129,15 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
 
     decoded.clear()
     model.heldout_selection.speedup = KEEP_SPEEDUP - 0.01
-    selection, _, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
+    selection, dropped, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
     assert decoded == [] and result is None and selection.exit_error_budget == 0.0
+    assert dropped[1].startswith(validation.SAVES_TOO_LITTLE) and "held-out" in dropped[1]
+    # nor decoded again once a round's exits saved too little through the decode step (a lower budget exits less)
+    decoded.clear()
+    model.heldout_selection.speedup, model.heldout_selection.decoded = None, KEEP_SPEEDUP - 0.01
+    selection, dropped, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
+    assert len(decoded) == 1 and result["tokens"] == 1000 and selection.exit_error_budget == 0.0
+    assert "through the decode step" in dropped[1]
 
 
 def test_a_decode_check_round_stops_once_it_cannot_pass():
@@ -154,6 +167,9 @@ def test_a_decode_check_round_stops_once_it_cannot_pass():
         decoded_per_rank = None
 
         def expected_speedup(self, selection):
+            return None
+
+        def decoded_speedup(self, selection, mean_layers):
             return None
 
         def thresholds(self, selection, checkpoints):

@@ -20,7 +20,7 @@ from .phases import Context, PhaseTimes, TrialBudget
 from .texts import Texts
 from .thresholds import calibrate_cascade, kept_nothing_message
 from .trials import time_exit, timing_batch, timing_prompts
-from .validation import validate, validation_tokens
+from .validation import SAVES_TOO_LITTLE, validate, validation_tokens
 
 __all__ = ["operating_point", "OperatingPoint", "thresholds_for_target", "Measured", "cost_measurement",
            "choose_thresholds"]
@@ -64,7 +64,10 @@ def choose_thresholds(ctx: Context, held: Heldout, measured: Measured, heldout_t
                                                measured.validation_tokens, measured.prompts, measured.batch)
     point = operating_point(tide, cfg.target_agreement, ctx.procs, ctx.phases, ctx.budget)
     cfg.thresholds = point.thresholds
-    if point.selection.exit_error_budget == 0.0:  # no threshold held the bound on these held-out tokens
+    saving = [why for why in point.dropped.values() if why.startswith(SAVES_TOO_LITTLE)]
+    if saving:  # exits that pay too little: not checked further, nor timed
+        warnings.warn(f"Calibration kept no exits: {saving[0]}; exit mode runs the base model.", stacklevel=3)
+    elif point.selection.exit_error_budget == 0.0:  # no threshold held the bound on these held-out tokens
         warnings.warn(kept_nothing_message(layers, held.scores(), held.agree(), held.labels(), cfg.target_agreement,
                                            cfg.confidence, heldout_texts, ctx.opts.heldout_fraction))
     cfg.set_generation_defaults(batch_exits=point.batch_exits)
@@ -106,6 +109,17 @@ class _HeldoutSelection:
             return None
         return self.num_layers / layer_cost_of_cascade(selection.checkpoints, self.num_tokens, self.num_layers,
                                                        self.costs)
+
+    def decoded_speedup(self, selection, mean_layers: float) -> float | None:
+        """The speed-up in layer work of exits that ran `mean_layers` layers a token through the decode step: every
+        token pays for consulting each of the selection's active checkpoints and the skipped layers' K/V (None: no
+        costs)."""
+        if self.costs is None:
+            return None
+        consulted = sum(row.threshold < 1.0 for row in selection.checkpoints)
+        cost = (mean_layers + (self.num_layers - mean_layers) * self.costs.skipped_layer
+                + consulted * self.costs.checkpoint)
+        return self.num_layers / cost
 
     @staticmethod
     def thresholds(selection, checkpoints) -> dict[str, float]:

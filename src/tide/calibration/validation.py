@@ -10,13 +10,16 @@ from .options import CalibrationOptions
 from .thresholds import EXIT_ERROR_BUDGETS, allowed_errors, binomial_upper_bound, next_budget
 from .trials import KEEP_SPEEDUP
 
-__all__ = ["validate", "validation_tokens", "MAX_VALIDATION_ROUNDS"]
+__all__ = ["validate", "validation_tokens", "MAX_VALIDATION_ROUNDS", "SAVES_TOO_LITTLE"]
 
 
 # Rounds of the check through the decode step: each decodes every validation token again (on a 30-layer model,
 # 1,024 tokens took about 70 s a round on one core, and a model whose exits rarely agree took 14 rounds); where the
 # target still fails after these, nothing exits.
 MAX_VALIDATION_ROUNDS = 4
+
+# How a checkpoint dropped because its exits would save too little to be kept says so (`dropped`'s reason).
+SAVES_TOO_LITTLE = "the exits would save"
 
 
 def validation_tokens(texts, tokenizer, opts: CalibrationOptions) -> list[list[int]]:
@@ -56,8 +59,8 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
         if expected is not None and expected < KEEP_SPEEDUP and selection.exit_error_budget > 0.0:
             # exits that would save less than the timing's keep margin even at their layer count: the timing after
             # the check would turn them off, so they are neither checked nor timed
-            selection, dropped = held.select(target, max_budget=0.0)
-            return selection, dropped, result
+            return (*_saving_too_little(held, selection, dropped, target, expected, "on the held-out scores"),
+                    result)
         run = tide.config.resolve_generation({"thresholds": held.thresholds(selection, tide.checkpoints),
                                               "exit_threshold": None, "mode": "exit"})
         active = any(t < 1.0 for t in run.thresholds.values())
@@ -78,8 +81,20 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
         if bound >= target:
             return selection, dropped, result
         smaller = [b for b in EXIT_ERROR_BUDGETS if b < selection.exit_error_budget]
+        decoded_speedup = held.decoded_speedup(selection, result["mean_layers"])
+        if decoded_speedup is not None and decoded_speedup < KEEP_SPEEDUP:  # (a smaller budget exits less)
+            return (*_saving_too_little(held, selection, dropped, target, decoded_speedup, "through the decode step"),
+                    result)
         if not smaller or round_ == MAX_VALIDATION_ROUNDS - 1:  # no budget left to try, or no round: no exits
             selection, dropped = held.select(target, max_budget=0.0)
             return selection, dropped, result
         selection, dropped = held.select(target, max_budget=next_budget(
             smaller, selection.exit_error_budget, round(errors * planned / max(tokens, 1)), allowed))
+
+
+def _saving_too_little(held, selection, dropped: dict, target: float, speedup: float, where: str):
+    """No exits, each checkpoint the selection consulted dropped with why: its exits save too little."""
+    why = f"{SAVES_TOO_LITTLE} x{speedup:.3f} of layer work {where}, below the x{KEEP_SPEEDUP} a timing keeps"
+    consulted = {row.layer: why for row in selection.checkpoints if row.threshold < 1.0}
+    selection, _ = held.select(target, max_budget=0.0)
+    return selection, {**dropped, **consulted}
