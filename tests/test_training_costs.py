@@ -175,3 +175,33 @@ def test_agreement_reads_the_ranked_rows_first_and_the_whole_head_only_where_nee
     for k in model.checkpoints:
         for plain, screened in zip(trained._router_data(k), trained._router_data(k, ranked)):
             assert torch.equal(plain, screened)
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_training_time_test_trains_drafts_on_the_context_a_chain_reads(share):
+    """`training_time_test`: that share of the draft rows learns from what a chain's later drafts read, the head's
+    own normed draft at the position before (as held-out scoring's chain drafts read it), never across a text's
+    first token; the rest, and every row at 0, from the full model's final normed state there."""
+    from tide.calibration.forward import capture
+    from tide.calibration.texts import batches
+
+    base = tiny_model("llama")
+    model = tide.TideForCausalLM.from_base(base, tide.TideConfig(checkpoint_interval=2))
+    opts = run.CalibrationOptions(training_time_test=share, max_length=24, batch_size=2)
+    trained = trainer._Trainer(model, opts, num_batches=1)
+    batch = next(batches(sample_texts()[:2], tiny_tokenizer(), opts, base.device))
+    trained._buffer(capture(model, batch))
+    pick = torch.arange(trained.filled)
+    k, draft = next(iter(trained.drafts.items()))
+    got = trained._draft_context(k, draft, pick)
+    first = trained.first[pick]
+    assert first[0] and first.sum() == 2  # each text's first token
+    torch.testing.assert_close(got[first], trained.context[pick][first])
+    before = pick - 1
+    own = model.parts.final_norm(draft(trained.states[k][before], trained.context[before]))
+    expected = own if share else trained.context[pick]
+    torch.testing.assert_close(got[~first], expected[~first])
+    if share:
+        assert not torch.allclose(got[~first], trained.context[pick][~first])
+    with pytest.raises(ValueError, match="training_time_test"):
+        run.CalibrationOptions(training_time_test=1.5)

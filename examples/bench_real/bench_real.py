@@ -185,6 +185,7 @@ def main(argv=None):
     cal.add_argument("--feature-dtype", choices=["auto", "bfloat16", "float16", "float32"],
                      help="the training stream's forward dtype (calibrate's feature_dtype, default auto; the heads "
                      "still train in float32)")
+    cal.add_argument("--training-time-test", type=float, help="calibrate's training_time_test (default 0)")
     cal.add_argument("--heldout-fraction", type=float, help="calibrate's heldout_fraction (default 0.2)")
     cal.add_argument("--decode-threads", type=int, help="threads the costs, decode check and timing trials run on "
                      "(calibrate's decode_threads; the bench decodes on 1)")
@@ -228,6 +229,8 @@ def main(argv=None):
             options["timing_budget_s"] = None
         if args.feature_dtype:
             options["feature_dtype"] = args.feature_dtype
+        if args.training_time_test is not None:
+            options["training_time_test"] = args.training_time_test
         if args.heldout_fraction:
             options["heldout_fraction"] = args.heldout_fraction
         if args.decode_threads:

@@ -244,6 +244,7 @@ class CalibrationRecord(_Record):
     # held-out first drafts whose top-1 is the full model's, {layer: {"0": over the whole vocabulary, "n": over the
     # n most-predicted tokens}} (the draft head where the checkpoint has one, else its exit head)
     draft_top1: dict[str, dict[str, float]] | None = None
+    draft_chain_top1: dict[str, dict[str, float]] | None = None  # the same for a chain's later drafts
     costs: CostsRecord | None = None
     dropped_checkpoints: dict[str, str] = field(default_factory=dict)  # {layer: why it is not consulted}
     expected_layer_cost: float | None = None  # mean decoder layers per token by the measured costs
@@ -261,7 +262,8 @@ class CalibrationRecord(_Record):
     phase_seconds_per_rank: dict[str, list[float]] | None = None  # several processes only
     timing_budget: TimingBudget | None = None  # with `timing_budget_s` only
 
-    OMIT_IF_NONE = ("phase_seconds_per_rank", "timing_budget", "compiled_chains", "draft_top1", "feature_dtype")
+    OMIT_IF_NONE = ("phase_seconds_per_rank", "timing_budget", "compiled_chains", "draft_top1", "feature_dtype",
+                    "draft_chain_top1")
 
     def to_dict(self) -> dict:
         out = super().to_dict()

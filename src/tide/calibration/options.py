@@ -35,6 +35,12 @@ class CalibrationOptions:
     # 200 over the whole vocabulary, 1000 over candidates, whose steps cost far less)
     head_steps: int | None = None
     head_lr: float = 1e-3
+    # training-time test: the share of the draft heads' rows trained on the context a chain's later drafts read (the
+    # head's own draft at the position before) instead of the full model's state there (0: never). On SmolLM2-135M at
+    # the defaults, 0.5 raised the layer-3 head's later drafts' held-out top-1 from 0.257 to 0.298 and lowered its
+    # first drafts' from 0.354 to 0.339 (docs/benchmarks.md): no more tokens a chain's cycle by their product, and
+    # fewer for the trees calibration keeps there, so it is off by default
+    training_time_test: float = 0.0
     passes: int = 4  # router training sweeps over the buffered tokens, after the exit heads are trained
     lr: float = 1e-3  # router learning rate
     seed: int = 0
@@ -94,6 +100,9 @@ class CalibrationOptions:
         if self.feature_dtype is not None and self.feature_dtype not in FEATURE_DTYPES:
             raise ValueError(f"calibrate: feature_dtype must be one of {list(FEATURE_DTYPES)} or None, "
                              f"got {self.feature_dtype!r}.")
+        share = self.training_time_test
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"calibrate: training_time_test must be a share between 0 and 1, got {share!r}.")
         for name in ("head_lr", "lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0.0:

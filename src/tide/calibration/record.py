@@ -97,15 +97,17 @@ def _summary(selection, held: Heldout, cfg, num_layers, dataset, num_samples, tr
         checkpoints={str(r.layer): CheckpointRecord(**r.as_dict()) for r in results},
         router_auc={str(k): auc(scores, agree[k]) for k, scores in held.scores().items()},
         draft_top1=_draft_top1(held),
+        draft_chain_top1=_draft_top1(held, chained=True),
     )
 
 
-def _draft_top1(held: Heldout) -> dict[str, dict[str, float]]:
-    """{layer: {draft vocabulary size (0: the whole vocabulary): held-out first drafts whose top-1 is the full
-    model's}}."""
-    out = {str(k): {"0": round(float((ranks == 0).float().mean()), 4)} for k, ranks in held.ranks().items()}
-    for n, (first, _) in sorted(held.restricted().items()):
-        for k, ranks in first.items():
+def _draft_top1(held: Heldout, chained: bool = False) -> dict[str, dict[str, float]]:
+    """{layer: {draft vocabulary size (0: the whole vocabulary): held-out first drafts (`chained`: a chain's later
+    drafts, which read the previous draft's own state) whose top-1 is the full model's}}."""
+    whole = held.chain_ranks() if chained else held.ranks()
+    out = {str(k): {"0": round(float((ranks == 0).float().mean()), 4)} for k, ranks in whole.items()}
+    for n, pair in sorted(held.restricted().items()):
+        for k, ranks in pair[1 if chained else 0].items():
             out.setdefault(str(k), {})[str(n)] = round(float((ranks == 0).float().mean()), 4)
     return {k: out[k] for k in sorted(out, key=int)}
 

@@ -91,6 +91,7 @@ class _Trainer:
         self.drafts = {k: copy.deepcopy(tide.routers[k].draft).float() for k in self.layers
                        if tide.routers[k].draft is not None}
         self.context = torch.empty(size, hidden, device=device) if self.drafts else None
+        self.first = torch.ones(size, dtype=torch.bool, device=device) if self.drafts else None  # a text's first
         self.predicted = torch.zeros(tide.num_head_rows, dtype=torch.long, device=device)  # full-model top-1 counts
         # the candidate loss, else the whole vocabulary
         self.candidates = uses_candidates(tide.num_head_rows, self.parts.head_rows_readable)
@@ -129,6 +130,10 @@ class _Trainer:
         self.draft_head = None
         if self.context is not None:
             self.context[idx] = cap.context[-n:].float()
+            self.first[idx] = cap.first[-n:]
+            # the positions before these two are not in the buffer: the batch's own first, where the batch was cut,
+            # and the older token after the batch, whose position before the batch overwrote
+            self.first[idx[0]] = self.first[(idx[-1] + 1) % self.size] = True
         self.cursor = (self.cursor + n) % self.size
         self.filled = min(self.filled + n, self.size)
         self.train_tokens += cap.final.shape[0]
@@ -144,8 +149,7 @@ class _Trainer:
         """Final norm + head of the model on fp32 states (cast to the model's dtype), over the whole vocabulary, the
         rows' candidates, or some rows of the head (`ModelParts.head_rows`). [..., M, H] -> fp32 [..., M, V],
         [..., M, C] or [..., M, n]."""
-        dtype = self.parts.norm.weight.dtype if hasattr(self.parts.norm, "weight") else state.dtype
-        normed = self.parts.final_norm(state.to(dtype))
+        normed = self.parts.final_norm(state.to(self._norm_dtype))
         if isinstance(tokens, Candidates):
             return tokens.logits(self.parts, normed)
         return self.parts.logits_from_normed(normed, tokens).float()
@@ -169,8 +173,8 @@ class _Trainer:
                 exits = torch.stack([t(self.states[k][pick]) for k, t in self.translators.items()])
                 loss = loss + len(self.translators) * head_kl(self._logits(exits, candidates), teacher)
             if self.drafts:
-                context = self.context[pick]
-                drafts = torch.stack([d(self.states[k][pick], context) for k, d in self.drafts.items()])
+                drafts = torch.stack([d(self.states[k][pick], self._draft_context(k, d, pick))
+                                      for k, d in self.drafts.items()])
                 loss = loss + len(self.drafts) * head_kl(self._logits(drafts, self.draft_head or candidates),
                                                          draft_teacher)
             loss = loss / (len(self.translators) + len(self.drafts))  # the mean of every head's KL
@@ -181,6 +185,28 @@ class _Trainer:
         self.procs.mean_grads(params)
         self.head_optim.step()
         self.last_kl = float(loss.detach())
+
+    def _draft_context(self, k: int, draft, pick: torch.Tensor) -> torch.Tensor:
+        """The context draft head `k` learns from at the rows `pick` [M, H]: the full model's final normed state at
+        the position before, or, for a `training_time_test` share of the rows whose position before is buffered, what
+        a chain's later drafts read there instead: the head's own normed state at that position (its draft from
+        the verified context; held-out scoring's "chain" drafts)."""
+        context = self.context[pick]
+        share = self.opts.training_time_test
+        if not share:
+            return context
+        before = (pick - 1) % self.size
+        own = ~self.first[pick] & (torch.rand(pick.shape, generator=self.generator) < share).to(pick.device)
+        if not own.any():
+            return context
+        with torch.no_grad():
+            rows = before[own]
+            drafted = self.parts.final_norm(draft(self.states[k][rows], self.context[rows]).to(self._norm_dtype))
+        return context.index_put((own.nonzero().squeeze(-1),), drafted.float())
+
+    @property
+    def _norm_dtype(self):
+        return self.parts.norm.weight.dtype if hasattr(self.parts.norm, "weight") else torch.float32
 
     def _head_params(self) -> list:
         return [p for head in [*self.translators.values(), *self.drafts.values()] for p in head.parameters()]
