@@ -44,8 +44,9 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
     In one process, a round stops decoding once it has seen more disagreements than the whole round may have (it
     fails then, whatever the rest would give): on SmolLM2-135M-Instruct at a 0.9 target, whose decoded exits
     agreed on 0.906, its four rounds decoded 2,485 tokens instead of 4,096 (at the default 0.99, 1,024 tokens may
-    hold 4 disagreements); the next budget is then estimated from the disagreements projected to the round's tokens. (Processes decode their whole shares,
-    so that the counts, and the budgets chosen from them, are the ones one process decoding everything finds.)
+    hold 4 disagreements); the next budget is then estimated from the disagreements projected to the round's
+    tokens. (Processes decode their whole shares, so that the counts, and the budgets chosen from them, are the
+    ones one process decoding everything finds.)
     Returns (selection, dropped, {agreement, tokens, lower_bound, exit_error_budget, mean_layers, tokens_per_rank:
     the tokens each process decoded in all rounds, stopped_early where the last round stopped early})."""
     held = tide.heldout_selection
