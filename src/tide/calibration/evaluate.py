@@ -45,19 +45,20 @@ def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix
     config = model.config.resolve_generation(tide_config)
     session = ExitSession(model, config)
     agree = total = 0
+    limit = math.inf if stop_after_errors is None else stop_after_errors  # disagreements allowed before stopping
     nll_tide = nll_base = 0.0
     device = model.base.device
     for ids in token_lists:
         if len(ids) <= prefix + 1:
             continue
-        if stop_after_errors is not None and total - agree > stop_after_errors:
+        if total - agree > limit:
             break
         ids_t = torch.tensor([ids], device=device)
         full = session.original_forward(input_ids=ids_t, use_cache=False).logits[0].float()  # [T, V]
         cache = DynamicCache(config=model.base.config)
         session.forward(input_ids=ids_t[:, :prefix], past_key_values=cache, use_cache=True)
         for t in range(prefix, len(ids) - 1):
-            if stop_after_errors is not None and total - agree > stop_after_errors:
+            if total - agree > limit:
                 break
             logits = session.forward(input_ids=ids_t[:, t : t + 1], past_key_values=cache, use_cache=True).logits
             logits = logits[0, -1].float()
@@ -73,7 +74,7 @@ def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix
         ppl_tide=math.exp(nll_tide / max(total, 1)),
         ppl_base=math.exp(nll_base / max(total, 1)),
         mean_layers=stats.mean_layers,
-        stopped=stop_after_errors is not None and total - agree > stop_after_errors,
+        stopped=total - agree > limit,
     )
 
 

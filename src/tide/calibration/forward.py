@@ -21,6 +21,7 @@ from ..config import TideConfig
 from ..layers.calls import capture_outputs
 from ..modeling import TideForCausalLM
 from .headloss import TEACHER_TOP
+from .measure import seconds_of
 
 __all__ = ["Capture", "capture", "exit_labels", "label_of", "head_top", "head_chunk", "WeightsIn", "stream_dtype"]
 
@@ -101,8 +102,6 @@ def stream_dtype(tide: TideForCausalLM, requested: str | None) -> str | None:
 
 def _bf16_gain(hidden: int, device) -> float:
     """float32 seconds over bfloat16 seconds of an MLP-sized product over a batch of rows, the best of a few each."""
-    from .measure import seconds_of
-
     rows = torch.randn(1024, hidden, device=device)
     weight = torch.randn(4 * hidden, hidden, device=device)
 

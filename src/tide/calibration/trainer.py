@@ -31,10 +31,10 @@ def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.
     rows, tokens = stream_size(train_texts, ctx.tokenizer, opts.max_length)
     local_batches = math.ceil(rows / opts.batch_size)
     num_batches = procs.max_int(local_batches)  # every process takes the same steps, in step
+    feature_dtype = procs.on_main(lambda: stream_dtype(tide, opts.feature_dtype))  # one choice for all
     trainer = _Trainer(tide, opts, num_batches=num_batches, procs=procs,
-                       train_tokens=procs.max_int(tokens) * procs.world)
-    trainer.feature_dtype = procs.on_main(lambda: stream_dtype(tide, opts.feature_dtype))  # one choice for all
-    reading = WeightsIn(tide.base, trainer.feature_dtype)  # the base forward's dtype (the heads train in float32)
+                       train_tokens=procs.max_int(tokens) * procs.world, feature_dtype=feature_dtype)
+    reading = WeightsIn(tide.base, feature_dtype)  # the base forward's dtype (the heads train in float32)
     for batch in phases.counted("data", batches(train_texts, ctx.tokenizer, opts, tide.base.device)):
         with phases("training"):
             with reading():
@@ -74,7 +74,7 @@ class _Trainer:
     """
 
     def __init__(self, tide: TideForCausalLM, opts: CalibrationOptions, num_batches: int,
-                 procs: Processes | None = None, train_tokens: int = 0):
+                 procs: Processes | None = None, train_tokens: int = 0, feature_dtype: str | None = None):
         self.tide, self.opts, self.parts = tide, opts, tide.parts
         self.procs = procs or Processes()
         self.layers = list(tide.checkpoints)
@@ -109,7 +109,7 @@ class _Trainer:
         self.head_steps_left = steps if params else 0
         self.generator = torch.Generator(device="cpu").manual_seed(opts.seed)
         self.last_kl = float("nan")
-        self.feature_dtype = None  # the dtype the stream's forward ran in (None: the model's own; `train` sets it)
+        self.feature_dtype = feature_dtype  # the dtype the stream's forward runs in (None: the model's own)
 
     def add(self, cap: Capture | None) -> None:
         """Buffer a batch's states (None: no batch left on this process, but take the steps the others take)."""
