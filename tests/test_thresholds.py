@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from tide.calibration.thresholds import auc, binomial_upper_bound, calibrate_cascade, select_threshold
@@ -140,6 +141,24 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
     assert "through the decode step" in dropped[1]
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2"])
+def test_teacher_forced_texts_side_by_side_equal_one_at_a_time(family):
+    """Texts of different lengths decoded as one batch (each leaving it at its end) give the counts, layers and
+    perplexities of decoding them one at a time, with exits at every threshold kind."""
+    import tide
+    from tide.calibration.evaluate import teacher_forced
+    from tiny_models import prompt_ids, tiny_model
+
+    model = tide.TideForCausalLM.from_base(tiny_model(family), tide.TideConfig(checkpoint_interval=2))
+    texts = [prompt_ids(n, seed=s)[0].tolist() for s, n in enumerate([40, 12, 33, 40, 7, 25])]
+    for threshold in (0.0, 0.5, 1.0):
+        run = {"mode": "exit", "thresholds": {str(k): threshold for k in model.checkpoints}}
+        together, alone = teacher_forced(model, texts, run), teacher_forced(model, texts, run, rows=1)
+        assert together.tokens == alone.tokens == sum(len(t) - 2 for t in texts)
+        assert together.agreement == alone.agreement and together.mean_layers == alone.mean_layers
+        assert together.ppl_tide == pytest.approx(alone.ppl_tide) and together.ppl_base == pytest.approx(alone.ppl_base)
+
+
 def test_a_decode_check_round_stops_once_it_cannot_pass():
     """Exits that always leave at a shallow layer of a random model disagree often: a round stops decoding at the
     disagreement that makes the target unreachable for the whole round, and its record says so; unstopped, the same
@@ -160,7 +179,10 @@ def test_a_decode_check_round_stops_once_it_cannot_pass():
     assert whole.tokens == 4 * 38 and not whole.stopped and whole.agreement < 0.9
     stopped = teacher_forced(model, texts, every, stop_after_errors=3)
     assert stopped.stopped and stopped.tokens < whole.tokens
-    assert round(stopped.tokens * (1 - stopped.agreement)) == 4  # the disagreement past the three allowed
+    # the step with the disagreement past the three allowed is the last (its 4 rows decode together)
+    assert 4 <= round(stopped.tokens * (1 - stopped.agreement)) <= 3 + len(texts)
+    one_by_one = teacher_forced(model, texts, every, stop_after_errors=3, rows=1)
+    assert round(one_by_one.tokens * (1 - one_by_one.agreement)) == 4
 
     class Held:
         confidence = 0.95

@@ -37,45 +37,78 @@ class QualityReport:
         return self.ppl_tide - self.ppl_base
 
 
+# Texts decoded side by side in `teacher_forced`: on SmolLM2-135M (2 threads, exit mode) a step of 4 rows cost 17.9 ms
+# a token and one of 8 rows 9.4 ms, against 39.7 ms for one row
+BATCH_ROWS = 8
+
+
 @torch.no_grad()
 def teacher_forced(model, token_lists: list[list[int]], tide_config=None, prefix: int = 1,
-                   stop_after_errors: int | None = None) -> QualityReport:
-    """Per-token agreement and perplexity of Tide's decode step against the full model. `stop_after_errors`: stop
-    as soon as more tokens than that disagreed (the report then covers the tokens decoded, and says `stopped`)."""
+                   stop_after_errors: int | None = None, rows: int = BATCH_ROWS) -> QualityReport:
+    """Per-token agreement and perplexity of Tide's decode step against the full model. Up to `rows` texts decode
+    side by side, longest first; a text that ends leaves the batch (its rows of the cache go), so every step decodes
+    real tokens only, each row exiting on its own as in a batched `generate` (with `kv_strategy="recompute"`, one
+    text at a time). `stop_after_errors`: stop as soon as more tokens than that disagreed (the report then covers the
+    tokens decoded, and says `stopped`)."""
     config = model.config.resolve_generation(tide_config)
     session = ExitSession(model, config)
-    agree = total = 0
     limit = math.inf if stop_after_errors is None else stop_after_errors  # disagreements allowed before stopping
-    nll_tide = nll_base = 0.0
-    device = model.base.device
-    for ids in token_lists:
-        if len(ids) <= prefix + 1:
-            continue
-        if total - agree > limit:
+    rows = 1 if config.kv_strategy == "recompute" else max(1, rows)
+    texts = sorted((ids for ids in token_lists if len(ids) > prefix + 1), key=len, reverse=True)
+    tally = _Tally()
+    for first in range(0, len(texts), rows):
+        if tally.errors > limit:
             break
-        ids_t = torch.tensor([ids], device=device)
-        full = session.original_forward(input_ids=ids_t, use_cache=False).logits[0].float()  # [T, V]
-        cache = DynamicCache(config=model.base.config)
-        session.forward(input_ids=ids_t[:, :prefix], past_key_values=cache, use_cache=True)
-        for t in range(prefix, len(ids) - 1):
-            if total - agree > limit:
-                break
-            logits = session.forward(input_ids=ids_t[:, t : t + 1], past_key_values=cache, use_cache=True).logits
-            logits = logits[0, -1].float()
-            agree += int(logits.argmax() == full[t].argmax())
-            target = ids_t[0, t + 1]
-            nll_tide += float(F.cross_entropy(logits[None], target[None]))
-            nll_base += float(F.cross_entropy(full[t][None], target[None]))
-            total += 1
-    stats = session.stats
+        _decode_together(session, texts[first : first + rows], prefix, limit, tally)
     return QualityReport(
-        tokens=total,
-        agreement=agree / max(total, 1),
-        ppl_tide=math.exp(nll_tide / max(total, 1)),
-        ppl_base=math.exp(nll_base / max(total, 1)),
-        mean_layers=stats.mean_layers,
-        stopped=total - agree > limit,
+        tokens=tally.tokens,
+        agreement=tally.agree / max(tally.tokens, 1),
+        ppl_tide=math.exp(tally.nll_tide / max(tally.tokens, 1)),
+        ppl_base=math.exp(tally.nll_base / max(tally.tokens, 1)),
+        mean_layers=session.stats.mean_layers,
+        stopped=tally.errors > limit,
     )
+
+
+@dataclass
+class _Tally:
+    tokens: int = 0
+    agree: int = 0
+    nll_tide: float = 0.0
+    nll_base: float = 0.0
+
+    @property
+    def errors(self) -> int:
+        return self.tokens - self.agree
+
+
+def _decode_together(session: ExitSession, texts: list[list[int]], prefix: int, limit: float, tally: _Tally) -> None:
+    """Teacher-force `texts` (longest first) through the session's decode step as one batch, into `tally`."""
+    device = session.model.base.device
+    lengths = [len(ids) for ids in texts]
+    ids = torch.tensor([t + [t[-1]] * (lengths[0] - len(t)) for t in texts], device=device)  # [B, T], right-padded
+    full_top1, base_nll = ids.clone(), torch.zeros(ids.shape, device=device)  # the full model's, per position
+    for row, length in enumerate(lengths):  # a text at a time: [T, V] logits, not [B, T, V]
+        full = session.original_forward(input_ids=ids[row : row + 1, :length], use_cache=False).logits[0].float()
+        full_top1[row, :length] = full.argmax(-1)
+        base_nll[row, : length - 1] = F.cross_entropy(full[:-1], ids[row, 1:length], reduction="none")
+    cache = DynamicCache(config=session.model.base.config)
+    session.forward(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True)
+    live = len(texts)
+    for t in range(prefix, lengths[0] - 1):
+        ending = sum(length - 1 <= t for length in lengths[:live])  # texts with no next token at t
+        if ending:
+            live -= ending
+            cache.batch_select_indices(torch.arange(live, device=device))
+        logits = session.forward(input_ids=ids[:live, t : t + 1], past_key_values=cache,
+                                 use_cache=True).logits[:, -1].float()  # [live, V]
+        target = ids[:live, t + 1]
+        tally.tokens += live
+        tally.agree += int((logits.argmax(-1) == full_top1[:live, t]).sum())
+        tally.nll_tide += float(F.cross_entropy(logits, target, reduction="sum"))
+        tally.nll_base += float(base_nll[:live, t].sum())
+        if tally.errors > limit:
+            return
 
 
 @torch.no_grad()
