@@ -87,6 +87,7 @@ def test_lossless_with_inputs_embeds_is_a_clear_error_before_generation():
     (dict(batch_size=0), "batch_size"),
     (dict(num_samples=-1), "num_samples"),
     (dict(heldout_fraction=1.5), "heldout_fraction"),
+    (dict(heldout_tokens=0), "heldout_tokens"),
     (dict(passes=-1), "passes"),
     (dict(head_lr=0.0), "head_lr"),
     (dict(batch_sise=4), "batch_sise"),

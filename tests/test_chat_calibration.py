@@ -3,6 +3,7 @@ template, trained on the answers only, teacher-forced; a ShareGPT file read reco
 the token budget."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -170,6 +171,13 @@ def test_the_budget_caps_training_and_held_out_conversations_in_proportion():
     assert len(texts.train_texts) < 10 and len(texts.held_texts) < 10  # 10 of each without the budget
     assert stream_size(texts.train_texts[:-1], tok, 48)[1] < 40 <= stream_size(texts.train_texts, tok, 48)[1]
     assert [t.prompt for t in texts.held_texts] == texts.timing_texts
+    # `heldout_tokens` cuts the held-out texts further, and leaves the training texts as they were
+    opts = CalibrationOptions(max_length=48, train_tokens=160, heldout_fraction=0.5, progress=False)
+    proportional = read_texts(Context.start(model, tok, opts), _records(20))
+    capped = read_texts(Context.start(model, tok, replace(opts, heldout_tokens=10)), _records(20))
+    assert capped.train_texts == proportional.train_texts
+    assert len(capped.held_texts) < len(proportional.held_texts)
+    assert stream_size(capped.held_texts[:-1], tok, 48)[1] < 10 <= stream_size(capped.held_texts, tok, 48)[1]
 
 
 def test_features_read_in_bfloat16_train_float32_heads_and_leave_the_model_as_it_was():

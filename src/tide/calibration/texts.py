@@ -4,6 +4,7 @@ the training and held-out streams read (`batches`)."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -60,13 +61,15 @@ def read_texts(ctx: Context, dataset, prompts=None, **load) -> Texts:
 
 
 def _budgeted(ctx: Context, train: list[str], held: list[str]) -> tuple[list[str], list[str]]:
-    """The dataset's training and held-out texts within `train_tokens` (the held-out ones in proportion)."""
+    """The dataset's training and held-out texts within `train_tokens` (the held-out ones in proportion, and within
+    `heldout_tokens`)."""
     opts, budget = ctx.opts, ctx.opts.train_budget
     if budget is None:
         return train, held
     share = opts.heldout_fraction / (1.0 - opts.heldout_fraction)
+    held_budget = min(max(1, round(budget * share)), opts.heldout_tokens or math.inf)
     return (within_budget(train, ctx.tokenizer, opts.max_length, budget),
-            within_budget(held, ctx.tokenizer, opts.max_length, max(1, round(budget * share))))
+            within_budget(held, ctx.tokenizer, opts.max_length, held_budget))
 
 
 def _answers(ctx: Context, prompts) -> tuple[list[str], list[str], list[str]]:
