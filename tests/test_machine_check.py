@@ -234,6 +234,19 @@ def test_the_trials_record_the_positions_a_cycle_verified(scheme, widest):
     assert 0.0 <= timing["accepted_per_cycle"] <= timing["verified_per_cycle"] - 1
 
 
+@pytest.mark.real_timing
+def test_ngram_drafts_timed_record_their_own_cycle_counts():
+    """A chain timed with n-gram drafts (`trials.time_ngram`) records what its own cycles accepted and verified, which
+    the chosen scheme then carries where the n-gram drafts are kept."""
+    from tide.calibration import trials
+
+    model = llama_repo(thresholds=False)
+    scheme = {"draft_layer": 1, "max_draft": 2, "draft_topk": 1, "draft_vocab_size": 0, "measured": 0.0}
+    timing = trials.time_ngram(model, [short_ids()], scheme)
+    assert 1.0 < timing["verified_per_cycle"] <= 3
+    assert 0.0 <= timing["accepted_per_cycle"] <= timing["verified_per_cycle"] - 1
+
+
 @pytest.mark.parametrize("timed, here, mode", [(1.30, 1.6, "lossless"), (0.98, 1.3, "base")])
 def test_another_machine_scales_the_calibration_timing_by_its_cycle_steps(measured, timed, here, mode):
     """Where the record holds the scheme's timing and what a cycle cost there in base steps (`cycle_steps`), a call

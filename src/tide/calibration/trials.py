@@ -278,6 +278,8 @@ def choose_draft(tide, tokenizer, texts, candidates, left=None, procs=None, ngra
             chosen["draft_ngram"] = NGRAM if ngram and ngram["active"] else 0
             if ngram and ngram["active"]:
                 chosen["max_draft"] = ngram.get("max_draft", chosen["max_draft"])  # a tree's branches' depth
+                # what a cycle accepted and verified with the n-gram drafts kept (the pay check weighs these)
+                chosen.update({k: v for k, v in ngram.items() if k in ("accepted_per_cycle", "verified_per_cycle")})
             return {**selection, "ngram": ngram, **({"ngram_cut": True} if ngram is None else {})}
     selection = {"trials": trials, "chosen": None, **({"cut": cut} if cut else {}), **_shares(timed_by)}
     if trials and room.fits(2):  # no head scheme pays: n-gram drafts alone, plain steps elsewhere
@@ -356,12 +358,13 @@ def time_ngram(tide, prompts, chosen: dict, depth: int | None = None, first: flo
     cycle costs microseconds, so on text that does not repeat they time as the scheme does, and on text that
     repeats (code, lists, quoted passages) they draft for free. A chain's continuations are up to its length; a
     tree's are a branch of the tree up to `depth` tokens deep (default `NGRAM_DEPTH`; its `max_draft`, recorded
-    here as "max_draft"). `first`: a timing of that configuration already made (`kept`)."""
+    here as "max_draft"). `first`: a timing of that configuration already made (`kept`). The timing holds the drafts
+    a cycle accepted and the positions it verified in the runs made here (`kept(accepted=True)`)."""
     config = {**lossless_config(chosen), "draft_ngram": NGRAM}
     tree = chosen.get("draft_topk", 1) > 1
     if tree:
         config["max_draft"] = depth or NGRAM_DEPTH
-    timing = kept(tide, prompts, config, first=first, bar=chosen["measured"] / KEEP_SPEEDUP)
+    timing = kept(tide, prompts, config, first=first, bar=chosen["measured"] / KEEP_SPEEDUP, accepted=True)
     return {"draft_ngram": NGRAM, **({"max_draft": config["max_draft"]} if tree else {}), **timing}
 
 
