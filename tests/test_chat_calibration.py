@@ -180,9 +180,18 @@ def test_the_budget_caps_training_and_held_out_conversations_in_proportion():
     assert stream_size(capped.held_texts[:-1], tok, 48)[1] < 10 <= stream_size(capped.held_texts, tok, 48)[1]
 
 
-def test_features_read_in_bfloat16_train_float32_heads_and_leave_the_model_as_it_was():
+def test_features_read_in_bfloat16_train_float32_heads_and_leave_the_model_as_it_was(monkeypatch):
+    from tide.calibration import trainer
     from tide.calibration.forward import WeightsIn
 
+    losses = []  # (autocast on, its dtype, the logits' dtype) at each head loss
+
+    def head_kl(student, teacher):
+        losses.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), student.dtype))
+        return trainer_kl(student, teacher)
+
+    trainer_kl = trainer.head_kl
+    monkeypatch.setattr(trainer, "head_kl", head_kl)
     torch.manual_seed(0)
     tok = _tok()
     base = tiny_model("llama")
@@ -201,6 +210,13 @@ def test_features_read_in_bfloat16_train_float32_heads_and_leave_the_model_as_it
         assert p.data_ptr() == own[name] and p.dtype == torch.float32 and torch.equal(p.data, before[name])
     assert all(p.dtype == torch.float32 for p in model.routers.parameters())
     assert model.config.calibration["train_tokens"] > 0 and model.config.calibration["feature_dtype"] == "bfloat16"
+    # the heads' products in bfloat16 under autocast, their KL in float32
+    assert losses and all(on and dtype == torch.bfloat16 and logits == torch.float32 for on, dtype, logits in losses)
+    losses.clear()  # a float32 stream: float32 products
+    tide.calibrate(tiny_model("llama"), tok, dataset=_records(12), config=tide.TideConfig(checkpoint_interval=2),
+                   max_length=48, head_steps=2, passes=1, validation_tokens=0, draft_trials=0, measure_costs=False,
+                   progress=False, feature_dtype=None)
+    assert losses and not any(on for on, _, _ in losses)
     # a float32 model asked for float32 features swaps nothing
     assert WeightsIn(base, "float32")._swaps == [] and WeightsIn(base, None)._swaps == []
     with pytest.raises(ValueError, match="feature_dtype"):

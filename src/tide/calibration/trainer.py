@@ -166,7 +166,10 @@ class _Trainer:
         with torch.no_grad():
             teacher = self._logits(final, candidates)  # [M, V] or [M, C]
             draft_teacher = teacher if self.draft_head is None else self._logits(final, self.draft_head)
-        with torch.enable_grad():
+        # where the stream reads in bfloat16 (a device whose bfloat16 products are fast), the heads' products run in
+        # bfloat16 too, under autocast: their weights, gradients and Adam stay float32, the KL is taken in float32
+        with torch.enable_grad(), torch.autocast(self.final.device.type, dtype=torch.bfloat16,
+                                                 enabled=self.feature_dtype == "bfloat16"):
             # each kind of head's states stacked [heads, M, H]: one product with the head's rows for all of them
             loss = 0.0
             if self.translators:
