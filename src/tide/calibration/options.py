@@ -31,7 +31,8 @@ class CalibrationOptions:
     minibatch: int = 256
     # the dtype of the base model's forward passes over the training stream: "bfloat16" or "float16" run them on a
     # half-precision copy of the weights (kept for the training pass; on a CPU with bfloat16 matrix instructions it
-    # read SmolLM2-135M's text 2.4x faster than float32), while the heads and routers still train in float32 and
+    # read SmolLM2-135M's text 2.4x faster than float32; with bfloat16 the heads' steps take their products in it too,
+    # under autocast), while the heads and routers keep float32 weights and optimizer state, and
     # held-out scoring, costs and trials run the model as given; None: the model's own dtype; "auto": bfloat16 where
     # the model is float32, of hidden size 512 or more, and its matrix products time at least 1.5x faster in
     # bfloat16 here (`forward.stream_dtype`), else the model's own
