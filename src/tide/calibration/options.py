@@ -23,8 +23,8 @@ class CalibrationOptions:
     heldout_fraction: float = 0.2
     # with a training budget (`train_tokens`), the held-out texts' positions are cut in proportion to it, and to at
     # most this many (None: in proportion alone). Scoring them cost SmolLM2-135M as much a token as training did, and
-    # 16,384 still bound a checkpoint's agreement to about +-0.002 where it exits on a third of them, while the check
-    # through the decode step that decides the target reads 1,024
+    # at 16,384 a checkpoint where a third of them exit and 0.995 agree bounds that agreement to within 0.002 (95%),
+    # while the check through the decode step that decides the target reads 1,024
     heldout_tokens: int | None = 16384
     # training tokens kept for minibatches, over all processes (None: up to 32768 within ~1 GiB)
     buffer_size: int | None = None
