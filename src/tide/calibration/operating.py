@@ -20,7 +20,7 @@ from .phases import Context, PhaseTimes, TrialBudget
 from .texts import Texts
 from .thresholds import calibrate_cascade, kept_nothing_message
 from .trials import time_exit, timing_batch, timing_prompts
-from .validation import SAVES_TOO_LITTLE, validate, validation_tokens
+from .validation import SavesTooLittle, validate, validation_tokens
 
 __all__ = ["operating_point", "OperatingPoint", "thresholds_for_target", "Measured", "cost_measurement",
            "choose_thresholds"]
@@ -64,7 +64,7 @@ def choose_thresholds(ctx: Context, held: Heldout, measured: Measured, heldout_t
                                                measured.validation_tokens, measured.prompts, measured.batch)
     point = operating_point(tide, cfg.target_agreement, ctx.procs, ctx.phases, ctx.budget)
     cfg.thresholds = point.thresholds
-    saving = [why for why in point.dropped.values() if why.startswith(SAVES_TOO_LITTLE)]
+    saving = [why for why in point.dropped.values() if isinstance(why, SavesTooLittle)]
     if saving:  # exits that pay too little: not checked further, nor timed
         warnings.warn(f"Calibration kept no exits: {saving[0]}; exit mode runs the base model.", stacklevel=3)
     elif point.selection.exit_error_budget == 0.0:  # no threshold held the bound on these held-out tokens

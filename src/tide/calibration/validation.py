@@ -10,7 +10,7 @@ from .options import CalibrationOptions
 from .thresholds import EXIT_ERROR_BUDGETS, allowed_errors, binomial_upper_bound, next_budget
 from .trials import KEEP_SPEEDUP
 
-__all__ = ["validate", "validation_tokens", "MAX_VALIDATION_ROUNDS", "SAVES_TOO_LITTLE"]
+__all__ = ["validate", "validation_tokens", "MAX_VALIDATION_ROUNDS", "SavesTooLittle"]
 
 
 # Rounds of the check through the decode step: each decodes every validation token again (on a 30-layer model,
@@ -18,8 +18,9 @@ __all__ = ["validate", "validation_tokens", "MAX_VALIDATION_ROUNDS", "SAVES_TOO_
 # target still fails after these, nothing exits.
 MAX_VALIDATION_ROUNDS = 4
 
-# How a checkpoint dropped because its exits would save too little to be kept says so (`dropped`'s reason).
-SAVES_TOO_LITTLE = "the exits would save"
+class SavesTooLittle(str):
+    """A dropped checkpoint's reason (`dropped`'s value) where its exits would save too little to be kept: what
+    calibration's warning tells apart from exits that missed the agreement target."""
 
 
 def validation_tokens(texts, tokenizer, opts: CalibrationOptions) -> list[list[int]]:
@@ -95,7 +96,8 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
 
 def _saving_too_little(held, selection, dropped: dict, target: float, speedup: float, where: str):
     """No exits, each checkpoint the selection consulted dropped with why: its exits save too little."""
-    why = f"{SAVES_TOO_LITTLE} x{speedup:.3f} of layer work {where}, below the x{KEEP_SPEEDUP} a timing keeps"
+    why = SavesTooLittle(f"the exits would save x{speedup:.3f} of layer work {where}, below the x{KEEP_SPEEDUP} a "
+                         f"timing keeps")
     consulted = {row.layer: why for row in selection.checkpoints if row.threshold < 1.0}
     selection, _ = held.select(target, max_budget=0.0)
     return selection, {**dropped, **consulted}
