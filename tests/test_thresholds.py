@@ -97,11 +97,8 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
         confidence = 0.95
         speedup = decoded = None  # (no costs measured)
 
-        def expected_speedup(self, selection):
-            return self.speedup
-
-        def decoded_speedup(self, selection, mean_layers):
-            return self.decoded
+        def step_speedup(self, selection, mean_layers=None):
+            return self.speedup if mean_layers is None else self.decoded
 
         def thresholds(self, selection, checkpoints):
             return {"1": 0.5 if selection.exit_error_budget else 1.0}
@@ -139,6 +136,33 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
     selection, dropped, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
     assert len(decoded) == 1 and result["tokens"] == 1000 and selection.exit_error_budget == 0.0
     assert isinstance(dropped[1], validation.SavesTooLittle) and "through the decode step" in dropped[1]
+    # a round that holds the target, of exits that would still save too little, is not timed either
+    monkeypatch.setattr(validation, "teacher_forced", lambda model, token_lists, config, stop_after_errors=None:
+                        decoded.append(config.thresholds) or SimpleNamespace(agreement=1.0, tokens=1000,
+                                                                             mean_layers=1.0, stopped=False))
+    for speedup, exits in ((KEEP_SPEEDUP - 0.01, False), (KEEP_SPEEDUP + 0.01, True)):
+        decoded.clear()
+        model.heldout_selection.decoded = speedup
+        selection, dropped, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
+        assert len(decoded) == 1 and result["agreement"] == 1.0 and (selection.exit_error_budget > 0.0) == exits
+        assert isinstance(dropped.get(1), validation.SavesTooLittle) != exits
+
+
+def test_a_decode_steps_speedup_counts_what_every_step_pays():
+    """`step_speedup`: the exits' layer work beside the head, the capture and `generate`'s own work, which a step
+    pays whether or not a token exits; decoded, each token also pays its skipped layers' K/V and the checkpoints
+    consulted."""
+    from types import SimpleNamespace
+
+    from tide.calibration.operating import _HeldoutSelection
+
+    costs = SimpleNamespace(head=6.0, capture=0.5, step_extra=1.5, skipped_layer=0.1, checkpoint=0.2)
+    held = _HeldoutSelection([1], {}, {}, {}, 100, 30, 0.95, costs)
+    selection = SimpleNamespace(checkpoints=[SimpleNamespace(layer=11, threshold=0.9),
+                                             SimpleNamespace(layer=23, threshold=1.0)])
+    cost = 27.0 + 3 * 0.1 + 1 * 0.2  # one consulted checkpoint
+    assert held.step_speedup(selection, mean_layers=27.0) == pytest.approx((30 + 8.0) / (cost + 8.0))
+    assert _HeldoutSelection([1], {}, {}, {}, 100, 30, 0.95, None).step_speedup(selection, 27.0) is None
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2"])
@@ -188,10 +212,7 @@ def test_a_decode_check_round_stops_once_it_cannot_pass():
         confidence = 0.95
         decoded_per_rank = None
 
-        def expected_speedup(self, selection):
-            return None
-
-        def decoded_speedup(self, selection, mean_layers):
+        def step_speedup(self, selection, mean_layers=None):
             return None
 
         def thresholds(self, selection, checkpoints):

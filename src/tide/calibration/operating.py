@@ -110,16 +110,22 @@ class _HeldoutSelection:
         return self.num_layers / layer_cost_of_cascade(selection.checkpoints, self.num_tokens, self.num_layers,
                                                        self.costs)
 
-    def decoded_speedup(self, selection, mean_layers: float) -> float | None:
-        """The speed-up in layer work of exits that ran `mean_layers` layers a token through the decode step: every
-        token pays for consulting each of the selection's active checkpoints and the skipped layers' K/V (None: no
-        costs)."""
+    def step_speedup(self, selection, mean_layers: float | None = None) -> float | None:
+        """The selection's speed-up of a whole decode step, by the measured costs: its exits' layer work on the
+        held-out scores (with `mean_layers`, of exits that ran that many layers a token through the decode step,
+        every token paying for consulting the active checkpoints and the skipped layers' K/V), beside what every
+        step pays whether or not a token exits (the head, the capture, `generate`'s own work). What a timing's
+        keep margin compares (None: no costs)."""
         if self.costs is None:
             return None
-        consulted = sum(row.threshold < 1.0 for row in selection.checkpoints)
-        cost = (mean_layers + (self.num_layers - mean_layers) * self.costs.skipped_layer
-                + consulted * self.costs.checkpoint)
-        return self.num_layers / cost
+        if mean_layers is None:
+            cost = layer_cost_of_cascade(selection.checkpoints, self.num_tokens, self.num_layers, self.costs)
+        else:
+            consulted = sum(row.threshold < 1.0 for row in selection.checkpoints)
+            cost = (mean_layers + (self.num_layers - mean_layers) * self.costs.skipped_layer
+                    + consulted * self.costs.checkpoint)
+        fixed = self.costs.head + self.costs.capture + self.costs.step_extra
+        return (self.num_layers + fixed) / (cost + fixed)
 
     @staticmethod
     def thresholds(selection, checkpoints) -> dict[str, float]:

@@ -48,6 +48,9 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
     hold 4 disagreements); the next budget is then estimated from the disagreements projected to the round's
     tokens. (Processes decode their whole shares, so that the counts, and the budgets chosen from them, are the
     ones one process decoding everything finds.)
+    Exits that would speed a whole decode step less than a timing's keep margin (`step_speedup`: before a round
+    by the held-out scores, after one by the layers it decoded, whether or not it held the target) are dropped with
+    a `SavesTooLittle` reason, and not timed.
     Returns (selection, dropped, {agreement, tokens, lower_bound, exit_error_budget, mean_layers, tokens_per_rank:
     the tokens each process decoded in all rounds, stopped_early where the last round stopped early})."""
     held = tide.heldout_selection
@@ -57,7 +60,7 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
     stop = allowed if procs.world == 1 else None
     result = None
     for round_ in range(MAX_VALIDATION_ROUNDS):
-        expected = held.expected_speedup(selection)
+        expected = held.step_speedup(selection)
         if expected is not None and expected < KEEP_SPEEDUP and selection.exit_error_budget > 0.0:
             # exits that would save less than the timing's keep margin even at their layer count: the timing after
             # the check would turn them off, so they are neither checked nor timed
@@ -80,13 +83,14 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
         result = {"agreement": agreeing / max(tokens, 1), "tokens": tokens, "lower_bound": bound,
                   "exit_error_budget": selection.exit_error_budget, "mean_layers": layers / max(tokens, 1),
                   "tokens_per_rank": held.decoded_per_rank, **({"stopped_early": True} if stopped else {})}
+        decoded_speedup = held.step_speedup(selection, result["mean_layers"])
+        if decoded_speedup is not None and decoded_speedup < KEEP_SPEEDUP:
+            # held or not, the timing would turn them off (and a smaller budget exits less): not timed
+            return (*_saving_too_little(held, selection, dropped, target, decoded_speedup, "through the decode step"),
+                    result)
         if bound >= target:
             return selection, dropped, result
         smaller = [b for b in EXIT_ERROR_BUDGETS if b < selection.exit_error_budget]
-        decoded_speedup = held.decoded_speedup(selection, result["mean_layers"])
-        if decoded_speedup is not None and decoded_speedup < KEEP_SPEEDUP:  # (a smaller budget exits less)
-            return (*_saving_too_little(held, selection, dropped, target, decoded_speedup, "through the decode step"),
-                    result)
         if not smaller or round_ == MAX_VALIDATION_ROUNDS - 1:  # no budget left to try, or no round: no exits
             selection, dropped = held.select(target, max_budget=0.0)
             return selection, dropped, result
@@ -96,7 +100,7 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
 
 def _saving_too_little(held, selection, dropped: dict, target: float, speedup: float, where: str):
     """No exits, each checkpoint the selection consulted dropped with why: its exits save too little."""
-    why = SavesTooLittle(f"the exits would save x{speedup:.3f} of layer work {where}, below the x{KEEP_SPEEDUP} a "
+    why = SavesTooLittle(f"the exits would speed a decode step x{speedup:.3f} {where}, below the x{KEEP_SPEEDUP} a "
                          f"timing keeps")
     consulted = {row.layer: why for row in selection.checkpoints if row.threshold < 1.0}
     selection, _ = held.select(target, max_budget=0.0)
