@@ -129,13 +129,13 @@ def test_the_decode_check_stops_after_its_rounds_and_then_exits_nothing(monkeypa
     model.heldout_selection.speedup = KEEP_SPEEDUP - 0.01
     selection, dropped, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
     assert decoded == [] and result is None and selection.exit_error_budget == 0.0
-    assert isinstance(dropped[1], validation.SavesTooLittle) and "held-out" in dropped[1]
+    assert isinstance(dropped[1], validation.SavesTooLittle) and "by the held-out scores" in dropped[1]
     # nor decoded again once a round's exits saved too little through the decode step (a lower budget exits less)
     decoded.clear()
     model.heldout_selection.speedup, model.heldout_selection.decoded = None, KEEP_SPEEDUP - 0.01
     selection, dropped, result = validation.validate(model, [list(range(1002))], start, {}, 0.99, Processes())
     assert len(decoded) == 1 and result["tokens"] == 1000 and selection.exit_error_budget == 0.0
-    assert isinstance(dropped[1], validation.SavesTooLittle) and "through the decode step" in dropped[1]
+    assert isinstance(dropped[1], validation.SavesTooLittle) and "by the tokens decoded" in dropped[1]
     # a round that holds the target, of exits that would still save too little, is not timed either
     monkeypatch.setattr(validation, "teacher_forced", lambda model, token_lists, config, stop_after_errors=None:
                         decoded.append(config.thresholds) or SimpleNamespace(agreement=1.0, tokens=1000,

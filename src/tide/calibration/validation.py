@@ -64,7 +64,7 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
         if expected is not None and expected < KEEP_SPEEDUP and selection.exit_error_budget > 0.0:
             # exits that would save less than the timing's keep margin even at their layer count: the timing after
             # the check would turn them off, so they are neither checked nor timed
-            return (*_saving_too_little(held, selection, dropped, target, expected, "on the held-out scores"),
+            return (*_saving_too_little(held, selection, dropped, target, expected, "by the held-out scores"),
                     result)
         run = tide.config.resolve_generation({"thresholds": held.thresholds(selection, tide.checkpoints),
                                               "exit_threshold": None, "mode": "exit"})
@@ -86,7 +86,7 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
         decoded_speedup = held.step_speedup(selection, result["mean_layers"])
         if decoded_speedup is not None and decoded_speedup < KEEP_SPEEDUP:
             # held or not, the timing would turn them off (and a smaller budget exits less): not timed
-            return (*_saving_too_little(held, selection, dropped, target, decoded_speedup, "through the decode step"),
+            return (*_saving_too_little(held, selection, dropped, target, decoded_speedup, "by the tokens decoded"),
                     result)
         if bound >= target:
             return selection, dropped, result
@@ -100,8 +100,8 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
 
 def _saving_too_little(held, selection, dropped: dict, target: float, speedup: float, where: str):
     """No exits, each checkpoint the selection consulted dropped with why: its exits save too little."""
-    why = SavesTooLittle(f"the exits would speed a decode step x{speedup:.3f} {where}, below the x{KEEP_SPEEDUP} a "
-                         f"timing keeps")
+    why = SavesTooLittle(f"the exits would make a decode step x{speedup:.3f} faster {where}, below the "
+                         f"x{KEEP_SPEEDUP} a timing keeps")
     consulted = {row.layer: why for row in selection.checkpoints if row.threshold < 1.0}
     selection, _ = held.select(target, max_budget=0.0)
     return selection, {**dropped, **consulted}
