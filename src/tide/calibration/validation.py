@@ -18,6 +18,7 @@ __all__ = ["validate", "validation_tokens", "MAX_VALIDATION_ROUNDS", "SavesTooLi
 # target still fails after these, nothing exits.
 MAX_VALIDATION_ROUNDS = 4
 
+
 class SavesTooLittle(str):
     """A dropped checkpoint's reason (`dropped`'s value) where its exits would save too little to be kept: what
     calibration's warning tells apart from exits that missed the agreement target."""
@@ -62,8 +63,8 @@ def validate(tide, token_lists, selection, dropped, target: float, procs: Proces
     for round_ in range(MAX_VALIDATION_ROUNDS):
         expected = held.step_speedup(selection)
         if expected is not None and expected < KEEP_SPEEDUP and selection.exit_error_budget > 0.0:
-            # exits that would save less than the timing's keep margin even at their layer count: the timing after
-            # the check would turn them off, so they are neither checked nor timed
+            # exits that would speed a step less than the timing's keep margin even at their expected layers: the
+            # timing after the check would turn them off, so they are neither checked nor timed
             return (*_saving_too_little(held, selection, dropped, target, expected, "by the held-out scores"),
                     result)
         run = tide.config.resolve_generation({"thresholds": held.thresholds(selection, tide.checkpoints),
