@@ -160,6 +160,21 @@ def test_out_of_range_options_are_one_line_errors_before_any_work(argv, option, 
     assert f"argument {option}: must be" in line
 
 
+def test_bench_times_exit_mode_only_where_calibration_kept_exits():
+    """With every threshold at 1.0 (calibration turned exits off) exit mode runs the base model, which the bench's
+    first row already times: no exit rows then."""
+    from types import SimpleNamespace
+
+    from tide.tools.bench import _variants
+
+    def names(thresholds):
+        model = SimpleNamespace(config=SimpleNamespace(thresholds=thresholds), heldout_selection=None)
+        return [name for name in _variants(model, ())[0] if name.startswith("exit")]
+
+    assert names({"1": 1.0, "3": 1.0}) == [] and names(None) == []
+    assert names({"1": 0.7, "3": 1.0}) == ["exit calibrated (propagate)", "exit calibrated (recompute)"]
+
+
 def test_bench_refuses_an_empty_heldout_file(router_dir, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n\n  \n\n")
     assert main(["bench", str(router_dir), "--heldout", str(tmp_path / "empty.txt"), "--repeats", "1"]) == 2
