@@ -154,9 +154,11 @@ def test_a_decode_steps_speedup_counts_what_every_step_pays():
     consulted."""
     from types import SimpleNamespace
 
+    from tide.calibration.measure import StepCosts
     from tide.calibration.operating import _HeldoutSelection
 
-    costs = SimpleNamespace(head=6.0, capture=0.5, step_extra=1.5, skipped_layer=0.1, checkpoint=0.2)
+    costs = StepCosts(layer_s=1.0, checkpoint_s=0.2, skipped_layer_s=0.1, head_s=6.0, capture_s=0.5, device="cpu",
+                      step_extra_s=1.5)
     held = _HeldoutSelection([1], {}, {}, {}, 100, 30, 0.95, costs)
     selection = SimpleNamespace(checkpoints=[SimpleNamespace(layer=11, threshold=0.9),
                                              SimpleNamespace(layer=23, threshold=1.0)])

@@ -111,7 +111,6 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs, max
     them and estimated as it is: an n-gram branch is a free draft (no head, no per-token shallow step) whose
     benefit depends on how much the text repeats itself, which held-out ranks do not say; the timing decides.
     """
-    step = num_layers + costs.head + costs.capture  # a base step
     passes = num_layers + costs.head + costs.pass_capture
 
     def verify(positions: int) -> float:  # a verification, and the cycle's work beyond its pieces
@@ -122,8 +121,9 @@ def draft_candidates(ranks: dict[int, torch.Tensor], num_layers: int, costs, max
     out = []
     for vocab, layer_ranks, layer_chain_ranks in variants:
         head = costs.head * (vocab / head_rows if vocab else 1.0)
-        schemes = _schemes(layer_ranks, layer_chain_ranks, head + costs.pass_capture, verify, step + costs.step_extra,
-                           max_draft, max_topk, vocab, tree_extra=2 * (costs.capture - costs.pass_capture))
+        schemes = _schemes(layer_ranks, layer_chain_ranks, head + costs.pass_capture, verify,
+                           num_layers + costs.step_fixed, max_draft, max_topk, vocab,
+                           tree_extra=2 * (costs.capture - costs.pass_capture))
         for scheme in schemes:
             out.append(scheme)
             if ngram and ngram_depth and 1 < scheme.draft_topk <= MERGED_TOPK:

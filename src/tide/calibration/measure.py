@@ -104,6 +104,12 @@ class StepCosts:
         return self.capture_s / self.layer_s
 
     @property
+    def step_fixed(self) -> float:
+        """What a base model's decode step pays beside its layers, in layers: the head, the capture and `generate`'s
+        own work (which exits do not save)."""
+        return self.head + self.capture + self.step_extra
+
+    @property
     def pass_capture(self) -> float:
         """What one of Tide's own passes (a draft, a verification) pays for its layer arguments, in layers."""
         return 0.0 if self.windowed else self.capture

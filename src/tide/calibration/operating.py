@@ -124,7 +124,7 @@ class _HeldoutSelection:
             consulted = sum(row.threshold < 1.0 for row in selection.checkpoints)
             cost = (mean_layers + (self.num_layers - mean_layers) * self.costs.skipped_layer
                     + consulted * self.costs.checkpoint)
-        fixed = self.costs.head + self.costs.capture + self.costs.step_extra
+        fixed = self.costs.step_fixed
         return (self.num_layers + fixed) / (cost + fixed)
 
     @staticmethod
