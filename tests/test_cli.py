@@ -168,7 +168,8 @@ def test_bench_times_exit_mode_only_where_calibration_kept_exits():
     from tide.tools.bench import _variants
 
     def names(thresholds):
-        model = SimpleNamespace(config=SimpleNamespace(thresholds=thresholds), heldout_selection=None)
+        config = tide.TideConfig(checkpoint_interval=2, thresholds=thresholds)
+        model = SimpleNamespace(config=config, heldout_selection=None)
         return [name for name in _variants(model, ())[0] if name.startswith("exit")]
 
     assert names({"1": 1.0, "3": 1.0}) == [] and names(None) == []

@@ -33,8 +33,8 @@ DEFAULT_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.97)  # calibration targets (chosen from
 def _variants(model, sweep) -> tuple[dict[str, dict | None], dict[str, dict]]:
     """(variants {name: tide_config or None}, {name: how calibration chose a target row's thresholds})."""
     variants: dict[str, dict | None] = {"base": None}
-    if any(t < 1.0 for t in (model.config.thresholds or {}).values()):  # (none where calibration turned exits off:
-        # exit mode then runs the base model, which the first row times)
+    # (none where calibration turned exits off: exit mode then runs the base model, which the first row times)
+    if model.config.resolve_generation({"mode": "exit"}).has_operating_point:
         variants["exit calibrated (propagate)"] = {"mode": "exit", "kv_strategy": "propagate"}
         variants["exit calibrated (recompute)"] = {"mode": "exit", "kv_strategy": "recompute"}
     chosen = {}
