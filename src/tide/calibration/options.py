@@ -89,11 +89,7 @@ class CalibrationOptions:
         if tokens not in (None, "auto") and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
             raise ValueError(f"calibrate: train_tokens must be a positive integer, \"auto\" or None, got "
                              f"{self.train_tokens!r}.")
-        threads = self.decode_threads
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"calibrate: decode_threads must be a positive integer or None, got "
-                             f"{self.decode_threads!r}.")
-        for name in ("buffer_size", "heldout_tokens"):
+        for name in ("decode_threads", "buffer_size", "heldout_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"calibrate: {name} must be a positive integer or None, got {value!r}.")
