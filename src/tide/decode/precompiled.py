@@ -48,6 +48,7 @@ __all__ = ["Precompiled", "precompiling"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = "tide-precompiled-1"
+CHECKED_KEPT = 64  # argument signatures a loaded graph remembers as passing its guards
 _PRECOMPILING: ContextVar[bool] = ContextVar("tide_precompiling", default=False)
 # guard kinds that name an object of this process, which a saved function cannot check
 _UNSAVED = ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
@@ -95,7 +96,9 @@ class _Graph:
         self.options, self.compiled, self.path, self.key = options, compiled, path, key  # (key: the file's)
         self.fn = None  # the loaded or precompiled function
         self.fallback = None  # torch.compile's, where that failed
-        self.checked = None  # the arguments' signature (`_signature`) whose guards passed last
+        # the arguments' signatures (`_signature`) whose guards passed (a verification's width changes its signature
+        # from one cycle to the next; a few at most a call, cleared past CHECKED_KEPT)
+        self.checked = set()
 
     def __call__(self, *args):
         if self.fallback is None and self.fn is None:
@@ -105,7 +108,7 @@ class _Graph:
         if self.fallback is not None:
             return self.fallback(*args)
         signature = _signature(args)
-        if signature != self.checked:  # (the guards cost about a millisecond on SmolLM2: once per signature)
+        if signature not in self.checked:  # (the guards cost about a millisecond on SmolLM2: once per signature)
             taken = _take_marks(args)
             try:
                 passed = self.fn.guard_check(*args)
@@ -116,7 +119,9 @@ class _Graph:
                 self._event("fallback", 0.0)
                 self.fn, self.fallback = None, self.compiled()
                 return self.fallback(*args)
-            self.checked = signature
+            if len(self.checked) >= CHECKED_KEPT:
+                self.checked.clear()
+            self.checked.add(signature)
         return self.fn.fn(*args)
 
     def _load(self):
