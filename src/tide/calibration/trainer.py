@@ -21,7 +21,7 @@ from .phases import Context
 from .rankedrows import RankedRows
 from .texts import batches, stream_size
 
-__all__ = ["train", "HEAD_STEPS"]
+__all__ = ["train", "HEAD_PASSES", "HEAD_STEPS"]
 
 
 def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.Tensor | None]:
@@ -52,10 +52,14 @@ def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.
 
 # The heads' default Adam steps, by loss: {candidates: steps}. A candidate step costs a fraction of a step over the
 # whole vocabulary, and on SmolLM2-135M-Instruct 1,000 of them raised draft acceptance at layer 3 from 36% to 47%
-# over 200 (docs/benchmarks.md). A longer stream takes more: at least one step per TOKENS_PER_HEAD_STEP training
-# tokens (half a pass over the stream at the default minibatch of 256).
+# over 200 (docs/benchmarks.md). A longer stream takes more: HEAD_PASSES[loss] minibatches' rows a training token.
+# Over candidates, 4: the base forward that makes a token's states costs far more than a step over it, and on
+# SmolLM2-135M-Instruct's ShareGPT answers a draft head that read each token several times learned more (layer 3's
+# held-out first drafts 0.369 right after 1,000 steps over 131k tokens, 2 passes; 0.403 after 4,000:
+# docs/benchmarks.md, "The draft heads' passes over their tokens"). Over the whole vocabulary (small vocabularies),
+# half a pass, as before: not measured there.
 HEAD_STEPS = {False: 200, True: 1000}
-TOKENS_PER_HEAD_STEP = 512
+HEAD_PASSES = {False: 0.5, True: 4}
 
 
 class _Trainer:
@@ -104,7 +108,8 @@ class _Trainer:
         self.head_optim = torch.optim.Adam(params, lr=opts.head_lr) if params else None
         steps = opts.head_steps
         if steps is None:
-            steps = max(HEAD_STEPS[self.candidates], math.ceil(train_tokens / TOKENS_PER_HEAD_STEP))
+            passes = HEAD_PASSES[self.candidates]
+            steps = max(HEAD_STEPS[self.candidates], math.ceil(train_tokens * passes / opts.minibatch))
         self.steps_per_batch = math.ceil(steps / max(num_batches, 1))
         self.head_steps_left = steps if params else 0
         self.generator = torch.Generator(device="cpu").manual_seed(opts.seed)
