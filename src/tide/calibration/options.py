@@ -39,7 +39,7 @@ class CalibrationOptions:
     feature_dtype: str | None = "auto"
     # Adam steps of the exit and draft heads, spread over the training stream (None: HEAD_STEPS[candidate loss],
     # 200 over the whole vocabulary, 1000 over candidates, whose steps cost far less, or HEAD_PASSES[candidate loss]
-    # minibatches' rows a training token where that is more: 4 over candidates, 0.5 over the whole vocabulary)
+    # minibatches' rows a training token where that is more: 3 over candidates, 0.5 over the whole vocabulary)
     head_steps: int | None = None
     head_lr: float = 1e-3
     # training-time test: the share of the draft heads' rows trained on the context a chain's later drafts read (the

@@ -53,13 +53,13 @@ def train(ctx: Context, train_texts: list[str], bar) -> tuple["_Trainer", torch.
 # The heads' default Adam steps, by loss: {candidates: steps}. A candidate step costs a fraction of a step over the
 # whole vocabulary, and on SmolLM2-135M-Instruct 1,000 of them raised draft acceptance at layer 3 from 36% to 47%
 # over 200 (docs/benchmarks.md). A longer stream takes more: HEAD_PASSES[loss] minibatches' rows a training token.
-# Over candidates, 4: the base forward that makes a token's states costs far more than a step over it, and on
+# Over candidates, 3: the base forward that makes a token's states costs far more than a step over it, and on
 # SmolLM2-135M-Instruct's ShareGPT answers a draft head that read each token several times learned more (layer 3's
-# held-out first drafts 0.369 right after 1,000 steps over 131k tokens, 2 passes; 0.403 after 4,000:
-# docs/benchmarks.md, "The draft heads' passes over their tokens"). Over the whole vocabulary (small vocabularies),
-# half a pass, as before: not measured there.
+# held-out first drafts 0.369 right after 1,000 steps over 131k tokens, 2 passes; 0.392 after 2,048, 0.403 after
+# 4,000: docs/benchmarks.md, "The draft heads' passes over their tokens"); 3 keeps calibration at the defaults
+# within 10 minutes there. Over the whole vocabulary (small vocabularies), half a pass, as before: not measured there.
 HEAD_STEPS = {False: 200, True: 1000}
-HEAD_PASSES = {False: 0.5, True: 4}
+HEAD_PASSES = {False: 0.5, True: 3}
 
 
 class _Trainer:
