@@ -158,7 +158,7 @@ def graph_cycles(session, input_ids, generation_config, logits_processor, cache,
 
 
 class GraphCycles:
-    """The graph backend: a lossless cycle of one call as one compiled graph and one host read."""
+    """The graph backend: a lossless cycle of one call as compiled graph calls and one host read."""
 
     def __init__(self, session, input_ids, head, cache, shallow, deep, offset, processors: GraphProcessors,
                  tree: int = 0):
