@@ -58,7 +58,7 @@ def test_inductor_lossless_and_exit_equal_the_base_model():
     the eager walk.
 
     The one test here that generates code (the others capture graphs with the eager backend): a 2-layer model with a
-    checkpoint after its first layer has every kind of graph (a drafting step, a verification, exit
+    checkpoint after its first layer has every kind of graph (a draft step, a greedy chain, a verification, exit
     mode's runs of layers), and inductor's time goes by the kernels it compiles, not by the layers."""
     model, base = noisy_tide("llama", model_overrides=dict(num_hidden_layers=2), checkpoint_interval=1)
     ids = prompt_ids()
@@ -74,7 +74,7 @@ def test_inductor_lossless_and_exit_equal_the_base_model():
                                       tide_config={"exit_threshold": 0.5, "compile": True}), eager)
     (runner,) = model.span_runners.values()  # compiled: the fused cycles' graphs, exit mode's graph steps (torch.cond)
     graphs = {key[1][0] for key in runner._compiled if key[0] == "graph"}
-    assert {"step", "verify", "fused exit"} <= graphs, list(runner._compiled)
+    assert {"cycle", "fused exit"} <= graphs, list(runner._compiled)
 
 
 def test_compile_needs_a_static_cache():

@@ -121,8 +121,7 @@ def test_stopping_inside_a_cycle_drops_what_follows(warm):
 @pytest.mark.parametrize("config", [LOSSLESS, TREE], ids=["chain", "tree"])
 def test_a_cycle_is_one_graph_launch_and_one_host_read(warm, monkeypatch, config):
     """Counted, not assumed: compiled functions called and device reads (tolist, item, bool, int) during the graph
-    backend's cycles of a warm call. A tree's cycle is one launch; a chain's is one launch of the drafting step a
-    position (x and each draft) and one of the verification. A second read in a cycle fails this."""
+    backend's cycles of a warm call. A second launch or a second read in a cycle fails this."""
     model, base = warm
     ids = prompt_ids()
     launches, reads = count_fused_work(monkeypatch)
@@ -130,7 +129,7 @@ def test_a_cycle_is_one_graph_launch_and_one_host_read(warm, monkeypatch, config
     cycles = model.last_stats.fused_cycles
     assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
     assert cycles >= 5 and 0 < model.last_stats.accepted < model.last_stats.drafted  # accepted and rejected drafts
-    assert launches[0] == (cycles if config is TREE else model.last_stats.drafted + 2 * cycles)
+    assert launches[0] == cycles
     assert reads[0] == cycles  # (the loop's stopping criteria run on the host's tokens: no read)
 
 
@@ -172,7 +171,7 @@ def test_each_position_penalises_what_was_seen_and_drafted_before_it():
 
     seen = torch.zeros(6, dtype=torch.bool)
     seen[1] = True
-    rows = graphparts.seen_at(seen, torch.tensor([1, 3, 1, 3, 5]))  # x (seen), then the drafts
+    rows = graphparts.seen_at(seen, torch.tensor([3, 1, 3, 5]))
     assert rows.tolist() == [[i in held for i in range(6)] for held in ({1}, {1, 3}, {1, 3}, {1, 3}, {1, 3, 5})]
     logits = torch.tensor([[1.0, -2.0, 0.5, 3.0, -1.0, 2.0]])
     expected = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[3, 1]]), logits.clone())
@@ -181,8 +180,8 @@ def test_each_position_penalises_what_was_seen_and_drafted_before_it():
 
 def test_a_repetition_penalty_runs_in_the_graph(warm, monkeypatch):
     """A repetition penalty (with a minimum length beside it, and a prompt part it ignores) runs inside the cycle's
-    graph, on the tokens seen so far and each position's drafts before it: the base model's tokens, greedy, no
-    launch beside the cycle's own; sampled with top-k, the full model's penalised top-k support."""
+    graph, on the tokens seen so far and each position's drafts before it: the base model's tokens, greedy, one
+    launch a cycle; sampled with top-k, the full model's penalised top-k support."""
     model, base = warm
     ids = prompt_ids(8, seed=4)  # (a prompt where leaving out the drafts before a position changes the tokens)
     for extra in ({"repetition_penalty": 2.0, "min_new_tokens": 4}, {"repetition_penalty": 0.5}):
@@ -191,7 +190,7 @@ def test_a_repetition_penalty_runs_in_the_graph(warm, monkeypatch):
         launches, reads = count_fused_work(monkeypatch)
         assert torch.equal(generate(model, ids, max_new_tokens=24, **extra), ref), extra
         stats = model.last_stats
-        assert launches[0] == stats.drafted + 2 * stats.fused_cycles and 0 < stats.accepted < stats.drafted
+        assert launches[0] == stats.fused_cycles > 0 and 0 < stats.accepted < stats.drafted
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
     ignoring = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=ids.shape[1])])

@@ -60,7 +60,7 @@ def _execute(model, plan: CallPlan, args, kwargs):
     run = plan.options
     if plan.kind is PlanKind.LOSSLESS:
         session, loop = LosslessSession(model, run, _spans(model, run, kwargs)), lossless_decode
-        # compiled: a chain as two graphs a cycle (`decode/lossless/graph.py`)
+        # compiled: a chain as one graph a cycle (`decode/lossless/graph.py`)
         session.fused_chain_first = plan.fused_chains
     else:
         session, loop = ExitSession(model, run, _spans(model, run, kwargs)), exit_decode

@@ -100,8 +100,8 @@ class TideGenerationConfig:
             options runs them regardless.
         compiled_chain (`dict`, *optional*):
             With `compile=True`: lossless mode drafting this greedy chain (`{"draft_layer": 3, "max_draft": 1,
-            "draft_vocab_size": 1536, "draft_ngram": 0}`), each cycle two compiled graphs
-            (`tide.decode.lossless.graph`); with `"draft_topk": k`, the head's k best candidates for the next position
+            "draft_vocab_size": 1536, "draft_ngram": 0}`), each cycle one compiled graph (`tide.decode.lossless.graph`);
+            with `"draft_topk": k`, the head's k best candidates for the next position
             (`tide.decode.lossless.graphtree`). Calibration with `compiled_trials` sets it where such a chain timed
             faster than both the base model's compiled static-cache decode and the default mode compiled; a compiled
             call that sets no mode, thresholds, exit or draft option then runs it. An eager call at the defaults of a

@@ -42,10 +42,11 @@ def causal_mask(positions: torch.Tensor, keys: int, dtype) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~sees, torch.finfo(dtype).min)[None, None]
 
 
-def seen_at(seen: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The tokens a repetition penalty counts at each position of `ids` [k + 1] = [x, d1..dk]: those `seen` [V] up
-    to x (x among them), and the drafts up to the position -> [k + 1, V] bool."""
-    return seen | (torch.nn.functional.one_hot(ids, seen.shape[0]).cumsum(0) > 0)
+def seen_at(seen: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """The tokens a repetition penalty counts at each position of [x, d1..dk]: those `seen` [V] up to x, and the
+    drafts before the position (`drafts` [k]) -> [k + 1, V] bool."""
+    before = torch.nn.functional.one_hot(drafts, seen.shape[0]).cumsum(0) > 0  # [k, V]: row j holds d1..d(j+1)
+    return seen | torch.cat([torch.zeros_like(seen)[None], before])
 
 
 def penalised(logits: torch.Tensor, strength: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,6 @@ __all__ = ["Precompiled", "precompiling"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = "tide-precompiled-1"
-CHECKED_KEPT = 64  # argument signatures a loaded graph remembers as passing its guards
 _PRECOMPILING: ContextVar[bool] = ContextVar("tide_precompiling", default=False)
 # guard kinds that name an object of this process, which a saved function cannot check
 _UNSAVED = ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
@@ -96,9 +95,7 @@ class _Graph:
         self.options, self.compiled, self.path, self.key = options, compiled, path, key  # (key: the file's)
         self.fn = None  # the loaded or precompiled function
         self.fallback = None  # torch.compile's, where that failed
-        # the arguments' signatures (`_signature`) whose guards passed (a verification's width changes its signature
-        # from one cycle to the next; a few at most a call, cleared past CHECKED_KEPT)
-        self.checked = set()
+        self.checked = None  # the arguments' signature (`_signature`) whose guards passed last
 
     def __call__(self, *args):
         if self.fallback is None and self.fn is None:
@@ -108,7 +105,7 @@ class _Graph:
         if self.fallback is not None:
             return self.fallback(*args)
         signature = _signature(args)
-        if signature not in self.checked:  # (the guards cost about a millisecond on SmolLM2: once per signature)
+        if signature != self.checked:  # (the guards cost about a millisecond on SmolLM2: once per signature)
             taken = _take_marks(args)
             try:
                 passed = self.fn.guard_check(*args)
@@ -119,9 +116,7 @@ class _Graph:
                 self._event("fallback", 0.0)
                 self.fn, self.fallback = None, self.compiled()
                 return self.fallback(*args)
-            if len(self.checked) >= CHECKED_KEPT:
-                self.checked.clear()
-            self.checked.add(signature)
+            self.checked = signature
         return self.fn.fn(*args)
 
     def _load(self):

@@ -1,35 +1,31 @@
-"""The lossless loop's graph backend (`GraphCycles`): a cycle as compiled graph calls and one host read
+"""The lossless loop's graph backend (`GraphCycles`): a cycle as one compiled graph and one host read
 (`tide_config={"compile": True}`).
 
 A cycle of the loop's draft-and-verify backend (`loop.DraftVerify`) runs the drafter's compiled calls, captures
 each pass's layer arguments on the host, checks each draft against the stopping criteria, reads the accepted count
 and crops the cache layer by layer: host work between compiled spans. Here, for chains from the draft head (a
-full-attention static cache, one attention type), greedy or sampled, a cycle is two graphs, called k + 2 times with
-no host read between them, and one read; `graph_cycles` says whether a call fits it, else why not:
+full-attention static cache, one attention type), greedy or sampled, a cycle is one graph (`_cycle`, one per chain
+width k, and one for n-gram drafts) and one read; `graph_cycles` says whether a call fits it, else why not:
 
-1. **drafts** (`_step`, one graph): the last emitted token x, then each of k drafts, runs through layers 0..E (the
-   draft layer) on the real cache, one position a call; the draft head on each output gives the next draft: its
-   argmax, or a token drawn from its distribution after the call's warpers (the last call's is unused). k follows
-   acceptance as the draft-and-verify chain's cap does (`chain.next_cap`: one more after a full accept, the
-   accepted count + 1 after a rejection, up to `max_draft`). With `draft_ngram`, where the sequence's latest n-gram
-   occurred before, its continuation is the draft instead: the host gives its tokens to the same calls. The
-   backbone's own forward does the work, on a view of it that holds layers 0..E and no final norm
-   (`graphparts.backbone_view`), so positions, rotary tables and masks are made inside the graph as the model makes
-   them.
-2. **verification** (`_verify`, one graph): layers E+1..L-1 over [x, d1..dk] from their layer-E states (a view that
-   starts at layer E+1 and ends with the final norm), the head, a minimum length's end-of-sequence scores set to
-   -inf, acceptance (greedy: the longest prefix of drafts equal to the full model's argmax; sampling: the
-   speculative-sampling rule, its uniform draws and the token after the path drawn on the device), the next cycle's
-   token and context, and every cache layer's length cut back to the accepted path. The positions' count and the
-   cache's length are dynamic dimensions, so every width, every n-gram continuation and every prompt length runs
-   the one graph.
+1. **drafts**: the last emitted token x and each of k drafts run through layers 0..E (the draft layer) on the real
+   cache, one position a pass; the draft head on each output gives the next draft: its argmax, or a token drawn
+   from its distribution after the call's warpers. k follows acceptance as the draft-and-verify chain's cap does
+   (`chain.next_cap`: one more after a full accept, the accepted count + 1 after a rejection, up to
+   `max_draft`). With `draft_ngram`, where the sequence's latest n-gram occurred before, its continuation is the
+   draft instead (the host knows it; x and it run through layers 0..E in one pass). The backbone's own forward does
+   the work, on a view of it that holds layers 0..E and no final norm (`graphparts.backbone_view`), so positions,
+   rotary tables and masks are made inside the graph as the model makes them. One graph of `max_draft` drafts for
+   every cycle (the head always drafting the whole chain, or the continuation's tokens first and the head's after
+   them) compiles fewer graphs, and measured 9-15% slower a token on SmolLM2 in bfloat16 (docs/benchmarks.md, "One
+   graph a chain, measured").
+2. **verification**: layers E+1..L-1 over [x, d1..dk] from their layer-E states (a view that starts at layer E+1
+   and ends with the final norm), the head, a minimum length's end-of-sequence scores set to -inf, acceptance
+   (greedy: the longest prefix of drafts equal to the full model's argmax; sampling: the speculative-sampling rule,
+   its uniform draws and the token after the path drawn on the device), the next cycle's token and context, and
+   every cache layer's length cut back to the accepted path. Positions come from the static cache's own length
+   tensors, so no graph is made again for another prompt length.
 3. **one host read**: the accepted count and the tokens, which the loop (`loop.py`) takes for the stopping
    criteria, the streamer, the sequence and the counters.
-
-Before, a cycle was one graph per chain width and one for n-gram drafts: on SmolLM2 a chain of up to 2 compiled 3
-graphs (149.7 s on its first call) where these two take 59.8 s, at about the same speed a token (docs/benchmarks.md,
-"A chain in two graphs"). One graph of `max_draft` drafts for every cycle measured 9-15% slower a token in
-bfloat16 ("One graph a chain, measured").
 
 A call that names `draft_topk` runs a tree instead, one graph a cycle too, greedy or sampled (`graphtree.py`).
 
@@ -63,52 +59,71 @@ from .ngram import NgramLookup
 __all__ = ["GraphCycles", "graph_cycles"]
 
 
-def _step(shallow, head, cache, token, context, dtype, warp):
-    """One position through layers 0..E on the real cache, and the draft head on its output: x [1, 1] -> (its
-    layer-E state [1, 1, H]; the next draft [1, 1], the head's argmax (greedy, `warp` None) or drawn from its
-    distribution after `warp` (the call's processors); the head's next context [1, H]; the distribution the draft
-    was drawn from [1, V], or None). One graph serves every position a cycle drafts: the head's chain and an n-gram
-    continuation, whose tokens the host gives instead of the head's."""
-    positions = cache.layers[0].cumulative_length.clone().view(1)
-    hidden = shallow(input_ids=token, position_ids=positions[None],
-                     attention_mask=causal_mask(positions, slots(cache), dtype), past_key_values=cache,
+def _draft(shallow, head, cache, token, context, width: int, keys: int, dtype, warp):
+    """A cycle's drafts: x [1, 1] and `width` drafts through layers 0..E, each the draft head's argmax (greedy,
+    `warp` None) or drawn from its distribution after `warp` (the call's processors) -> (the layer-E states
+    [1, width + 1, H], the drafts [1, width], the distributions they were drawn from [1, width, V] or None)."""
+    start = cache.layers[0].cumulative_length.clone()
+    states, drafts, drawn_from = [], [], []
+    for i in range(width + 1):
+        positions = (start + i).view(1)
+        hidden = shallow(input_ids=token, position_ids=positions[None],
+                         attention_mask=causal_mask(positions, keys, dtype), past_key_values=cache,
+                         use_cache=True).last_hidden_state
+        states.append(hidden)
+        if i < width:
+            logits, context = head(hidden[:, -1], context)
+            if warp is None:
+                token = logits.argmax(-1, keepdim=True)
+            else:
+                drawn_from.append(warp(logits.float()).softmax(-1))
+                token = draw(drawn_from[-1])
+            drafts.append(token)
+    drafts = torch.cat(drafts, 1) if drafts else token.new_zeros(1, 0)
+    return torch.cat(states, 1), drafts, torch.stack(drawn_from, 1) if drawn_from else None
+
+
+def _given(shallow, cache, ids, keys: int, dtype, warp):
+    """A cycle's drafts given by the host (an n-gram continuation): x and them, ids [1, k + 1], through layers 0..E
+    in one pass -> (the layer-E states [1, k + 1, H], the drafts [1, k], sampling: distributions certain of each
+    draft [1, k, V], else None)."""
+    positions = cache.layers[0].cumulative_length + torch.arange(ids.shape[1], device=ids.device)
+    states = shallow(input_ids=ids, position_ids=positions[None],
+                     attention_mask=causal_mask(positions, keys, dtype), past_key_values=cache,
                      use_cache=True).last_hidden_state
-    logits, context = head(hidden[:, -1], context)
-    if warp is None:
-        return hidden, logits.argmax(-1, keepdim=True), context, None
-    drawn_from = warp(logits.float()).softmax(-1)
-    return hidden, draw(drawn_from), context, drawn_from
+    drafts = ids[:, 1:]
+    return states, drafts, None if warp is None else _certain(drafts, warp.vocab)
 
 
-def _verify(deep, offset, logits_from_normed, cache, states, ids, first_deep: int, suppress, warp, drawn_from,
-            penalty=None):
-    """A cycle's verification as one graph: layers E+1..L-1 over `ids` [1, k + 1] (x and the drafts) from their
-    layer-E `states` [1, k + 1, H]; the tokens to emit, the accepted count, the next context, and every cache layer
-    cut back to the accepted path -> (the accepted count then the tokens, of which the first accepted + 1 are
-    emitted: what the host reads; the next cycle's token x [1, 1]; its context [1, H]).
+def _certain(drafts: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(drafts, vocab).float()
+
+
+def _verify(deep, offset, logits_from_normed, cache, states, drafts, keys: int, first_deep: int, suppress, warp,
+            drawn_from, valid, penalty=None):
+    """A cycle's verification: layers E+1..L-1 over [x, drafts] from their layer-E `states` [1, k + 1, H]; the
+    tokens to emit, the accepted count, the next context, and every cache layer cut back to the accepted path
+    -> (tokens [1, k + 1], of which the first accepted + 1 are emitted; accepted []; context [1, H]).
     `suppress`: (where [k + 1] bool, tokens [V] bool): the tokens whose scores are -inf at those positions (a
-    minimum length's end-of-sequence tokens). `penalty`: (p [], seen [V] bool) for a repetition penalty, the tokens
-    up to x seen; each position also sees the drafts before it. Greedy (`warp` None): the longest prefix of drafts
-    equal to the full model's argmax, then its token. Sampling: the speculative-sampling rule (`accept.py`) on the
-    full model's distributions after `warp` and the drafts' `drawn_from` [1, k + 1, V] (its last row unread).
-    The positions' count and the cache's length are dynamic dimensions of the graph (`cachepool.dynamic_length`):
-    one graph for every width and cache length. No tensor here has a dimension of k (x rides beside the drafts, and
-    the drafts are checked rolled onto their positions), which dynamo would make a graph of its own at k = 1."""
-    width = ids.shape[1] - 1
-    # each position's draft to check, [1, k + 1] (the last, x, is no draft: `counts` leaves it out)
-    drafts, counts = ids.roll(-1, 1), torch.arange(width + 1, device=ids.device) < width
+    minimum length's end-of-sequence tokens). `valid` []: how many of the drafts count (the rest pad a shorter
+    n-gram continuation to the graph's width; never accepted). `penalty`: (p [], seen [V] bool) for a repetition
+    penalty, the tokens up to x seen; each position also sees the drafts before it. Greedy (`warp` None): the
+    longest prefix of drafts equal to the full model's argmax, then its token. Sampling: the speculative-sampling
+    rule (`accept.py`) on the full model's distributions after `warp` and the drafts' `drawn_from` [1, k, V]."""
+    width = drafts.shape[1]
     positions = cache.layers[first_deep].cumulative_length + torch.arange(width + 1, device=states.device)
     if offset is not None:
         states = states - offset(inputs_embeds=torch.zeros_like(states), position_ids=positions[None],
                                  use_cache=False).last_hidden_state
     normed = deep(inputs_embeds=states, position_ids=positions[None],
-                  attention_mask=causal_mask(positions, slots(cache), states.dtype), past_key_values=cache,
+                  attention_mask=causal_mask(positions, keys, states.dtype), past_key_values=cache,
                   use_cache=True).last_hidden_state
     logits = logits_from_normed(normed)
     where, suppressed = suppress
     logits = logits.masked_fill(where[None, :, None] & suppressed, float("-inf"))
     if penalty is not None:
-        logits = penalised(logits.float(), penalty[0], seen_at(penalty[1], ids[0]))
+        logits = penalised(logits.float(), penalty[0], seen_at(penalty[1], drafts[0]))
+    counts = torch.arange(width, device=states.device) < valid  # [k]
     if warp is None:
         tokens, accepted = greedy_verdict_on_device(logits, drafts, counts)
     else:
@@ -117,6 +132,23 @@ def _verify(deep, offset, logits_from_normed, cache, states, ids, first_deep: in
     context = normed[0].index_select(0, accepted.view(1))
     for layer in cache.layers:
         layer.cumulative_length.sub_(width - accepted)
+    return tokens, accepted, context
+
+
+def _cycle(shallow, head, deep, offset, logits_from_normed, cache, token, context, width: int, dtype,
+           first_deep: int, suppress, warp, given, valid, penalty=None):
+    """One cycle, drafts (from the head, or `given` [1, k] by the host, of which the first `valid` count) and
+    verification, as one graph ->
+    (accepted count then the k + 1 tokens of which the first accepted + 1 are emitted [k + 2]: what the host
+    reads; the next cycle's token x [1, 1]; its context [1, H]). The cache's length is read from its tensors, a
+    dynamic dimension of the graph (`cachepool.dynamic_length`): one graph for every cache length."""
+    keys = slots(cache)
+    if given is None:
+        states, drafts, drawn_from = _draft(shallow, head, cache, token, context, width, keys, dtype, warp)
+    else:
+        states, drafts, drawn_from = _given(shallow, cache, torch.cat([token, given], 1), keys, dtype, warp)
+    tokens, accepted, context = _verify(deep, offset, logits_from_normed, cache, states, drafts, keys, first_deep,
+                                        suppress, warp, drawn_from, width if given is None else valid, penalty)
     return torch.cat([accepted.view(1), tokens[0]]), tokens.index_select(1, accepted.view(1)), context
 
 
@@ -158,7 +190,7 @@ def graph_cycles(session, input_ids, generation_config, logits_processor, cache,
 
 
 class GraphCycles:
-    """The graph backend: a lossless cycle of one call as compiled graph calls and one host read."""
+    """The graph backend: a lossless cycle of one call as one compiled graph and one host read."""
 
     def __init__(self, session, input_ids, head, cache, shallow, deep, offset, processors: GraphProcessors,
                  tree: int = 0):
@@ -182,7 +214,7 @@ class GraphCycles:
         the cache)."""
         session, length = self.session, input_ids.shape[1]
         # (the cache Tide lends a compiled call has room for a full draft after the last token: tokens past the
-        # length limit are computed and dropped)
+        # length limit are computed and dropped, and no graph is made for a narrower width near the end)
         room = self.keys - length
         continuation = self.ngrams.continuation(session.options.max_draft) if self.ngrams else []
         start = time.perf_counter()
@@ -207,59 +239,32 @@ class GraphCycles:
                      read=new)
 
     def _graph(self, continuation: list[int], room: int, length: int):
-        """One cycle's graph calls: the call's tree where it names one and the cache has room (the n-gram branch where
-        there is a `continuation`, padded to one width: two graphs), else a chain (the continuation, or the head's
-        drafts up to the cap: `_drafts`, then `_verify`) -> (what the host reads, the next token, the next context,
-        the chain's width, the continuation drafted, whether it was a tree)."""
+        """One cycle's graph call: the call's tree where it names one and the cache has room (the n-gram branch where
+        there is a `continuation`, padded to one width: two graphs), else a chain (the continuation padded to one
+        width, or the head's drafts up to the cap) -> (what the host reads, the next token, the next context, the
+        chain's width, the continuation drafted, whether it was a tree)."""
         session, cache, device, dtype = self.session, self.cache, self.token.device, self.dtype
+        common = (self.shallow, self.head, self.deep, self.offset, session.parts.logits_from_normed, cache,
+                  self.token, self.context)
         shape = self.tree and TreeShape(self.tree, session.options.max_draft if continuation else 0)
         if shape and room >= shape.size - 1:
             given = (torch.tensor([continuation + continuation[-1:] * (shape.ngram - len(continuation))],
                                   device=device) if continuation else None)
             return (*session.spans.graph(
                 ("tree", *shape.key(), self.processors.warp is not None), tree_cycle,
-                "tide_tree_{}_{}".format(*shape.key()) + "_sampled" * (self.processors.warp is not None), self.shallow,
-                self.head, self.deep, self.offset, session.parts.logits_from_normed, cache, self.token, self.context,
+                "tide_tree_{}_{}".format(*shape.key()) + "_sampled" * (self.processors.warp is not None), *common,
                 shape, dtype, self.processors.suppress(length, shape.max_depth), self.processors.warp, given,
                 torch.tensor(len(continuation), device=device)), 1, continuation, True)
-        if not (continuation and room >= len(continuation)):
-            continuation = []
-        width = len(continuation) or max(0, min(self.cap, room))
-        states, ids, drawn_from = self._drafts(continuation, width)
-        warp = self.processors.warp
-        penalty = None if self.seen is None else (self.processors.penalty, self.seen)
-        where, suppressed = self.processors.suppress(length, width)
-        for tensor, dim in ((states, 1), (ids, 1), (where, 0), (drawn_from, 1)):
-            if tensor is not None:  # (one graph for every width)
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        kind = (warp is not None, penalty is not None)
-        return (*session.spans.graph(
-            ("verify", *kind), _verify, "tide_verify" + "_sampled" * kind[0] + "_penalised" * kind[1], self.deep,
-            self.offset, session.parts.logits_from_normed, cache, states, ids, session.draft_layer + 1,
-            (where, suppressed), warp, drawn_from, penalty), width, continuation, False)
-
-    def _drafts(self, given: list[int], width: int):
-        """A cycle's drafts and their layer-E states, one `_step` graph call a position: x and the host's `given`
-        tokens (an n-gram continuation), or x and a chain of `width` from the head -> (the layer-E states
-        [1, k + 1, H], x and the drafts [1, k + 1], sampling: the distributions the drafts were drawn from and a
-        last row that pads them to k + 1 [1, k + 1, V], else None)."""
-        warp, device = self.processors.warp, self.token.device
-        name = "tide_step" + "_sampled" * (warp is not None)
-        token, context, states, ids, drawn = self.token, self.context, [], [self.token], []
-        for i in range(width + 1):
-            state, drafted, context, drawn_from = self.session.spans.graph(
-                ("step", warp is not None), _step, name, self.shallow, self.head, self.cache, token, context,
-                self.dtype, warp)
-            states.append(state)
-            if i < width:
-                token = torch.tensor([[given[i]]], device=device) if given else drafted
-                ids.append(token)
-                drawn.append(drawn_from)
-        ids = torch.cat(ids, 1)
-        if warp is None or not width:
-            drawn_from = None
-        elif given:  # (certain of each: the host chose them)
-            drawn_from = torch.nn.functional.one_hot(ids.roll(-1, 1), warp.vocab).float()
+        if continuation and room >= session.options.max_draft:  # padded to one width: one graph for every continuation
+            width, valid = session.options.max_draft, torch.tensor(len(continuation), device=device)
+            given = torch.tensor([continuation + continuation[-1:] * (width - len(continuation))], device=device)
         else:
-            drawn_from = torch.stack([*drawn, drawn[-1]], 1)
-        return torch.cat(states, 1), ids, drawn_from
+            continuation, given, valid = [], None, None
+            width = max(0, min(self.cap, room))
+        penalty = None if self.seen is None else (self.processors.penalty, self.seen)
+        kind = (width, self.processors.warp is not None, given is not None, penalty is not None)  # one graph each
+        return (*session.spans.graph(
+            ("cycle", *kind), _cycle, f"tide_cycle_{width}" + "_sampled" * kind[1] + "_given" * kind[2]
+            + "_penalised" * kind[3], *common, width, self.dtype, session.draft_layer + 1,
+            self.processors.suppress(length, width), self.processors.warp, given, valid, penalty),
+            width, continuation, False)

@@ -17,7 +17,7 @@ its backend gives) and, at the end, the layer calls and prompt tokens the passes
   drafter hears what was accepted. Drafts end at a token that stops generation, and nothing follows one that is
   accepted (a trie's walk ends at such a child); the stopping criteria run on the sequence (with the cycle's
   scores where the call keeps them).
-- the graph (`graph.GraphCycles`): a compiled cycle as graph calls and one host read (the accepted count and the
+- the graph (`graph.GraphCycles`): a compiled cycle as one graph and one host read (the accepted count and the
   tokens); the stopping criteria run on the host's list of tokens, one at a time (`graphparts.Stops`), and the
   loop drops the tokens after the first that stops, with their K/V.
 
