@@ -107,25 +107,26 @@ class _HeldoutSelection:
         """The selection's speed-up in layer work by the measured costs (None: no costs)."""
         if self.costs is None:
             return None
-        return self.num_layers / layer_cost_of_cascade(selection.checkpoints, self.num_tokens, self.num_layers,
-                                                       self.costs)
+        return self.num_layers / self._layer_cost(selection)
 
     def step_speedup(self, selection, mean_layers: float | None = None) -> float | None:
-        """The selection's speed-up of a whole decode step, by the measured costs: its exits' layer work on the
-        held-out scores (with `mean_layers`, of exits that ran that many layers a token through the decode step,
-        every token paying for consulting the active checkpoints and the skipped layers' K/V), beside what every
-        step pays whether or not a token exits (the head, the capture, `generate`'s own work). What a timing's
-        keep margin compares (None: no costs)."""
+        """The selection's speed-up of a whole decode step, by the measured costs: its exits' layer work
+        (`_layer_cost`), beside what every step pays whether or not a token exits (the head, the capture,
+        `generate`'s own work). What a timing's keep margin compares (None: no costs)."""
         if self.costs is None:
             return None
-        if mean_layers is None:
-            cost = layer_cost_of_cascade(selection.checkpoints, self.num_tokens, self.num_layers, self.costs)
-        else:
-            consulted = sum(row.threshold < 1.0 for row in selection.checkpoints)
-            cost = (mean_layers + (self.num_layers - mean_layers) * self.costs.skipped_layer
-                    + consulted * self.costs.checkpoint)
         fixed = self.costs.step_fixed
-        return (self.num_layers + fixed) / (cost + fixed)
+        return (self.num_layers + fixed) / (self._layer_cost(selection, mean_layers) + fixed)
+
+    def _layer_cost(self, selection, mean_layers: float | None = None) -> float:
+        """A token's layer work under the selection, in layers: on the held-out scores, or (`mean_layers`) of exits
+        that ran that many layers a token through the decode step, every token paying for consulting the active
+        checkpoints and the skipped layers' K/V."""
+        if mean_layers is None:
+            return layer_cost_of_cascade(selection.checkpoints, self.num_tokens, self.num_layers, self.costs)
+        consulted = sum(row.threshold < 1.0 for row in selection.checkpoints)
+        return (mean_layers + (self.num_layers - mean_layers) * self.costs.skipped_layer
+                + consulted * self.costs.checkpoint)
 
     @staticmethod
     def thresholds(selection, checkpoints) -> dict[str, float]:
