@@ -203,7 +203,7 @@ def test_precompiled_graphs_load_without_tracing_and_fall_back_where_they_cannot
     """Inside `precompiling()` (`tide warmup`) a compiled call's cycle graph is precompiled whole and saved; another
     model object of the same repo (as a later process) loads it at its first call: no graph compiled, the base model's
     tokens across cache lengths. A file made under another key is ignored with a log line, and a loaded graph whose
-    guards refuse the arguments gives way to torch.compile: the call's output stays the base model's."""
+    guards refuse the arguments gives way to a variant compiled for them: the call's output stays the base model's."""
     from tide.decode.precompiled import precompiling
 
     monkeypatch.setenv("TIDE_CACHE", str(tmp_path))
@@ -231,20 +231,16 @@ def test_precompiled_graphs_load_without_tracing_and_fall_back_where_they_cannot
     assert [e.get("loaded") for e in run(later, base)] == [True]
 
     (runner,) = later.span_runners.values()
-    (graph,) = [fn for fn in runner._compiled.values() if hasattr(fn, "fallback")]
-
-    checks = []
-    real_check = graph.fn.guard_check
-    monkeypatch.setattr(graph.fn, "guard_check", lambda *args: checks.append(real_check(*args)) or checks[-1])
-    graph.checked = None
-    run(later, base)  # the guards run where the arguments' signature changes (another cache), not every cycle
-    assert checks and all(checks) and len(checks) < later.last_stats.fused_cycles
-
-    monkeypatch.setattr(graph.fn, "guard_check", lambda *args: False)
-    graph.checked = None
+    (graph,) = [fn for fn in runner._compiled.values() if hasattr(fn, "variants")]
+    (loaded,) = graph.variants
+    monkeypatch.setattr(loaded, "guard_check", lambda *args: False)
     with caplog.at_level(logging.WARNING, logger="tide.decode.precompiled"):
-        run(later, base)
-    assert "does not take these arguments" in caplog.text and graph.fallback is not None
+        ids, new = calls[0]
+        out = later.generate(ids, do_sample=False, max_new_tokens=new, compile_config=EAGER_BACKEND,
+                             tide_config=CHAIN)
+    assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=new))
+    assert "does not take these arguments" in caplog.text and len(graph.variants) == 2
+    assert (later.last_stats.graphs_compiled, later.last_stats.recompiles) == (1, 1)
 
     header, _, payload = path.read_bytes().partition(b"\n")
     path.write_bytes(json.dumps(dict(json.loads(header), tide_source="another")).encode() + b"\n" + payload)
@@ -254,6 +250,44 @@ def test_precompiled_graphs_load_without_tracing_and_fall_back_where_they_cannot
         assert run(other, base) == []
     assert "made for another tide_source" in caplog.text and other.last_stats.recompiles == 0
 
+
+class Doubled(torch.nn.Linear):
+    """A linear layer that computes otherwise: twice its product."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_graphs_check_their_guards_once_per_signature_in_a_call(monkeypatch):
+    """A compiled call's graphs are AOT-compiled at their first call and run their guards where the arguments'
+    signature is new in a call (not every cycle); a call after a module of the model was swapped for one that computes
+    otherwise runs them again, and the graph is compiled again: the output follows the swap, as a plain
+    torch.compile's would."""
+    model, base = noisy_tide("llama")
+    ids = prompt_ids(12)
+
+    def run():
+        out = model.generate(ids, do_sample=False, max_new_tokens=24, compile_config=EAGER_BACKEND, tide_config=CHAIN)
+        assert torch.equal(out, base.generate(ids, do_sample=False, max_new_tokens=24))
+        return model.last_stats
+
+    assert run().graphs_compiled == 1
+    (runner,) = model.span_runners.values()
+    (graph,) = [fn for fn in runner._compiled.values() if hasattr(fn, "variants")]
+    (variant,) = graph.variants
+    checks = []
+    real_check = variant.guard_check
+    monkeypatch.setattr(variant, "guard_check", lambda *args: checks.append(real_check(*args)) or checks[-1])
+    stats = run()
+    assert stats.graphs_compiled == 0 and checks and all(checks) and len(checks) < stats.fused_cycles
+
+    mlp = model.base.model.layers[-1].mlp  # (the base model's own module: `base` decodes with the swap too)
+    swapped = Doubled(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+    swapped.weight.data.copy_(mlp.down_proj.weight)
+    mlp.down_proj = swapped
+    checked = len(checks)
+    stats = run()
+    assert len(checks) > checked and stats.graphs_compiled == stats.recompiles == 1 and len(graph.variants) == 2
 
 
 _LATER_PROCESS = """

@@ -147,7 +147,9 @@ def _compiled_spans(model, options: dict) -> SpanRunner:
     if key not in model.span_runners:
         compilecache.load(model, options, model.base.device)  # (what an earlier process compiled, where persisted)
         model.span_runners[key] = SpanRunner(model.parts, options, Precompiled(model, options, model.base.device))
-    return model.span_runners[key]
+    runner = model.span_runners[key]
+    runner.precompiled.new_call()  # (each call checks its graphs' guards again, once per argument signature)
+    return runner
 
 
 def attach_stats(output, stats: GenerationStats):

@@ -1,29 +1,31 @@
-"""Compiled graphs that a later process loads without tracing them again: torch's AOT precompile
-(`torch.compile(...).aot_compile` and `torch.compiler.load_compiled_function`) for the one-graph cycles and steps of
-`compile=True` calls (`layers/spans.SpanRunner.graph`), kept in Tide's cache folder beside the cache artifacts of
-`compilecache.py`.
+"""The graphs of `compile=True` calls (`layers/spans.SpanRunner.graph`: the cycles and steps), compiled ahead with
+torch's AOT precompile (`torch.compile(...).aot_compile`, `torch.compiler.load_compiled_function`): their guards
+run once per argument signature in a call, and `tide warmup` keeps them in Tide's cache folder, beside the cache
+artifacts of `compilecache.py`, for a later process to load without tracing.
 
-Those artifacts hold inductor's generated code and AOTAutograd's graphs, but not dynamo's trace, so a process that
-loads them still traces the Python of every layer: on SmolLM2-135M a warm first compiled call took 22.5 s, 18.8 s
-of it compiling three graphs. A precompiled graph holds the trace too and loads in about a second (docs/benchmarks.md).
-
-- **Writing.** Inside `precompiling()` (`tide warmup` runs its calls there), each graph a `compile=True` call makes
-  is compiled with `aot_compile` on the call's own arguments, saved (`<digest>.aot`, one file a graph) and used.
-- **Reading.** Any later call whose graph has a file loads it at its first call instead of compiling it.
-- **The key** is everything the graph depends on that its saved guards cannot check: `compilecache.artifact_key`
-  (the base and router configs, torch, the device, the compile options), the graph's own key and name, the
-  transformers version and a digest of Tide's source (the Python the graph was traced from). A file made under
-  another key is ignored with a log line.
-- **Guards.** The saved guards check the arguments: every parameter's and input's shape and dtype, the cache's type
-  and layers, the dynamic cache length's bounds. Guards that name objects of one process (functions, modules,
-  globals) cannot be saved and are left out (`_serialisable`); the key stands for them. Dynamo's marks of dynamic
-  dimensions (`torch._dynamo.maybe_mark_dynamic`'s tensor attributes) are not saved, and the saved guards refuse a
-  tensor that carries them, so they are taken off the arguments around each check of the guards and put back.
-- **Whatever fails** (a graph `aot_compile` cannot capture whole, a file torch cannot load or save, arguments its
-  guards refuse) falls back to `torch.compile` for that graph, with a log line: never an error, never another graph's
-  output. The guards run at a graph's first call and again wherever the arguments' signature changes (`_signature`:
-  another cache or module object, a tensor of another shape or dtype, parameters moved to another dtype), not at
-  every call of a decode: on SmolLM2 they cost about a millisecond a call.
+- **Guards once.** Dynamo checks a compiled function's guards at every call: about a millisecond on SmolLM2, which
+  a compiled cycle paid every time (8.9% a token in bfloat16, docs/benchmarks.md). An AOT-compiled graph's guards
+  run at its first call and again wherever the arguments' signature is new in the call (`_signature`: another
+  cache or module object, a tensor of another shape or dtype, parameters moved to another dtype); each generate
+  call starts afresh (`Precompiled.new_call`), so a module swapped between calls is seen.
+- **Variants.** Arguments that no variant's guards pass compile another (a recompile, counted by `CompileWatch`),
+  up to `MAX_VARIANTS`; past that, and for a graph `aot_compile` cannot capture whole, torch.compile runs the graph,
+  with a log line.
+- **Writing.** Inside `precompiling()` (`tide warmup` runs its calls there), each graph's first variant is saved
+  (`<digest>.aot`, one file a graph). **Reading.** Any later call whose graph has a file loads it at its first call
+  instead of compiling it. Artifacts made by a plain compile do not serve `aot_compile`, nor the other way round:
+  inductor keys its caches otherwise.
+- **The key** is everything the graph depends on that its guards cannot check: `compilecache.artifact_key` (the
+  base and router configs, torch, the device, the compile options), the graph's own key and name, the transformers
+  version and a digest of Tide's source (the Python the graph was traced from). A file made under another key is
+  ignored with a log line.
+- **What the guards check:** the arguments: every parameter's and input's shape and dtype, the cache's type and
+  layers, the dynamic cache length's bounds. Guards that name objects of one process (functions, modules, globals)
+  cannot be kept by an AOT-compiled function and are left out (`_serialisable`); the key stands for them in a file.
+  Dynamo's marks of dynamic dimensions (`torch._dynamo.maybe_mark_dynamic`'s tensor attributes) are not kept, and
+  the guards refuse a tensor that carries them, so they are taken off the arguments around each check and put back.
+- **Whatever fails** (a file torch cannot load or save, arguments a loaded graph's guards refuse) compiles the graph
+  as above, with a log line: never an error, never another graph's output.
 
 This module decides nothing about what is compiled; `SpanRunner` asks it for a graph's function (`Precompiled.wrap`).
 """
@@ -48,6 +50,8 @@ __all__ = ["Precompiled", "precompiling"]
 
 logger = logging.getLogger(__name__)
 _FORMAT = "tide-precompiled-1"
+MAX_VARIANTS = 8  # variants of a graph (as torch.compile's recompile limit) before torch.compile takes it over
+CHECKED_KEPT = 64  # argument signatures a graph remembers as passing its guards within a call
 _PRECOMPILING: ContextVar[bool] = ContextVar("tide_precompiling", default=False)
 # guard kinds that name an object of this process, which a saved function cannot check
 _UNSAVED = ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
@@ -68,56 +72,89 @@ def precompiling():
 
 
 class Precompiled:
-    """The precompiled graphs of one model under one set of compile options on one device."""
+    """The graphs of one model under one set of compile options on one device: AOT-compiled, their guards run once
+    per argument signature in a call; loaded from and saved to Tide's cache folder (`tide warmup`)."""
 
     def __init__(self, model, options: dict, device):
         self.key = {**compilecache.artifact_key(model, options, device), "format": _FORMAT,
                     "transformers": _transformers_version(), "tide_source": _source_digest()}
         self.events: list[dict] = []  # what each graph did: {"graph", "loaded"/"saved"/"fallback", "seconds"}
+        self.graphs: list[_Graph] = []
 
     def wrap(self, function, key, name: str, options: dict, compiled):
         """The function to call for graph `key` (`function` under the code name `name`, compiled with `options`):
-        a precompiled graph where a file holds it or `precompiling()` is on, else None (compile it as usual).
-        `compiled()` gives the usual `torch.compile` function, the fallback."""
+        loaded from its file where one holds it, else AOT-compiled at its first call (and saved inside
+        `precompiling()`). `compiled()` gives the usual `torch.compile` function, the fallback."""
         file_key = {**self.key, "graph": repr(key), "name": name}
+        if options.get("mode") == "reduce-overhead" and not _PRECOMPILING.get():
+            return None  # (CUDA graphs: torch.compile's own)
         path = compilecache.cache_folder() / f"{name}-{compilecache.digest(file_key)[:24]}.aot"
-        if not (_PRECOMPILING.get() or path.is_file()):
-            return None
-        return _Graph(self, function, name, options, compiled, path, file_key)
+        graph = _Graph(self, function, name, options, compiled, path, file_key)
+        self.graphs.append(graph)
+        return graph
+
+    def new_call(self) -> None:
+        """A generate call starts: every graph checks its guards again (once per argument signature), so what changed
+        between calls (a module swapped, grad mode) is seen as torch.compile would see it."""
+        for graph in self.graphs:
+            graph.checked.clear()
 
 
 class _Graph:
-    """A graph's function: loaded from its file, or precompiled and saved, at its first call; `torch.compile`'s where
-    either fails."""
+    """A graph's function: AOT-compiled (or loaded from its file) at its first call, another variant compiled where
+    the arguments pass no variant's guards (a recompile); `torch.compile`'s where AOT compiling fails."""
 
     def __init__(self, store: Precompiled, function, name: str, options: dict, compiled, path: Path, key: dict):
         self.store, self.function, self.name = store, function, name
         self.options, self.compiled, self.path, self.key = options, compiled, path, key  # (key: the file's)
-        self.fn = None  # the loaded or precompiled function
-        self.fallback = None  # torch.compile's, where that failed
-        self.checked = None  # the arguments' signature (`_signature`) whose guards passed last
+        self.variants: list = []  # the AOT-compiled or loaded functions, the first loaded or saved
+        self.fallback = None  # torch.compile's, where AOT compiling failed
+        # argument signature (`_signature`) -> the variant whose guards it passed in this call (cleared past
+        # CHECKED_KEPT, and by `Precompiled.new_call`)
+        self.checked: dict[tuple, object] = {}
+        self._loaded = False
 
     def __call__(self, *args):
-        if self.fallback is None and self.fn is None:
-            self.fn = self._load() if self.path.is_file() else self._precompile(args)
-            if self.fn is None:
-                self.fallback = self.compiled()
         if self.fallback is not None:
             return self.fallback(*args)
         signature = _signature(args)
-        if signature != self.checked:  # (the guards cost about a millisecond on SmolLM2: once per signature)
-            taken = _take_marks(args)
-            try:
-                passed = self.fn.guard_check(*args)
-            finally:
-                _put_back(taken)
-            if not passed:
-                logger.warning("Tide: the precompiled graph %s does not take these arguments; compiling it", self.name)
-                self._event("fallback", 0.0)
-                self.fn, self.fallback = None, self.compiled()
+        fn = self.checked.get(signature)
+        if fn is None:  # (the guards cost about a millisecond on SmolLM2: once per signature a call)
+            fn = self._variant(args)
+            if fn is None:
                 return self.fallback(*args)
-            self.checked = signature
-        return self.fn.fn(*args)
+            if len(self.checked) >= CHECKED_KEPT:
+                self.checked.clear()
+            self.checked[signature] = fn
+        return fn.fn(*args)
+
+    def _variant(self, args):
+        """The variant whose guards pass `args`: loaded from the file at the first call, else one that passed, else
+        one compiled now; None where compiling failed (`self.fallback` then runs the graph)."""
+        if not self._loaded:
+            self._loaded = True
+            loaded = self.path.is_file() and self._load()
+            if loaded:
+                self.variants.append(loaded)
+        taken = _take_marks(args)
+        try:
+            fn = next((f for f in self.variants if f.guard_check(*args)), None)
+        finally:
+            _put_back(taken)
+        if fn is None and len(self.variants) >= MAX_VARIANTS:
+            logger.warning("Tide: the graph %s was compiled %d times; torch.compile runs it from now on", self.name,
+                           len(self.variants))
+            self.fallback = self.compiled()
+            return None
+        if fn is None:
+            if self.variants and self.path.is_file():
+                logger.warning("Tide: the precompiled graph %s does not take these arguments; compiling it", self.name)
+            fn = self._compile(args, save=not self.variants and _PRECOMPILING.get())
+            if fn is None:
+                self.fallback = self.compiled()
+                return None
+            self.variants.append(fn)
+        return fn
 
     def _load(self):
         start = time.perf_counter()
@@ -132,7 +169,11 @@ class _Graph:
         self._event("loaded", time.perf_counter() - start)
         return fn
 
-    def _precompile(self, args):
+    def _compile(self, args, save: bool):
+        """The graph AOT-compiled on `args` (`save`: kept in its file) -> its function, or None where it cannot be
+        captured whole. Guards that name an object of this process cannot be kept by an AOT-compiled function and are
+        left out (`_serialisable`): which objects the graph reads is the key's, and `Precompiled.new_call` clears
+        what passed at each call."""
         from ..models.compat import CompileWatch
 
         start = time.perf_counter()
@@ -142,17 +183,19 @@ class _Graph:
         try:
             fn = torch.compile(types.FunctionType(code, self.function.__globals__, self.name), **options) \
                 .aot_compile((args, {}))
-            payload = type(fn).serialize(fn).serialized_data
-        except Exception as err:  # noqa: BLE001 - a graph not precompiled is compiled as usual
-            logger.warning("Tide: the graph %s could not be precompiled (%s); compiling it", self.name, err)
+            payload = type(fn).serialize(fn).serialized_data if save else None
+        except Exception as err:  # noqa: BLE001 - a graph not AOT-compiled is compiled as usual
+            logger.warning("Tide: the graph %s could not be compiled ahead of its calls (%s); compiling it with "
+                           "torch.compile", self.name, err)
             return None
         seconds = time.perf_counter() - start
-        CompileWatch.note(seconds)  # (aot_compile runs no dynamo callback)
-        try:
-            compilecache.write_keyed(self.path, self.key, payload)
-        except OSError as err:
-            logger.warning("Tide: could not keep the precompiled graph in %s (%s)", self.path, err)
-        self._event("saved", seconds)
+        CompileWatch.note(seconds, recompile=bool(self.variants))  # (aot_compile runs no dynamo callback)
+        if save:
+            try:
+                compilecache.write_keyed(self.path, self.key, payload)
+            except OSError as err:
+                logger.warning("Tide: could not keep the precompiled graph in %s (%s)", self.path, err)
+            self._event("saved", seconds)
         return fn
 
     def _event(self, what: str, seconds: float) -> None:

@@ -314,11 +314,13 @@ class CompileWatch:
         self._started = 0.0
 
     @classmethod
-    def note(cls, seconds: float) -> None:
-        """Count a graph compiled where dynamo's callbacks do not run (`torch.compile(...).aot_compile`)."""
+    def note(cls, seconds: float, recompile: bool = False) -> None:
+        """Count a graph compiled where dynamo's callbacks do not run (`torch.compile(...).aot_compile`); a
+        `recompile` where it is another variant of a function already compiled."""
         for watch in cls._active:
             watch.seconds += seconds
             watch.graphs += 1
+            watch.recompiles += recompile
 
     def _start(self, args) -> None:
         self._started = time.perf_counter()
