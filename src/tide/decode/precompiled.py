@@ -7,7 +7,8 @@ artifacts of `compilecache.py`, for a later process to load without tracing.
   a compiled cycle paid every time (8.9% a token in bfloat16, docs/benchmarks.md). An AOT-compiled graph's guards
   run at its first call and again wherever the arguments' signature is new in the call (`_signature`: another
   cache or module object, a tensor of another shape or dtype, parameters moved to another dtype); each generate
-  call starts afresh (`Precompiled.new_call`), so a module swapped between calls is seen.
+  call starts afresh (`Precompiled.new_call`), so a module swapped between calls for one of another class or shape
+  is seen.
 - **Variants.** Arguments that no variant's guards pass compile another (a recompile, counted by `CompileWatch`),
   up to `MAX_VARIANTS`; past that, and for a graph `aot_compile` cannot capture whole, torch.compile runs the graph,
   with a log line.
@@ -78,7 +79,7 @@ class Precompiled:
     def __init__(self, model, options: dict, device):
         self.key = {**compilecache.artifact_key(model, options, device), "format": _FORMAT,
                     "transformers": _transformers_version(), "tide_source": _source_digest()}
-        self.events: list[dict] = []  # what each graph did: {"graph", "loaded"/"saved"/"fallback", "seconds"}
+        self.events: list[dict] = []  # what each graph did with its file: {"graph", "loaded"/"saved", "seconds"}
         self.graphs: list[_Graph] = []
 
     def wrap(self, function, key, name: str, options: dict, compiled):
@@ -94,8 +95,8 @@ class Precompiled:
         return graph
 
     def new_call(self) -> None:
-        """A generate call starts: every graph checks its guards again (once per argument signature), so what changed
-        between calls (a module swapped, grad mode) is seen as torch.compile would see it."""
+        """A generate call starts: every graph checks its guards again (once per argument signature), so a module
+        swapped between calls for one of another class or shape is seen."""
         for graph in self.graphs:
             graph.checked.clear()
 

@@ -87,7 +87,7 @@ class SpanRunner:
     def __init__(self, parts: ModelParts, options: dict | None = None, precompiled=None):
         self.parts, self.options = parts, options
         self._compiled: dict = {}  # (start, stop) -> a span's compiled function; "backbone" -> the backbone's
-        # `graph`'s graphs loaded, or precompiled and saved, without tracing (`decode.precompiled.Precompiled`)
+        # `graph`'s graphs: AOT-compiled, or loaded without tracing (`decode.precompiled.Precompiled`)
         self.precompiled = precompiled
 
     @property
@@ -133,11 +133,11 @@ class SpanRunner:
                             dense(context)))
 
     def graph(self, key, function, name: str, *args, lean: bool = False):
-        """`function(*args)` compiled (one graph per `key`; `function`'s own Python decides what it runs), or loaded
-        precompiled where `precompiled` holds it. `lean`: inductor (where it compiles in its default mode) leaves out
-        its checks of every input's size and strides, which dynamo's guards have made already: a graph of nested
-        `torch.cond` branches passes each branch every parameter it reads, and the checks cost more than its smaller
-        kernels."""
+        """`function(*args)` compiled (one graph per `key`; `function`'s own Python decides what it runs): through
+        `precompiled` where there is one (AOT-compiled or loaded, its guards checked once per argument signature).
+        `lean`: inductor (where it compiles in its default mode) leaves out its checks of every input's size and
+        strides, which dynamo's guards have made already: a graph of nested `torch.cond` branches passes each branch
+        every parameter it reads, and the checks cost more than its smaller kernels."""
         return self._own(self._function(function, ("graph", key), name, lean)(*args))
 
     def backbone(self, **inputs):
@@ -163,7 +163,7 @@ class SpanRunner:
 
     def _function(self, function, key, name: str, lean: bool = False):
         """`function` compiled under `key`, as a code object of its own named `name` (its own recompile limit); a
-        `graph`'s, where `precompiled` has it (or is to make it), its precompiled function."""
+        `graph`'s, where there is a `precompiled`, its function from there."""
         fn = self._compiled.get(key)
         if fn is None:
             code = function.__code__.replace(co_name=name, co_qualname=name)
