@@ -27,12 +27,16 @@ import torch
 import tide
 from tide.tools.demo import _load_base
 from tide.decode.baseline import compiled_static_decoder
+from tide.layers.spans import CPU_INDUCTOR_OPTIONS
 from tide.models.compat import CompileWatch
 from tide.tools.demo_corpus import split_corpus
 
 
 # Random-weight shapes for costs and overheads on a GPU (drafts from fresh heads on random weights are
 # rejected, so lossless rows there price a cycle, not a speed-up)
+# the second compiled base on a CPU, beside the plain one: compiled with the inductor options Tide's CPU graphs take
+LOWERED_BASE = "static+compile lowered"
+
 SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=4096),  # a smoke test of this path on any machine
@@ -160,10 +164,16 @@ def bench_rows(base, model, prompts, tokens: int, configs: dict, repeats: int = 
     compiled = compiled_static_decoder(base, longest.shape[1] + n)
     compile_s, _ = timed(compiled, longest, n)
     rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n)}
+    compile_s = {"static+compile": compile_s}
+    if compile and base.device.type == "cpu":  # the compiled base with the inductor options Tide's CPU graphs take
+        lowered = compiled_static_decoder(base, longest.shape[1] + n, dict(fullgraph=True, dynamic=False,
+                                                                             options=CPU_INDUCTOR_OPTIONS))
+        compile_s[LOWERED_BASE], _ = timed(lowered, longest, n)
+        rows[LOWERED_BASE] = lambda ids: lowered(ids, n)
     rows.update(extra_rows or {})
     for name, config in configs.items():
         rows[name] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
-    compile_s, graphs = {"static+compile": compile_s}, {}
+    graphs = {}
     for name, config in configs.items() if compile else ():
         config = {**(config or {}), "compile": True}
         rows[f"{name} compiled"] = lambda ids, config=config: model.generate(ids, **greedy, tide_config=config)
@@ -208,7 +218,7 @@ def _summary(rows, timed_rows, prompts, repeats, n, compile_s, graphs, model, ex
     per_prompt = {name: [statistics.median(t[i * repeats:(i + 1) * repeats]) for i in range(len(prompts))]
                   for name, t in times.items()}
     cycles = {name: accepted_per_cycle(rows[name], prompts, model) for name in rows
-              if name not in ("generate", "static+compile") and name not in (extra_rows or {})}
+              if name not in ("generate", "static+compile", LOWERED_BASE) and name not in (extra_rows or {})}
     result = {"tokens": n, "prompts": len(prompts), "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
               "graphs": graphs, "threads": torch.get_num_threads(), "rows": {}}
     print(f"{len(prompts)} prompts x {n} tokens, median of {repeats}; first compiled calls (s): "
@@ -218,13 +228,16 @@ def _summary(rows, timed_rows, prompts, repeats, n, compile_s, graphs, model, ex
     for name, secs in per_prompt.items():
         row = {"ms_per_token": statistics.median(secs) / n * 1e3, "identical_runs": same[name] / len(times[name]),
                "accepted_per_cycle": cycles.get(name)}
-        for baseline in ("generate", "static+compile"):
+        for baseline in ("generate", "static+compile", LOWERED_BASE)[:3 if LOWERED_BASE in per_prompt else 2]:
             ratios = [b / s for b, s in zip(per_prompt[baseline], secs)]
             row[f"vs {baseline}"] = (statistics.median(ratios), min(ratios), max(ratios))
         result["rows"][name] = row
         cells = [f"x{m:.2f} [{lo:.2f}-{hi:.2f}]" for m, lo, hi in (row["vs generate"], row["vs static+compile"])]
         accepted = "" if row["accepted_per_cycle"] is None else f"{row['accepted_per_cycle']:.2f}"
-        print(f"{name:<31}{row['ms_per_token']:>9.2f}{cells[0]:>22}{cells[1]:>24}{row['identical_runs']:>11.2f}{accepted:>16}")
+        lowered = row.get(f"vs {LOWERED_BASE}")
+        lowered = "" if lowered is None else f"  (vs lowered: x{lowered[0]:.2f} [{lowered[1]:.2f}-{lowered[2]:.2f}])"
+        print(f"{name:<31}{row['ms_per_token']:>9.2f}{cells[0]:>22}{cells[1]:>24}{row['identical_runs']:>11.2f}"
+              f"{accepted:>16}{lowered}")
     return result
 
 
