@@ -43,9 +43,8 @@ def eager_compiled_baseline(monkeypatch):
 
     compiled = tide.tools.bench.compiled_static_decoder
 
-    def eager_backend(*args, **kwargs):
-        kwargs.setdefault("compile_options", dict(fullgraph=True, dynamic=False, backend="eager"))
-        return compiled(*args, **kwargs)
+    def eager_backend(base, cache_len, compile_options=None, **kwargs):
+        return compiled(base, cache_len, dict(fullgraph=True, dynamic=False, backend="eager"), **kwargs)
 
     monkeypatch.setattr(tide.tools.bench, "compiled_static_decoder", eager_backend)
     monkeypatch.setattr(tide.tools.bench, "TIDE_COMPILE_CONFIG", CompileConfig(backend="eager"))
