@@ -258,17 +258,3 @@ def test_greedy_chains_draft_in_one_compiled_call(family, monkeypatch):
                          compile_config=EAGER_BACKEND)
     assert torch.equal(out, ref)
 
-
-def test_cpu_graphs_lower_one_row_products_unless_the_call_says_otherwise():
-    """On a CPU, inductor's default mode takes `CPU_INDUCTOR_OPTIONS` (one-row products lowered to inductor's own
-    reduction); options the call's `compile_config` names win, and another backend, mode or device takes nothing."""
-    from tide.layers.spans import CPU_INDUCTOR_OPTIONS, compile_options
-
-    assert compile_options(None, "cpu")["options"] == CPU_INDUCTOR_OPTIONS
-    assert compile_options(CompileConfig(options={"freezing": True}), "cpu")["options"] == {
-        **CPU_INDUCTOR_OPTIONS, "freezing": True}
-    mine = {"post_grad_fusion_options": {}}
-    assert compile_options(CompileConfig(options=mine), "cpu")["options"] == mine
-    assert compile_options(CompileConfig(backend="eager"), "cpu")["options"] is None
-    assert compile_options(CompileConfig(mode="max-autotune-no-cudagraphs"), "cpu")["options"] is None
-    assert compile_options(None, "cuda")["options"] is None and compile_options(None)["options"] is None

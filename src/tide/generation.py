@@ -121,8 +121,7 @@ def _compile_options(model, kwargs: dict) -> dict:
                              f"cache_implementation={implementation!r}; drop it or pass 'static'.")
         _ask(kwargs, "cache_implementation", "static")
     config = kwargs.get("generation_config") or model.base.generation_config
-    return compile_options(kwargs.get("compile_config") or getattr(config, "compile_config", None),
-                           model.base.device.type)
+    return compile_options(kwargs.get("compile_config") or getattr(config, "compile_config", None))
 
 
 def _ask(kwargs: dict, name: str, value) -> None:

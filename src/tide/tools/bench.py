@@ -23,7 +23,6 @@ from ..calibration.run import operating_point
 from ..hub.card import (batches_text, draft_scheme_text, exit_timing_text, loop_extras_text, timings_text,
                         verify_extras_text)
 from ..decode.baseline import compiled_static_decoder
-from ..layers.spans import CPU_INDUCTOR_OPTIONS
 from ..layers import fewrows
 from .benchkv import device_name, kv_cost_main, kv_fill_costs, kv_fill_costs_text
 
@@ -79,8 +78,7 @@ def _decode_seconds(fn, ids, new_tokens: int) -> float:
     return time.perf_counter() - start - one
 
 
-# the second baseline: the base model's compiled static-cache decode (on a CPU with `CPU_INDUCTOR_OPTIONS`, as Tide's)
-COMPILED_BASE = "base static+compile"
+COMPILED_BASE = "base static+compile"  # the second baseline: the base model's compiled static-cache decode
 COMPILED_LOSSLESS = "lossless compile=True"  # Tide's lossless mode compiled, timed beside that baseline
 TIDE_COMPILE_CONFIG = None  # the compiled Tide row's `compile_config` for generate (None: transformers' default)
 
@@ -97,10 +95,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     prompt_ids = [tokenizer(p, return_tensors="pt")["input_ids"].to(base.device) for p in prompts]
     compiled_decode = None
     if compiled_baseline:
-        # (on a CPU with the inductor options Tide's own graphs take: the compiled rows compare like with like)
-        lowered = {"options": CPU_INDUCTOR_OPTIONS} if base.device.type == "cpu" else {}
-        compiled_decode = compiled_static_decoder(base, max(p.shape[1] for p in prompt_ids) + new_tokens + 1,
-                                                  dict(fullgraph=True, dynamic=False, **lowered) if lowered else None)
+        compiled_decode = compiled_static_decoder(base, max(p.shape[1] for p in prompt_ids) + new_tokens + 1)
         variants = {"base": None, COMPILED_BASE: None, **{k: v for k, v in variants.items() if k != "base"},
                     COMPILED_LOSSLESS: {"mode": "lossless", "compile": True}}
     results = {"machine": f"{device_name(base.device)}, torch {torch.__version__}",
