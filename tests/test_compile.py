@@ -257,4 +257,3 @@ def test_greedy_chains_draft_in_one_compiled_call(family, monkeypatch):
     out = model.generate(ids, do_sample=False, max_new_tokens=20, repetition_penalty=1.3, tide_config=config,
                          compile_config=EAGER_BACKEND)
     assert torch.equal(out, ref)
-
