@@ -228,7 +228,7 @@ def _summary(rows, timed_rows, prompts, repeats, n, compile_s, graphs, model, ex
     for name, secs in per_prompt.items():
         row = {"ms_per_token": statistics.median(secs) / n * 1e3, "identical_runs": same[name] / len(times[name]),
                "accepted_per_cycle": cycles.get(name)}
-        for baseline in ("generate", "static+compile", LOWERED_BASE)[:3 if LOWERED_BASE in per_prompt else 2]:
+        for baseline in (b for b in ("generate", "static+compile", LOWERED_BASE) if b in per_prompt):
             ratios = [b / s for b, s in zip(per_prompt[baseline], secs)]
             row[f"vs {baseline}"] = (statistics.median(ratios), min(ratios), max(ratios))
         result["rows"][name] = row

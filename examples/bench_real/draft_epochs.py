@@ -27,7 +27,6 @@ import realmodel
 import torch
 
 from tide.calibration.chat import chat_texts, sharegpt_records
-from tide.calibration.headloss import head_kl
 from tide.heads.draftvocab import ranked_vocabulary
 from tide.heads.router import DraftHead
 
@@ -95,17 +94,10 @@ def main(argv=None):
         order = torch.randperm(n, generator=generator)
         for i in range(per_epoch):
             t0 = time.perf_counter()
-            pick = order[i * args.minibatch:(i + 1) * args.minibatch]
-            hx, hc, hf = (states[k][pick].float() for k in ("x", "context", "final"))
-            with torch.no_grad():
-                teacher = hf @ rows_w.T
-            for key, head in heads.items():
-                loss = head_kl(norm(head(hx, hc)) @ rows_w.T, teacher)
-                optims[key].zero_grad()
-                loss.backward()
-                optims[key].step()
-                if key in scheds:
-                    scheds[key].step()
+            draft_scale.train_step(heads, optims, states, order[i * args.minibatch:(i + 1) * args.minibatch], norm,
+                                   rows_w)
+            for sched in scheds.values():
+                sched.step()
             steps += 1
             train_s += time.perf_counter() - t0
             if steps in checkpoints:

@@ -144,6 +144,18 @@ def score(head, sets, norm, rows_w, vocab, head_w) -> dict:
     return out
 
 
+def train_step(heads: dict, optims: dict, states: dict, pick: torch.Tensor, norm, rows_w) -> None:
+    """One Adam step of every head in `heads` on the rows `pick` of `states` ({"x", "context", "final"}: bfloat16
+    [N, H]): KL to the full model over the draft vocabulary's rows `rows_w`."""
+    hx, hc, hf = (states[k][pick].float() for k in ("x", "context", "final"))
+    teacher = hf @ rows_w.T
+    for key, head in heads.items():
+        loss = head_kl(norm(head(hx, hc)) @ rows_w.T, teacher)
+        optims[key].zero_grad()
+        loss.backward()
+        optims[key].step()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1_000_000, help="training tokens (answer positions) in all")
@@ -202,14 +214,8 @@ def main(argv=None):
             rows_w = head_w[vocab]
         t0 = time.perf_counter()
         for _ in range(round(x.shape[0] * args.steps_per_token)):
-            pick = torch.randint(filled, (args.minibatch,), generator=generator)
-            hx, hc, hf = (buf[k][pick].float() for k in ("x", "context", "final"))
-            teacher = hf @ rows_w.T
-            for m, head in heads.items():
-                loss = head_kl(norm(head(hx, hc)) @ rows_w.T, teacher)
-                optims[m].zero_grad()
-                loss.backward()
-                optims[m].step()
+            train_step(heads, optims, buf, torch.randint(filled, (args.minibatch,), generator=generator), norm,
+                       rows_w)
             steps += 1
         train_s += time.perf_counter() - t0
         while milestones and seen >= milestones[0]:
