@@ -86,6 +86,22 @@ def test_a_compiled_chain_that_does_not_pay_runs_the_compiled_base(measured):
     assert plan.reason.startswith("the chain does not pay on this machine") and calls[-1][1] is True
 
 
+def test_what_the_check_compiles_counts_in_the_calls_stats(monkeypatch):
+    """A compiled call's check compiles the base model's compiled step (`_compiled_step_seconds`); the call's stats
+    count that compiling with its own."""
+    def compiling_measure(model, scheme, compiled, layout="auto", repeats=machinecheck.REPEATS):
+        torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+        return 3.0
+
+    monkeypatch.setattr(machinecheck, "measure_cycle", compiling_measure)
+    chain = {"draft_layer": 1, "max_draft": 1, "draft_vocab_size": 0, "draft_ngram": 0}
+    model = llama_repo(thresholds=False, compiled_chain=chain)
+    model.config.calibration = {"compiled_chains": [{"chain": chain, "measured": 1.1, "active": True,
+                                                     "timings": [1.1], "accepted_per_cycle": 0.4}]}
+    plan = machinecheck.review(model, _plan(model, {"compile": True}))
+    assert plan.kind == "base (compiled)" and plan.checked_compiling[1] == 1
+
+
 def test_the_opt_out_and_a_call_that_names_its_scheme_are_not_checked(measured):
     calls, cost = measured
     cost[0] = 5.0
@@ -121,10 +137,18 @@ def test_a_stale_or_corrupt_cache_file_is_ignored_with_a_log_line(measured, cont
 
 
 def test_the_measurement_runs_on_a_tiny_model():
+    """Eager and compiled; a compiled measurement times Tide's compiled base step (it compiles it, with the
+    lowered products' graphs of the linears) and leaves the model's last stats as they were."""
+    from tide.models.compat import CompileWatch
+
     model = _repo()
+    model.generate(short_ids(), **GREEDY)
+    before = model.last_stats
     for compiled in (False, True):
-        cost = machinecheck.measure_cycle(model, machinecheck.Scheme(1, 2), compiled, repeats=1)
+        with CompileWatch() as watch:
+            cost = machinecheck.measure_cycle(model, machinecheck.Scheme(1, 2), compiled, repeats=1)
         assert 0.5 < cost < 50
+        assert (watch.graphs > 0) == compiled and model.last_stats is before
 
 
 def _plan(model, tide_config):

@@ -27,7 +27,7 @@ import torch
 import tide
 from tide.tools.demo import _load_base
 from tide.decode.baseline import compiled_static_decoder
-from tide.layers.spans import CPU_INDUCTOR_OPTIONS
+from tide.layers.rowproducts import CPU_INDUCTOR_OPTIONS
 from tide.models.compat import CompileWatch
 from tide.tools.demo_corpus import split_corpus
 

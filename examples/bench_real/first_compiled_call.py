@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
         print("the other questions:", result["cover"], flush=True)
     if args.save:
         start = time.perf_counter()
-        path = compilecache.save(model, compile_options(None), model.base.device)
+        path = compilecache.save(model, compile_options(None, model.base.device.type), model.base.device)
         result["saved"] = {"file": str(path), "bytes": path.stat().st_size if path else 0,
                            "seconds": round(time.perf_counter() - start, 1)}
         print("saved:", result["saved"], flush=True)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench_real"))
 import realmodel  # noqa: E402
 
 from tide.decode.baseline import compiled_static_decoder  # noqa: E402
-from tide.layers.spans import CPU_INDUCTOR_OPTIONS  # noqa: E402
+from tide.layers.rowproducts import CPU_INDUCTOR_OPTIONS  # noqa: E402
 
 
 def main(argv=None):

@@ -86,8 +86,9 @@ def _run(model, plan: CallPlan, session, loop, args, kwargs):
         session.stats.arg_captures, session.stats.arg_windows_off = layer_args.captures, layer_args.off_reason
     if plan.compile:
         stats = session.stats
-        stats.compiled, stats.compile_s = True, watch.seconds
-        stats.graphs_compiled, stats.recompiles = watch.graphs, watch.recompiles
+        checked = plan.checked_compiling  # (what the machine check compiled for this call: the base step)
+        stats.compiled, stats.compile_s = True, watch.seconds + checked[0]
+        stats.graphs_compiled, stats.recompiles = watch.graphs + checked[1], watch.recompiles + checked[2]
     model.last_stats = session.stats
     return attach_stats(output, session.stats)
 
@@ -121,7 +122,8 @@ def _compile_options(model, kwargs: dict) -> dict:
                              f"cache_implementation={implementation!r}; drop it or pass 'static'.")
         _ask(kwargs, "cache_implementation", "static")
     config = kwargs.get("generation_config") or model.base.generation_config
-    return compile_options(kwargs.get("compile_config") or getattr(config, "compile_config", None))
+    return compile_options(kwargs.get("compile_config") or getattr(config, "compile_config", None),
+                           model.base.device.type)
 
 
 def _ask(kwargs: dict, name: str, value) -> None:

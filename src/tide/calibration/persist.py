@@ -29,7 +29,7 @@ def persist_compiled(tide, graphs: int) -> Path | None:
     from ..decode import compilecache
     from ..layers.spans import compile_options
 
-    options = compile_options(getattr(tide.base.generation_config, "compile_config", None))
+    options = compile_options(getattr(tide.base.generation_config, "compile_config", None), tide.base.device.type)
     try:
         path = compilecache.save(tide, options, tide.base.device)
     except Exception as err:  # noqa: BLE001 - a cache not written costs a later process its compiling, nothing else

@@ -13,8 +13,11 @@ and over a cycle's verification width: the weights a pass streams, which is wher
 one on a CPU. A pass's other work (attention over the cache, norms, the framework's time per op) is about the same
 for one position or a few: it is what an eager decode step of the base model takes beyond its linears, added to
 both sides (and to each draft, for its share of the layers). Eager calls compute the rows in the layout the call uses
-(`layers/fewrows.py`); compiled calls as compiled graphs do (plain `F.linear`): an eager proxy of the compiled
-graphs, since timing those would compile both the cycle and the base decode. A cycle is one verification over its
+(`layers/fewrows.py`); compiled calls as compiled graphs do: `F.linear`, and on a CPU one small compiled graph of a
+layer's linears with the inductor options Tide's CPU graphs take (`layers/rowproducts.py`: products of a few rows
+lowered to inductor's reductions, which makes a lowered step's products about twice as fast as the library's on
+SmolLM2), compiled once a process per row count. That is a proxy of the compiled graphs still: timing those would
+compile both the cycle and the base decode. A cycle is one verification over its
 width plus its drafts (each `draft_layer + 1` layers' linears and the head's share over `draft_vocab_size` rows).
 
 The measurement is a proxy: it leaves out what the loops do around the passes, and on SmolLM2 it priced a tree's
@@ -41,6 +44,7 @@ import os
 import platform
 import statistics
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -48,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.fewrows import few_row_linears
+from ..models.compat import CompileWatch
 from . import compilecache
 from .plan import PlanKind
 
@@ -55,7 +60,7 @@ __all__ = ["MARGIN", "Scheme", "review", "check", "check_defaults", "measure_cyc
            "timed_here", "scheme_of", "cache_path", "decision_text", "machine_name", "record_cycle_steps"]
 
 logger = logging.getLogger(__name__)
-_FORMAT = "tide-machine-1"
+_FORMAT = "tide-machine-2"  # 2: compiled CPU calls priced with lowered products
 # A scheme pays where the tokens a cycle emits over its cost in base steps reach this (the timings' own 2%).
 MARGIN = 1.02
 REPEATS = 5
@@ -155,7 +160,9 @@ def review(model, plan):
     (`CallPlan.tried_chain`) where nothing can be weighed; its reason says what was weighed."""
     if plan.kind is not PlanKind.LOSSLESS or not plan.repo_scheme or not plan.options.machine_check:
         return plan
-    verdict = check(model, scheme_of(model, plan), plan.compile, plan.options.few_row_layout)
+    with CompileWatch() as watch:  # (a compiled call's check compiles the base step: the call's stats count it)
+        verdict = check(model, scheme_of(model, plan), plan.compile, plan.options.few_row_layout)
+    plan = dataclasses.replace(plan, checked_compiling=(watch.seconds, watch.graphs, watch.recompiles))
     if verdict is None and not plan.tried_chain:
         return plan
     if verdict is not None and verdict["pays"]:
@@ -272,20 +279,23 @@ def measure_cycle(model, scheme: Scheme, compiled: bool, layout: str = "auto", r
     """What a cycle of `scheme` costs here in base steps, from the model's linears timed over one row and over the
     cycle's width (interleaved, medians of `repeats` after two warm-ups)."""
     parts = model.parts
-    layers = [m for layer in parts.layers for m in layer.modules() if isinstance(m, nn.Linear)]
+    layers = [[m for m in layer.modules() if isinstance(m, nn.Linear)] for layer in parts.layers]
     head = [m for m in parts.lm_head.modules() if isinstance(m, nn.Linear)]
     times = {(rows, part): [] for rows in (1, scheme.width) for part in ("layers", "head")}
+    lowered = compiled and next(model.base.parameters()).device.type == "cpu"
     with few_row_linears(parts, "plain" if compiled else layout):
         for i in range(repeats + 2):
             for rows in (1, scheme.width):
-                for part, linears in (("layers", layers), ("head", head)):
-                    seconds = _pass_seconds(linears, rows, compiled)
+                for part, groups in (("layers", layers), ("head", [head])):
+                    seconds = sum(_pass_seconds(linears, rows, compiled, lowered) for linears in groups)
                     if i >= 2:
                         times[rows, part].append(seconds)
     med = {k: statistics.median(v) for k, v in times.items()}
     linears = med[1, "layers"] + med[1, "head"]
-    # the step's other work (attention, norms, the framework's time per op), about the same for a few positions
-    rest = max(_step_seconds(model, repeats) - linears, 0.0)
+    # the step's other work (attention, norms, the framework's time per op), about the same for a few positions:
+    # an eager step's, or a compiled one's (Tide's compiled base step, which a call that does not pay runs)
+    step = _compiled_step_seconds(model, repeats) if compiled else _step_seconds(model, repeats)
+    rest = max(step - linears, 0.0)
     share = (scheme.draft_layer + 1) / parts.num_layers
     vocab = scheme.draft_vocab_size / _head_rows(head) if scheme.draft_vocab_size else 1.0
     draft = share * (med[1, "layers"] + rest) + vocab * med[1, "head"]
@@ -312,19 +322,73 @@ def _step_seconds(model, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _pass_seconds(linears: list, rows: int, plain: bool) -> float:
+def _compiled_step_seconds(model, repeats: int, new_tokens: int = 16) -> float:
+    """The median seconds of a decode step of Tide's compiled base model (`compile=True, compiled_modes=False`,
+    inductor's options as a call without a `compile_config` takes them): a call of 1 + `new_tokens` tokens less a
+    call of 1. Its first call compiles the step, which a later call that runs the base model compiled reuses."""
+    device = next(model.base.parameters()).device
+    config = model.base.generation_config
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    special = {pad, *(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])}
+    # (a prompt of tokens that are neither padding nor the end: generate masks padding, and a masked step runs eagerly)
+    token = next(t for t in range(1, model.base.config.vocab_size) if t not in special)
+    ids = torch.full((1, 8), token, dtype=torch.long, device=device)
+    kwargs = dict(do_sample=False, pad_token_id=pad,
+                  tide_config={"compile": True, "compiled_modes": False, "compiled_chain": None})
+    last = model.last_stats
+
+    def call(tokens: int) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+        _sync(device)
+        return time.perf_counter() - start
+
+    call(2)
+    times = [(call(1 + new_tokens) - call(1)) / new_tokens for _ in range(repeats)]
+    model.last_stats = last  # (the check's calls are not the user's)
+    return max(statistics.median(times), 1e-9)
+
+
+def _pass_seconds(linears: list, rows: int, plain: bool, lowered: bool = False) -> float:
     """One pass of `rows` rows through `linears` in order: the modules' own forward (eager, the few-row layout in
-    force), or `F.linear` (as compiled graphs compute them)."""
+    force), or `F.linear` (as compiled graphs compute them; `lowered`: as Tide's compiled graphs on a CPU compute
+    them, `layers/rowproducts.py`)."""
     if not linears:
         return 0.0
     weight = linears[0].weight
     inputs = [torch.randn(1, rows, m.in_features, dtype=weight.dtype, device=m.weight.device) for m in linears]
+    if lowered:  # (a graph compiled once a process for these shapes: the check's warm-up passes compile it)
+        run = _lowered_linears(tuple((m.in_features, m.out_features, m.bias is not None) for m in linears), rows,
+                               weight.dtype)
+        weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+        start = time.perf_counter()
+        run(inputs, weights, biases)
+        return time.perf_counter() - start
     _sync(weight.device)
     start = time.perf_counter()
     for module, x in zip(linears, inputs):
         F.linear(x, module.weight, module.bias) if plain else module(x)
     _sync(weight.device)
     return time.perf_counter() - start
+
+
+def _linear_pass(inputs, weights, biases):
+    return [F.linear(x, w, b) for x, w, b in zip(inputs, weights, biases)]
+
+
+@functools.cache
+def _lowered_linears(shapes: tuple, rows: int, dtype):
+    """A compiled `_linear_pass` for linears of `shapes` ((in, out, bias?) each) over `rows` rows, with the inductor
+    options Tide's CPU graphs take: a decoder layer's products as its compiled step computes them. The weights are
+    arguments, so one graph serves every layer of the model; each key gets a code object of its own, so that no
+    key's graph counts against another's recompile limit."""
+    from ..layers.rowproducts import CPU_INDUCTOR_OPTIONS
+
+    name = f"tide_check_linears_{abs(hash((shapes, rows, str(dtype)))):x}"
+    code = _linear_pass.__code__.replace(co_name=name, co_qualname=name)
+    return torch.compile(types.FunctionType(code, _linear_pass.__globals__, name), fullgraph=True, dynamic=False,
+                         options=CPU_INDUCTOR_OPTIONS)
 
 
 def _head_rows(head: list) -> int:

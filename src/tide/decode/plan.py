@@ -78,6 +78,8 @@ class CallPlan:
     tried_chain: an eager call drafts the repo's `compiled_chain` where its eager default drafts nothing: it runs
         the chain only where the check finds that it pays here, and the base model otherwise (a record with no
         figure to weigh included).
+    checked_compiling: (seconds, graphs, recompiles) the machine check compiled for the call (a compiled call's
+        check compiles the base model's compiled step, which the call then runs or not): the call's stats count it.
     """
 
     kind: PlanKind
@@ -89,6 +91,7 @@ class CallPlan:
     kv_cache: bool = False
     repo_scheme: bool = False
     tried_chain: bool = False
+    checked_compiling: tuple = (0.0, 0, 0)
 
 
 def plan_call(model, tide_config, args: tuple, kwargs: dict) -> CallPlan:

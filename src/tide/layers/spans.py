@@ -19,6 +19,7 @@ import types
 import torch
 
 from ..models.architectures import ModelParts
+from .rowproducts import CPU_INDUCTOR_OPTIONS
 
 __all__ = ["SpanRunner", "at_offset_zero", "compile_options", "dense", "options_key", "run_span"]
 
@@ -50,18 +51,11 @@ def _run_chain(layers, returns_tuple: bool, embed, positional, hidden, steps, th
     return torch.cat(states, 1), torch.cat(tokens, 1), torch.stack(logits, 1)
 
 
-# inductor options that lower one-row products (a decode step's, a drafting step's; both sides of the weight at most
-# 2,048) to inductor's own vectorised reduction instead of a library call, on a CPU. Not taken by default: on
-# SmolLM2 they made the compiled static-cache base decode 1.36x faster (float32) and 1.39x (bfloat16), and the
-# demo model's 2.6x, where Tide's compiled chain gains little from them, and the pay check does not price them
-# (docs/benchmarks.md, "One-row products"). A call can pass them: `compile_config=CompileConfig(options=...)`;
-# the benches time a compiled base with them beside the plain one.
-CPU_INDUCTOR_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
-
-
-def compile_options(compile_config=None) -> dict:
+def compile_options(compile_config=None, device: str | None = None) -> dict:
     """torch.compile keyword arguments from a call's `compile_config` (transformers' `CompileConfig`; None: its
-    defaults)."""
+    defaults) for a model on `device` (a device type: on "cpu", inductor's default mode takes
+    `rowproducts.CPU_INDUCTOR_OPTIONS`, products of a few rows lowered to inductor's own reductions, where the config
+    does not name them)."""
     from transformers import CompileConfig
 
     config = compile_config or CompileConfig()
@@ -69,6 +63,8 @@ def compile_options(compile_config=None) -> dict:
                "mode": config.mode, "options": config.options}
     if not torch.cuda.is_available():  # CUDA graphs need a GPU; inductor's default mode elsewhere
         options["mode"] = None if options["mode"] == "reduce-overhead" else options["mode"]
+    if device == "cpu" and options["backend"] == "inductor" and options["mode"] is None:
+        options["options"] = {**CPU_INDUCTOR_OPTIONS, **(options["options"] or {})}
     return options
 
 

@@ -24,6 +24,7 @@ from ..hub.card import (batches_text, draft_scheme_text, exit_timing_text, loop_
                         verify_extras_text)
 from ..decode.baseline import compiled_static_decoder
 from ..layers import fewrows
+from ..layers.rowproducts import CPU_INDUCTOR_OPTIONS
 from .benchkv import device_name, kv_cost_main, kv_fill_costs, kv_fill_costs_text
 
 __all__ = ["run_bench", "plot_bench", "kv_fill_costs", "kv_fill_costs_text"]
@@ -79,6 +80,9 @@ def _decode_seconds(fn, ids, new_tokens: int) -> float:
 
 
 COMPILED_BASE = "base static+compile"  # the second baseline: the base model's compiled static-cache decode
+# on a CPU, the same with the products of a few rows lowered as Tide's own CPU graphs lower them
+# (`layers/rowproducts.py`): a speed-minded user can pass the same inductor options
+COMPILED_BASE_LOWERED = "base static+compile lowered"
 COMPILED_LOSSLESS = "lossless compile=True"  # Tide's lossless mode compiled, timed beside that baseline
 TIDE_COMPILE_CONFIG = None  # the compiled Tide row's `compile_config` for generate (None: transformers' default)
 
@@ -93,10 +97,14 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
     variants, chosen = _variants(model, sweep)
     token_lists = [tokenizer(t)["input_ids"][:max_eval_tokens] for t in heldout]
     prompt_ids = [tokenizer(p, return_tensors="pt")["input_ids"].to(base.device) for p in prompts]
-    compiled_decode = None
+    decoders = {}
     if compiled_baseline:
-        compiled_decode = compiled_static_decoder(base, max(p.shape[1] for p in prompt_ids) + new_tokens + 1)
-        variants = {"base": None, COMPILED_BASE: None, **{k: v for k, v in variants.items() if k != "base"},
+        length = max(p.shape[1] for p in prompt_ids) + new_tokens + 1
+        decoders[COMPILED_BASE] = compiled_static_decoder(base, length)
+        if base.device.type == "cpu":
+            decoders[COMPILED_BASE_LOWERED] = compiled_static_decoder(
+                base, length, dict(fullgraph=True, dynamic=False, options=CPU_INDUCTOR_OPTIONS))
+        variants = {"base": None, **dict.fromkeys(decoders), **{k: v for k, v in variants.items() if k != "base"},
                     COMPILED_LOSSLESS: {"mode": "lossless", "compile": True}}
     results = {"machine": f"{device_name(base.device)}, torch {torch.__version__}",
                "model": base.config.name_or_path or type(base).__name__, "num_layers": model.parts.num_layers,
@@ -104,7 +112,7 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
                "draft_head": model.config.draft_head, "new_tokens": new_tokens,
                "repeats": repeats, "variants": {}}
     _measure(model, token_lists, results, progress)
-    times, extra, outputs = _time_variants(model, variants, _runner(model, compiled_decode), prompt_ids, new_tokens,
+    times, extra, outputs = _time_variants(model, variants, _runner(model, decoders), prompt_ids, new_tokens,
                                            repeats, results, progress)
     for name, cfg in variants.items():
         row = _variant_row(model, cfg, times, name, extra[name], outputs, new_tokens * len(prompt_ids), token_lists)
@@ -123,14 +131,15 @@ def _run_config(model, cfg):
     return model.config.resolve_generation(cfg)
 
 
-def _runner(model, compiled_decode):
-    """`generate(cfg, name)`: a variant's decode function `fn(ids, new_tokens)`."""
+def _runner(model, decoders: dict):
+    """`generate(cfg, name)`: a variant's decode function `fn(ids, new_tokens)` (`decoders`: the compiled bases'
+    by name)."""
     base = model.base
     gen_kwargs = dict(do_sample=False, pad_token_id=base.generation_config.pad_token_id or 0)
 
     def generate(cfg, name=None):
-        if name == COMPILED_BASE:
-            return compiled_decode
+        if name in decoders:
+            return decoders[name]
         if cfg is None:
             return lambda ids, n: base.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen_kwargs)
         compiled = {"compile_config": TIDE_COMPILE_CONFIG} if cfg.get("compile") and TIDE_COMPILE_CONFIG else {}
@@ -185,11 +194,12 @@ def _time_variants(model, variants: dict, generate, prompt_ids, new_tokens: int,
     extra: dict[str, dict] = {name: {} for name in variants}
     outputs: dict[str, list] = {}
     with torch.inference_mode():
-        if COMPILED_BASE in variants:
-            start = time.perf_counter()
-            generate(None, COMPILED_BASE)(prompt_ids[0], 2)
-            results["compile_s"] = time.perf_counter() - start
-            progress(f"{COMPILED_BASE}: first call (compiling) {results['compile_s']:.1f} s")
+        for name, key in ((COMPILED_BASE, "compile_s"), (COMPILED_BASE_LOWERED, "compile_lowered_s")):
+            if name in variants:
+                start = time.perf_counter()
+                generate(None, name)(prompt_ids[0], 2)
+                results[key] = time.perf_counter() - start
+                progress(f"{name}: first call (compiling) {results[key]:.1f} s")
         # The greedy outputs, longest prompt first (the warm-up calls compile what the timed calls will run)
         order = sorted(range(len(prompt_ids)), key=lambda i: -prompt_ids[i].shape[1])
         for name, cfg in variants.items():
@@ -244,6 +254,10 @@ def _variant_row(model, cfg, times: dict, name: str, extra: dict, outputs: dict,
         compiled_ratios = [c / t for c, t in zip(times[COMPILED_BASE], times[name])]
         row.update(ratio_to_compiled=statistics.median(compiled_ratios),
                    ratio_to_compiled_range=[min(compiled_ratios), max(compiled_ratios)])
+    if COMPILED_BASE_LOWERED in times:
+        lowered = [c / t for c, t in zip(times[COMPILED_BASE_LOWERED], times[name])]
+        row.update(ratio_to_compiled_lowered=statistics.median(lowered),
+                   ratio_to_compiled_lowered_range=[min(lowered), max(lowered)])
     same = [bool(torch.equal(a, b)) for a, b in zip(outputs[name], outputs["base"])]
     matched = sum(int((a == b).sum()) for a, b in zip(outputs[name], outputs["base"]))
     row.update(greedy_identical=all(same), greedy_token_match=matched / sum(len(b) for b in outputs["base"]))
@@ -255,7 +269,7 @@ def _variant_row(model, cfg, times: dict, name: str, extra: dict, outputs: dict,
                          "draft_vocab_size": scheme.draft_vocab_size, "draft_ngram": scheme.draft_ngram,
                          "head_drafts": scheme.head_drafts}
                         if scheme.max_draft else None)  # None: base generate
-    if name != COMPILED_BASE and (cfg is None or cfg.get("mode") != "lossless"):
+    if name not in (COMPILED_BASE, COMPILED_BASE_LOWERED) and (cfg is None or cfg.get("mode") != "lossless"):
         with torch.inference_mode():
             q = teacher_forced(model, token_lists, _run_config(model, cfg) if cfg is not None else
                                {"exit_threshold": 1.0})
@@ -341,7 +355,11 @@ def _line(name: str, row: dict) -> str:
     parts = [f"{name:30s} {row['decode_tokens_per_s']:8.1f} tok/s  x{row['ratio_to_base']:.3f} [{low:.2f}-{high:.2f}]"]
     if "ratio_to_compiled" in row:
         low, high = row["ratio_to_compiled_range"]
-        parts[0] += f" (compiled base: x{row['ratio_to_compiled']:.3f} [{low:.2f}-{high:.2f}])"
+        parts[0] += f" (compiled base: x{row['ratio_to_compiled']:.3f} [{low:.2f}-{high:.2f}]"
+        if "ratio_to_compiled_lowered" in row:
+            low, high = row["ratio_to_compiled_lowered_range"]
+            parts[0] += f"; lowered: x{row['ratio_to_compiled_lowered']:.3f} [{low:.2f}-{high:.2f}]"
+        parts[0] += ")"
     parts += [
               "greedy output = base" if row["greedy_identical"]
               else f"greedy tokens = base {row['greedy_token_match']:.0%}"]

@@ -38,7 +38,8 @@ def warmup(model, tokenizer=None, sampled: bool = False, new_tokens: int = 48, c
             runs.append({"prompt_tokens": ids.shape[1], "sampled": do_sample, "plan": stats.plan,
                          "graphs_compiled": stats.graphs_compiled, "recompiles": stats.recompiles,
                          "compile_s": round(stats.compile_s, 2)})
-    options = compile_options(compile_config or getattr(model.base.generation_config, "compile_config", None))
+    options = compile_options(compile_config or getattr(model.base.generation_config, "compile_config", None),
+                              model.base.device.type)
     path = compilecache.save(model, options, device)
     return {"file": None if path is None else str(path), "seconds": round(time.perf_counter() - start, 1),
             "calls": runs}

@@ -1,0 +1,112 @@
+"""Products over a few rows, lowered to inductor's own reductions on a CPU: an inductor graph pass.
+
+A decode step multiplies one row by each weight, and a verification pass a few rows. aten's matrix product hands
+both to the BLAS library, which on a CPU runs a row at a time far below the memory's speed, and for 2-4 rows picks
+kernels that read the weights again for each row. Written as one reduction per row over the same weight
+(`(x[i] * W).sum(-1)` for each row i), inductor fuses the rows into one loop over the weight's rows with one
+accumulator per input row: each weight is read once, whatever the row count.
+
+Measured on one thread of an AMD EPYC (AVX-512), float32, eight SmolLM2-shaped MLP layers (576 -> 1,536 -> 576),
+microseconds a layer for 1 / 2 / 3 / 4 / 8 rows (docs/benchmarks.md, "Few-row products"):
+
+- aten's product: 547 / 838 / 966 / 746 / 891;
+- lowered, one reduction per row: 248 / 261 / 409 / 546 / 1,015.
+
+So the pass takes products of at most `MAX_ROWS` rows whose weight has both sides at most `MAX_SIDE` (the bound
+inductor's own one-row pass, `decompose_mm_pass`, keeps on a CPU); bigger ones stay with the library. Each product
+lowered is counted in dynamo's `counters["tide"]["few_row_products"]`. The sums are
+accumulated in float32 for half-precision inputs, as the library does. A row's sum is the same code whether it is
+computed alone or beside others, so a verification pass computes each position's products exactly as a lowered
+decode step does.
+
+`CPU_INDUCTOR_OPTIONS` is what Tide's compiled graphs take on a CPU (`spans.compile_options`); a user can pass the
+same options to their own `torch.compile` (inductor's `post_grad_custom_post_pass`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import Arg, CallFunction, Match, PatternMatcherPass, register_graph_pattern
+
+__all__ = ["FewRowProducts", "CPU_INDUCTOR_OPTIONS", "MAX_ROWS", "MAX_SIDE"]
+
+MAX_ROWS = 4  # rows a product may have to be lowered (at 8 rows the library was faster, above)
+MAX_SIDE = 2048  # the most either side of the weight may have (inductor's own bound for its one-row pass on a CPU)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+aten = torch.ops.aten
+_PATTERNS = PatternMatcherPass(pass_name="tide_few_row_products")
+
+
+def _lowered(rows: torch.fx.Node, weight: torch.fx.Node) -> bool:
+    """Whether mm(rows [M, K], weight [K, N]) on a CPU is one to lower."""
+    values = [node.meta.get("val") for node in (rows, weight)]
+    if not all(isinstance(value, torch.Tensor) for value in values):
+        return False
+    a, b = values
+    if a.dim() != 2 or b.dim() != 2 or a.device.type != "cpu" or b.device.type != "cpu":
+        return False
+    if a.dtype not in _DTYPES or b.dtype != a.dtype:
+        return False
+    sizes = (*a.shape, b.shape[1])
+    if not all(isinstance(size, int) for size in sizes):  # (a dynamic dimension: left to the library)
+        return False
+    m, k, n = sizes
+    return 1 <= m <= MAX_ROWS and k <= MAX_SIDE and n <= MAX_SIDE
+
+
+def _rows_times(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] @ weight [K, N] as one float32 reduction per row over the weight's rows (its transpose [N, K]):
+    inductor fuses them into one pass over the weight."""
+    by_rows = weight.t().float()
+    return torch.stack([(rows[i].float() * by_rows).sum(-1) for i in range(rows.shape[0])])
+
+
+def _mm(rows, weight):
+    return _rows_times(rows, weight).to(rows.dtype)
+
+
+def _addmm(bias, rows, weight):
+    return (_rows_times(rows, weight) + bias.float()).to(rows.dtype)
+
+
+@register_graph_pattern(CallFunction(aten.mm, Arg(), Arg()), pass_dict=_PATTERNS)
+def _lower_mm(match: Match, rows: torch.fx.Node, weight: torch.fx.Node):
+    if _lowered(rows, weight):
+        match.replace_by_example(_mm, [rows, weight])
+        counters["tide"]["few_row_products"] += 1
+
+
+@register_graph_pattern(CallFunction(aten.addmm, Arg(), Arg(), Arg()), pass_dict=_PATTERNS)
+def _lower_addmm(match: Match, bias: torch.fx.Node, rows: torch.fx.Node, weight: torch.fx.Node):
+    bias_value = bias.meta.get("val")
+    if _lowered(rows, weight) and isinstance(bias_value, torch.Tensor) and bias_value.dtype == rows.meta["val"].dtype:
+        match.replace_by_example(_addmm, [bias, rows, weight])
+        counters["tide"]["few_row_products"] += 1
+
+
+class FewRowProducts(CustomGraphPass):
+    """The pass: products of 1-`MAX_ROWS` rows on a CPU, with weights of sides at most `MAX_SIDE`, lowered to one
+    reduction per row (module docstring)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        _PATTERNS.apply(graph)
+
+    def uuid(self) -> str:  # inductor's caches key compiled graphs by this: the pass's source and bounds
+        return hashlib.sha256(Path(__file__).read_bytes() + f"{MAX_ROWS}:{MAX_SIDE}".encode()).hexdigest()
+
+    def __repr__(self) -> str:  # (in the options' key: the same pass compares equal across processes)
+        return f"FewRowProducts(rows<={MAX_ROWS}, sides<={MAX_SIDE})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FewRowProducts)
+
+    def __hash__(self) -> int:
+        return hash(FewRowProducts)
+
+
+CPU_INDUCTOR_OPTIONS = {"post_grad_custom_post_pass": FewRowProducts()}
