@@ -19,7 +19,6 @@ import types
 import torch
 
 from ..models.architectures import ModelParts
-from .rowproducts import CPU_INDUCTOR_OPTIONS
 
 __all__ = ["SpanRunner", "at_offset_zero", "compile_options", "dense", "options_key", "run_span"]
 
@@ -64,6 +63,8 @@ def compile_options(compile_config=None, device: str | None = None) -> dict:
     if not torch.cuda.is_available():  # CUDA graphs need a GPU; inductor's default mode elsewhere
         options["mode"] = None if options["mode"] == "reduce-overhead" else options["mode"]
     if device == "cpu" and options["backend"] == "inductor" and options["mode"] is None:
+        from .rowproducts import CPU_INDUCTOR_OPTIONS  # (here: it imports inductor, which `import tide` need not)
+
         options["options"] = {**CPU_INDUCTOR_OPTIONS, **(options["options"] or {})}
     return options
 

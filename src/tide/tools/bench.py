@@ -24,7 +24,6 @@ from ..hub.card import (batches_text, draft_scheme_text, exit_timing_text, loop_
                         verify_extras_text)
 from ..decode.baseline import compiled_static_decoder
 from ..layers import fewrows
-from ..layers.rowproducts import CPU_INDUCTOR_OPTIONS
 from .benchkv import device_name, kv_cost_main, kv_fill_costs, kv_fill_costs_text
 
 __all__ = ["run_bench", "plot_bench", "kv_fill_costs", "kv_fill_costs_text"]
@@ -102,6 +101,8 @@ def run_bench(model, tokenizer, prompts: list[str], heldout: list[str], *, sweep
         length = max(p.shape[1] for p in prompt_ids) + new_tokens + 1
         decoders[COMPILED_BASE] = compiled_static_decoder(base, length)
         if base.device.type == "cpu":
+            from ..layers.rowproducts import CPU_INDUCTOR_OPTIONS
+
             decoders[COMPILED_BASE_LOWERED] = compiled_static_decoder(
                 base, length, dict(fullgraph=True, dynamic=False, options=CPU_INDUCTOR_OPTIONS))
         variants = {"base": None, **dict.fromkeys(decoders), **{k: v for k, v in variants.items() if k != "base"},
