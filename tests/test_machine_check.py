@@ -125,7 +125,7 @@ def test_a_repo_without_a_recorded_figure_is_not_checked(measured):
 def test_a_stale_or_corrupt_cache_file_is_ignored_with_a_log_line(measured, content, caplog):
     calls, _ = measured
     model = _repo()
-    scheme = machinecheck.Scheme(1, 2)
+    scheme = machinecheck.as_verified(model.config.calibration, machinecheck.Scheme(1, 2))  # (the width it prices)
     path = machinecheck.cache_path(machinecheck._key(model, scheme, False, "auto"))
     path.parent.mkdir(parents=True)
     path.write_text(content)
@@ -232,15 +232,20 @@ def test_calibration_timed_on_this_machine_decides(measured, measured_speedup, m
 
 def test_a_cycle_is_priced_at_the_width_calibration_verified(measured):
     """Where the record says how many positions its timings verified a cycle (`verified_per_cycle`), the check
-    prices a cycle at that width (rounded) and its drafts, rather than at the widest the scheme can verify."""
+    prices a cycle at that width (rounded) and its drafts, rather than at the widest the scheme can verify; where it
+    holds only the drafts accepted a cycle, a chain is priced at the width its cap gives them."""
     calls, _ = measured
     model = _repo()
     model.config.calibration["draft_selection"]["chosen"]["verified_per_cycle"] = 2.4
     model.generate(short_ids(), **GREEDY)
     (scheme, _), = calls
     assert (scheme.width, scheme.drafts) == (2, 1)
-    _repo().generate(short_ids(), **GREEDY)  # no figure: the chain's full width, 3 positions and 2 drafts
-    assert (calls[1][0].width, calls[1][0].drafts) == (3, 2)
+    # no figure: the width the chain's cap gives at the drafts accepted a cycle (accepted + 1 drafts, up to the cap)
+    for accepted, width, drafts in ((0.2, 2, 1), (1.6, 3, 2)):
+        priced = machinecheck.as_verified(_repo(accepted=accepted).config.calibration, machinecheck.Scheme(1, 2))
+        assert (priced.width, priced.drafts) == (width, drafts)
+    tree = machinecheck.Scheme(1, 1, draft_topk=3, tree=True)  # a tree: its widest where no width is recorded
+    assert machinecheck.as_verified(_repo(accepted=0.2).config.calibration, tree).width == tree.width
 
 
 @pytest.mark.real_timing

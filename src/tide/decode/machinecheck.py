@@ -116,8 +116,14 @@ def expected_tokens(record: dict, scheme: Scheme) -> float | None:
 
 def as_verified(record: dict, scheme: Scheme) -> Scheme:
     """`scheme` verifying as many positions a cycle as its timings did on average (`verified_per_cycle`): a tree's
-    n-gram branch, or a chain's full cap, comes only in some cycles; as it is where the record holds no figure."""
+    n-gram branch, or a chain's full cap, comes only in some cycles. Where the record holds no such figure, a chain
+    verifies what its cap gives at the drafts its timings accepted a cycle (`accepted_per_cycle`): the cap follows
+    acceptance (`lossless.chain.next_cap`: the accepted count + 1 after a rejection), so a cycle drafts about the
+    accepted count + 1, up to `max_draft`; a tree, or a record with neither figure, is priced at its widest."""
     verified = _from_timings(record, scheme, "verified_per_cycle")
+    if verified is None and not scheme.tree:
+        accepted = _from_timings(record, scheme, "accepted_per_cycle")
+        verified = None if accepted is None else 1 + min(scheme.max_draft, accepted + 1)
     return scheme if verified is None else dataclasses.replace(scheme, verified=max(1, round(verified)))
 
 
