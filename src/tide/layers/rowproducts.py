@@ -1,23 +1,25 @@
 """Products over a few rows, lowered to inductor's own reductions on a CPU: an inductor graph pass.
 
 A decode step multiplies one row by each weight, and a verification pass a few rows. aten's matrix product hands
-both to the BLAS library, which on a CPU runs a row at a time far below the memory's speed, and for 2-4 rows picks
-kernels that read the weights again for each row. Written as one reduction per row over the same weight
+both to the BLAS library, which on the CPU measured below ran one row at less than half the speed of inductor's own
+reduction, and 2-4 rows at 1.4-1.8 times one row's cost. Written as one reduction per row over the same weight
 (`(x[i] * W).sum(-1)` for each row i), inductor fuses the rows into one loop over the weight's rows with one
 accumulator per input row: each weight is read once, whatever the row count.
 
 Measured on one thread of an AMD EPYC (AVX-512), float32, eight SmolLM2-shaped MLP layers (576 -> 1,536 -> 576),
-microseconds a layer for 1 / 2 / 3 / 4 / 8 rows (docs/benchmarks.md, "Few-row products"):
+microseconds a layer for 1 / 2 / 3 / 4 rows (`examples/verify_cost/few_row_products.py`; docs/benchmarks.md,
+"Few-row products lowered by default on a CPU"):
 
-- aten's product: 547 / 838 / 966 / 746 / 891;
-- lowered, one reduction per row: 248 / 261 / 409 / 546 / 1,015.
+- aten's product: 539 / 826 / 964 / 760;
+- lowered, one reduction per row: 228 / 281 / 471 / 567.
 
+At 8 rows the lowered form was the slower (1,015 against 891 in a first probe).
 So the pass takes products of at most `MAX_ROWS` rows whose weight has both sides at most `MAX_SIDE` (the bound
 inductor's own one-row pass, `decompose_mm_pass`, keeps on a CPU); bigger ones stay with the library. Each product
 lowered is counted in dynamo's `counters["tide"]["few_row_products"]`. The sums are
 accumulated in float32 for half-precision inputs, as the library does. A row's sum is the same code whether it is
-computed alone or beside others, so a verification pass computes each position's products exactly as a lowered
-decode step does.
+computed alone or beside others, so in float32 a verification pass computes each position's products exactly as a
+lowered decode step does (tested).
 
 `CPU_INDUCTOR_OPTIONS` is what Tide's compiled graphs take on a CPU (`spans.compile_options`); a user can pass the
 same options to their own `torch.compile` (inductor's `post_grad_custom_post_pass`).
