@@ -32,11 +32,11 @@ from tide.models.compat import CompileWatch
 from tide.tools.demo_corpus import split_corpus
 
 
-# Random-weight shapes for costs and overheads on a GPU (drafts from fresh heads on random weights are
-# rejected, so lossless rows there price a cycle, not a speed-up)
 # the second compiled base on a CPU, beside the plain one: compiled with the inductor options Tide's CPU graphs take
 LOWERED_BASE = "static+compile lowered"
 
+# Random-weight shapes for costs and overheads on a GPU (drafts from fresh heads on random weights are
+# rejected, so lossless rows there price a cycle, not a speed-up)
 SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=4096),  # a smoke test of this path on any machine

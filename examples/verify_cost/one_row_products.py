@@ -1,7 +1,8 @@
 """The compiled static-cache base decode of SmolLM2-135M on a CPU, with inductor's defaults against the options
-Tide's CPU graphs take (`tide.layers.spans.CPU_INDUCTOR_OPTIONS`: one-row products lowered to inductor's own
-vectorised reduction, `post_grad_fusion_options={"decompose_mm_pass": {}}`): milliseconds a token, and whether the
-tokens are eager `generate`'s.
+Tide's CPU graphs take (`tide.layers.rowproducts.CPU_INDUCTOR_OPTIONS`: products of 1-4 rows lowered to inductor's
+own reductions; the figures of docs/benchmarks.md's "One-row products" section came from inductor's own one-row
+pass, `post_grad_fusion_options={"decompose_mm_pass": {}}`, which these options replaced): milliseconds a token, and
+whether the tokens are eager `generate`'s.
 
 Run each variant in its own process (inductor reads some of its options once a process):
 

@@ -44,7 +44,6 @@ import os
 import platform
 import statistics
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -289,6 +288,8 @@ def measure_cycle(model, scheme: Scheme, compiled: bool, layout: str = "auto", r
     head = [m for m in parts.lm_head.modules() if isinstance(m, nn.Linear)]
     times = {(rows, part): [] for rows in (1, scheme.width) for part in ("layers", "head")}
     lowered = compiled and next(model.base.parameters()).device.type == "cpu"
+    if not lowered:  # (one timed pass over every layer's linears; lowered: one compiled graph's call a layer)
+        layers = [[m for layer in layers for m in layer]]
     with few_row_linears(parts, "plain" if compiled else layout):
         for i in range(repeats + 2):
             for rows in (1, scheme.width):
@@ -390,11 +391,10 @@ def _lowered_linears(shapes: tuple, rows: int, dtype):
     arguments, so one graph serves every layer of the model; each key gets a code object of its own, so that no
     key's graph counts against another's recompile limit."""
     from ..layers.rowproducts import CPU_INDUCTOR_OPTIONS
+    from ..layers.spans import own_code
 
     name = f"tide_check_linears_{abs(hash((shapes, rows, str(dtype)))):x}"
-    code = _linear_pass.__code__.replace(co_name=name, co_qualname=name)
-    return torch.compile(types.FunctionType(code, _linear_pass.__globals__, name), fullgraph=True, dynamic=False,
-                         options=CPU_INDUCTOR_OPTIONS)
+    return torch.compile(own_code(_linear_pass, name), fullgraph=True, dynamic=False, options=CPU_INDUCTOR_OPTIONS)
 
 
 def _head_rows(head: list) -> int:

@@ -175,15 +175,14 @@ class _Graph:
         captured whole. Guards that name an object of this process cannot be kept by an AOT-compiled function and are
         left out (`_serialisable`): which objects the graph reads is the key's, and `Precompiled.new_call` clears
         what passed at each call."""
+        from ..layers.spans import own_code
         from ..models.compat import CompileWatch
 
         start = time.perf_counter()
-        code = self.function.__code__.replace(co_name=self.name, co_qualname=self.name)
         options = {**self.options, "fullgraph": True,
                    "options": {**(self.options.get("options") or {}), "guard_filter_fn": _serialisable}}
         try:
-            fn = torch.compile(types.FunctionType(code, self.function.__globals__, self.name), **options) \
-                .aot_compile((args, {}))
+            fn = torch.compile(own_code(self.function, self.name), **options).aot_compile((args, {}))
             payload = type(fn).serialize(fn).serialized_data if save else None
         except Exception as err:  # noqa: BLE001 - a graph not AOT-compiled is compiled as usual
             logger.warning("Tide: the graph %s could not be compiled ahead of its calls (%s); compiling it with "

@@ -20,7 +20,7 @@ import torch
 
 from ..models.architectures import ModelParts
 
-__all__ = ["SpanRunner", "at_offset_zero", "compile_options", "dense", "options_key", "run_span"]
+__all__ = ["SpanRunner", "at_offset_zero", "compile_options", "dense", "options_key", "own_code", "run_span"]
 
 
 def run_span(layers, returns_tuple: bool, hidden, args, kwargs):
@@ -48,6 +48,12 @@ def _run_chain(layers, returns_tuple: bool, embed, positional, hidden, steps, th
         logits.append(step_logits)
         tokens.append(step_logits.argmax(-1, keepdim=True))
     return torch.cat(states, 1), torch.cat(tokens, 1), torch.stack(logits, 1)
+
+
+def own_code(function, name: str) -> types.FunctionType:
+    """`function` with a code object of its own named `name`: dynamo keeps compiled graphs and counts recompiles per
+    code object, so a function compiled under several keys gets one copy a key."""
+    return types.FunctionType(function.__code__.replace(co_name=name, co_qualname=name), function.__globals__, name)
 
 
 def compile_options(compile_config=None, device: str | None = None) -> dict:
@@ -172,13 +178,12 @@ class SpanRunner:
         `graph`'s, where there is a `precompiled`, its function from there."""
         fn = self._compiled.get(key)
         if fn is None:
-            code = function.__code__.replace(co_name=name, co_qualname=name)
             options = self.options
             if lean and options.get("backend", "inductor") == "inductor" and options.get("mode") is None:
                 options = {**options, "options": {**(options.get("options") or {}), "size_asserts": False}}
 
             def compiled():
-                return torch.compile(types.FunctionType(code, function.__globals__, name), **options)
+                return torch.compile(own_code(function, name), **options)
 
             precompiled = self.precompiled if key[0] == "graph" else None
             fn = precompiled and precompiled.wrap(function, key, name, options, compiled)
