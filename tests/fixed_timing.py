@@ -1,14 +1,18 @@
 """Fixed timings for the tests that do not test timing (installed for the whole suite by conftest.py).
 
 Calibration and `tide bench` time things on the machine: `measure_costs` (a decode step's pieces and
-`generate`'s own work, hundreds of timed runs) and `measured_speedup` (a mode against the base model's
-`generate`). Most tests calibrate to check something else, and there the trials took most of the suite's time
-and made its outcome depend on the machine's load. The suite replaces both with fixed, deterministic values:
+`generate`'s own work, hundreds of timed runs), `measured_speedup` (a mode against the base model's
+`generate`) and `measure_cycle` (the machine check's price of a drafting cycle in base steps: a compiled one
+compiles the base model's step). Most tests calibrate or decode to check something else, and there the
+measurements took most of the suite's time and made its outcome depend on the machine's load. The suite replaces
+them with fixed, deterministic values:
 
 - `fixed_costs(model)`: a fixed cost table (`FIXED_COSTS`, seconds: a layer 1 ms, a consulted checkpoint 0.2
   layer, a skipped layer's K/V 0.1 layer, ...), on the model's device;
 - `fixed_speedup(...)`: every timed mode runs `FIXED_SPEEDUP` (1.0) times the base model's speed, as the tiny
-  test models do: no mode is kept, exit mode's calibrated thresholds go to 1.0 and no draft is chosen.
+  test models do: no mode is kept, exit mode's calibrated thresholds go to 1.0 and no draft is chosen;
+- `fixed_cycle_steps(...)`: a drafting cycle costs `FIXED_CYCLE_STEPS` (1.0) base steps, so the machine check lets
+  a repo's scheme run wherever its record expects it to accept a draft in 50 cycles or more (`machinecheck.MARGIN`).
 
 Everything else in calibration runs for real (training, held-out scoring, threshold selection, pruning by
 the costs, the check through the decode step, the order of the trials). Tests that set their own timings
@@ -33,8 +37,9 @@ import tide
 # The functions that time things on this machine, by name; every module-level binding of them in `tide` is
 # replaced (calibration's modules and bench.py import them by name, so patching their home module alone would miss
 # them).
-TIMED_FUNCTIONS = ("measure_costs", "measured_speedup")
+TIMED_FUNCTIONS = ("measure_costs", "measured_speedup", "measure_cycle")
 FIXED_SPEEDUP = 1.0
+FIXED_CYCLE_STEPS = 1.0
 SCRIPT_SPEEDUP = 1.5
 LAYER_S = 1e-3
 FIXED_COSTS = dict(layer_s=LAYER_S, checkpoint_s=0.2 * LAYER_S, skipped_layer_s=0.1 * LAYER_S, head_s=1.0 * LAYER_S,
@@ -75,7 +80,12 @@ def fixed_speedup(*args, **kwargs) -> float:
     return FIXED_SPEEDUP
 
 
-_FAKES = {"measure_costs": fixed_costs, "measured_speedup": fixed_speedup}
+def fixed_cycle_steps(*args, **kwargs) -> float:
+    """`measure_cycle`'s fixed stand-in: a cycle costs one base step."""
+    return FIXED_CYCLE_STEPS
+
+
+_FAKES = {"measure_costs": fixed_costs, "measured_speedup": fixed_speedup, "measure_cycle": fixed_cycle_steps}
 _STEP_COSTS = None
 
 

@@ -25,7 +25,7 @@ def measured(monkeypatch):
     """Every measurement counted, and its cost in base steps fixed (`cost[0]`)."""
     calls, cost = [], [1.0]
 
-    def fake(model, scheme, compiled, layout="auto", repeats=machinecheck.REPEATS):
+    def fake(model, scheme, compiled, layout="auto", repeats=machinecheck.REPEATS, compile_config=None):
         calls.append((scheme, compiled))
         return cost[0]
 
@@ -89,7 +89,7 @@ def test_a_compiled_chain_that_does_not_pay_runs_the_compiled_base(measured):
 def test_what_the_check_compiles_counts_in_the_calls_stats(monkeypatch):
     """A compiled call's check compiles the base model's compiled step (`_compiled_step_seconds`); the call's stats
     count that compiling with its own."""
-    def compiling_measure(model, scheme, compiled, layout="auto", repeats=machinecheck.REPEATS):
+    def compiling_measure(model, scheme, compiled, layout="auto", repeats=machinecheck.REPEATS, compile_config=None):
         torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
         return 3.0
 
@@ -136,6 +136,7 @@ def test_a_stale_or_corrupt_cache_file_is_ignored_with_a_log_line(measured, cont
     assert json.loads(path.read_text())["cost"]["cycle_steps"] == 1.0  # measured again, and kept
 
 
+@pytest.mark.real_timing
 def test_the_measurement_runs_on_a_tiny_model():
     """Eager and compiled; a compiled measurement times Tide's compiled base step (it compiles it, with the
     lowered products' graphs of the linears) and leaves the model's last stats as they were."""
@@ -149,6 +150,24 @@ def test_the_measurement_runs_on_a_tiny_model():
             cost = machinecheck.measure_cycle(model, machinecheck.Scheme(1, 2), compiled, repeats=1)
         assert 0.5 < cost < 50
         assert (watch.graphs > 0) == compiled and model.last_stats is before
+
+
+@pytest.mark.real_timing
+def test_a_compiled_measurement_compiles_as_the_call_does(monkeypatch):
+    """The check measures a compiled call's costs with the call's own `CompileConfig` (another backend: its linears
+    as `F.linear`, its base step compiled with that config), and keeps the measurement under that config."""
+    from transformers import CompileConfig
+
+    model, eager = _repo(), CompileConfig(backend="eager")
+    configs = []
+    monkeypatch.setattr(machinecheck, "_compiled_step_seconds",
+                        lambda model, repeats, compile_config=None: configs.append(compile_config) or 1e-3)
+    monkeypatch.setattr(machinecheck, "_compiled_linears", lambda *args: pytest.fail("inductor's linears compiled"))
+    assert machinecheck.measure_cycle(model, machinecheck.Scheme(1, 2), True, repeats=1, compile_config=eager) > 0
+    assert configs == [eager]
+    scheme = machinecheck.Scheme(1, 2)
+    keys = [machinecheck._key(model, scheme, True, "auto", config) for config in (None, eager, CompileConfig())]
+    assert keys[0] != keys[1] and keys[0] == keys[2]  # (the defaults, named or not, are one measurement)
 
 
 def _plan(model, tide_config):

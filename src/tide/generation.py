@@ -40,7 +40,8 @@ def generate_with_tide(model, tide_config, *args, **kwargs):
     if "custom_generate" in kwargs:
         raise ValueError("This model already has Tide routers (a TideForCausalLM), and runs its decoding itself: call "
                          "its generate without custom_generate, or pass custom_generate to its base model (.base).")
-    plan = machinecheck.review(model, plan_call(model, tide_config, args, kwargs))  # (the scheme pays here?)
+    plan = machinecheck.review(model, plan_call(model, tide_config, args, kwargs),  # (the scheme pays here?)
+                               _compile_config(model, kwargs))
     if plan.cache_length is None:
         return _execute(model, plan, args, kwargs)
     rows = call_inputs(args, kwargs).shape[0] * (option(model, kwargs, "num_return_sequences") or 1)
@@ -121,9 +122,13 @@ def _compile_options(model, kwargs: dict) -> dict:
             raise ValueError(f"tide_config compile=True runs on a static cache, but the call asks for "
                              f"cache_implementation={implementation!r}; drop it or pass 'static'.")
         _ask(kwargs, "cache_implementation", "static")
+    return compile_options(_compile_config(model, kwargs), model.base.device.type)
+
+
+def _compile_config(model, kwargs: dict):
+    """The call's `CompileConfig` (its own, its generation config's, or the model's); None for the defaults."""
     config = kwargs.get("generation_config") or model.base.generation_config
-    return compile_options(kwargs.get("compile_config") or getattr(config, "compile_config", None),
-                           model.base.device.type)
+    return kwargs.get("compile_config") or getattr(config, "compile_config", None)
 
 
 def _ask(kwargs: dict, name: str, value) -> None:

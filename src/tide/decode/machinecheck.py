@@ -8,17 +8,18 @@ calibration record: `accepted_per_cycle`, the drafts its timings accepted a cycl
 in base steps (`measure_cycle`); where the scheme does not pay by `MARGIN`, the call runs the base model instead (as
 `max_draft=0` or `compiled_modes=False` do), and its plan's reason says why.
 
-The measurement times the model's own linear layers in order (each decoder layer's, then the head), over one row
-and over a cycle's verification width: the weights a pass streams, which is where a few positions cost more than
-one on a CPU. A pass's other work (attention over the cache, norms, the framework's time per op) is about the same
-for one position or a few: it is what an eager decode step of the base model takes beyond its linears, added to
-both sides (and to each draft, for its share of the layers). Eager calls compute the rows in the layout the call uses
-(`layers/fewrows.py`); compiled calls as compiled graphs do: `F.linear`, and on a CPU one small compiled graph of a
-layer's linears with the inductor options Tide's CPU graphs take (`layers/rowproducts.py`: products of a few rows
-lowered to inductor's reductions, which makes a lowered step's products about twice as fast as the library's on
-SmolLM2), compiled once a process per row count. That is a proxy of the compiled graphs still: timing those would
-compile both the cycle and the base decode. A cycle is one verification over its
-width plus its drafts (each `draft_layer + 1` layers' linears and the head's share over `draft_vocab_size` rows).
+The measurement times the model's own linear layers in order (each decoder layer's, then the head), over one row and
+over a cycle's verification width: the weights a pass streams, which is where a few positions cost more than one on
+a CPU. A pass's other work (attention over the cache, norms, the framework's time per op) is about the same for one
+position or a few: it is what a decode step of the base model takes beyond its linears (an eager step; for a
+compiled call, Tide's compiled base step, compiled as the call compiles), added to both sides (and to each draft,
+for its share of the layers). Eager calls compute the rows in the layout the call uses (`layers/fewrows.py`);
+compiled calls as the call's compiled graphs do (its `CompileConfig`): `F.linear`, and with inductor on a CPU one
+small compiled graph of a layer's linears with the call's options (by default Tide's `layers/rowproducts.py` pass:
+products of a few rows lowered to inductor's reductions, which makes a lowered step's products about twice as fast
+as the library's on SmolLM2), compiled once a process per row count. That is a proxy of the compiled graphs still:
+timing those would compile both the cycle and the base decode. A cycle is one verification over its width plus its
+drafts (each `draft_layer + 1` layers' linears and the head's share over `draft_vocab_size` rows).
 
 The measurement is a proxy: it leaves out what the loops do around the passes, and on SmolLM2 it priced a tree's
 cycle dearer than the trials' timing implied (docs/benchmarks.md). So calibration also measures it on the machine
@@ -29,10 +30,9 @@ timing decides alone (`timed_here`); a record without "cycle_steps" is weighed b
 above.
 
 A measurement is kept in Tide's cache folder (`machine/` beside `decode/compilecache.py`'s `compiled/`), one file
-per key: the machine (CPU model or GPU name, threads), torch version, base and router configs, scheme, dtype, device,
-eager or compiled, layout. A file that cannot be read or was made for another key is ignored with a log line. This
-module does not change the scheme, time `generate` or write the router repo.
-"""
+per key: the machine (CPU model or GPU name, threads), torch version, base and router configs, scheme, dtype,
+device, eager or compiled (and the compile options), layout. A file that cannot be read or was made for another key
+is ignored with a log line. This module does not change the scheme, time `generate` or write the router repo."""
 
 from __future__ import annotations
 
@@ -159,14 +159,17 @@ def _timings(record: dict, compiled: bool, trials: bool = True) -> list[tuple[di
     return [(draft, draft) for draft in drafts]
 
 
-def review(model, plan):
+def review(model, plan, compile_config=None):
     """`plan` (a `CallPlan`) as it runs on this machine: a lossless plan of the repo's own scheme becomes the base
     model's run where the scheme does not pay here (`check`), and so does an eager call's tried chain
-    (`CallPlan.tried_chain`) where nothing can be weighed; its reason says what was weighed."""
+    (`CallPlan.tried_chain`) where nothing can be weighed; its reason says what was weighed. A compiled call's costs
+    are measured compiled as the call compiles (`compile_config`: the call's `CompileConfig`, None for its
+    defaults)."""
     if plan.kind is not PlanKind.LOSSLESS or not plan.repo_scheme or not plan.options.machine_check:
         return plan
     with CompileWatch() as watch:  # (a compiled call's check compiles the base step: the call's stats count it)
-        verdict = check(model, scheme_of(model, plan), plan.compile, plan.options.few_row_layout)
+        verdict = check(model, scheme_of(model, plan), plan.compile, plan.options.few_row_layout,
+                        compile_config=compile_config)
     plan = dataclasses.replace(plan, checked_compiling=(watch.seconds, watch.graphs, watch.recompiles))
     if verdict is None and not plan.tried_chain:
         return plan
@@ -243,7 +246,8 @@ def decision_text(verdict: dict) -> str:
     return f"{what} {'pays' if verdict['pays'] else 'does not pay'} on this machine: {weighed}"
 
 
-def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure: bool = False) -> dict | None:
+def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure: bool = False,
+          compile_config=None) -> dict | None:
     """The verdict on `scheme` here: {"pays", "cycle_steps", "tokens_expected", "scheme", "key", "measured_s"};
     None where the record holds no figure to weigh. Measured once per key (kept on the model and in the cache
     folder), unless `remeasure`. Where calibration timed the scheme on this machine, its timing decides instead
@@ -258,14 +262,14 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
     if tokens is None:
         return None
     scheme = as_verified(record, scheme)
-    key = _key(model, scheme, compiled, layout)
+    key = _key(model, scheme, compiled, layout, compile_config)
     name = compilecache.digest(key)
     memo = model.__dict__.setdefault("_tide_machine_checks", {})
     cost = None if remeasure else memo.get(name) or _read(key)
     cached = cost is not None
     if cost is None:
         start = time.perf_counter()
-        cost = {"cycle_steps": measure_cycle(model, scheme, compiled, layout),
+        cost = {"cycle_steps": measure_cycle(model, scheme, compiled, layout, compile_config=compile_config),
                 "measured_s": round(time.perf_counter() - start, 3)}
         _write(key, cost)
     memo[name] = cost
@@ -280,28 +284,30 @@ def check(model, scheme: Scheme, compiled: bool, layout: str = "auto", remeasure
 
 
 @torch.no_grad()
-def measure_cycle(model, scheme: Scheme, compiled: bool, layout: str = "auto", repeats: int = REPEATS) -> float:
+def measure_cycle(model, scheme: Scheme, compiled: bool, layout: str = "auto", repeats: int = REPEATS,
+                  compile_config=None) -> float:
     """What a cycle of `scheme` costs here in base steps, from the model's linears timed over one row and over the
-    cycle's width (interleaved, medians of `repeats` after two warm-ups)."""
+    cycle's width (interleaved, medians of `repeats` after two warm-ups); compiled: as `compile_config` (a
+    `CompileConfig`, None for the defaults) compiles them."""
     parts = model.parts
     layers = [[m for m in layer.modules() if isinstance(m, nn.Linear)] for layer in parts.layers]
     head = [m for m in parts.lm_head.modules() if isinstance(m, nn.Linear)]
     times = {(rows, part): [] for rows in (1, scheme.width) for part in ("layers", "head")}
-    lowered = compiled and next(model.base.parameters()).device.type == "cpu"
-    if not lowered:  # (one timed pass over every layer's linears; lowered: one compiled graph's call a layer)
+    options = _graph_options(model, compile_config) if compiled else None
+    if options is None:  # (one timed pass over every layer's linears; else one compiled graph's call a layer)
         layers = [[m for layer in layers for m in layer]]
     with few_row_linears(parts, "plain" if compiled else layout):
         for i in range(repeats + 2):
             for rows in (1, scheme.width):
                 for part, groups in (("layers", layers), ("head", [head])):
-                    seconds = sum(_pass_seconds(linears, rows, compiled, lowered) for linears in groups)
+                    seconds = sum(_pass_seconds(linears, rows, compiled, options) for linears in groups)
                     if i >= 2:
                         times[rows, part].append(seconds)
     med = {k: statistics.median(v) for k, v in times.items()}
     linears = med[1, "layers"] + med[1, "head"]
     # the step's other work (attention, norms, the framework's time per op), about the same for a few positions:
     # an eager step's, or a compiled one's (Tide's compiled base step, which a call that does not pay runs)
-    step = _compiled_step_seconds(model, repeats) if compiled else _step_seconds(model, repeats)
+    step = _compiled_step_seconds(model, repeats, compile_config) if compiled else _step_seconds(model, repeats)
     rest = max(step - linears, 0.0)
     share = (scheme.draft_layer + 1) / parts.num_layers
     vocab = scheme.draft_vocab_size / _head_rows(head) if scheme.draft_vocab_size else 1.0
@@ -329,10 +335,10 @@ def _step_seconds(model, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _compiled_step_seconds(model, repeats: int, new_tokens: int = 16) -> float:
-    """The median seconds of a decode step of Tide's compiled base model (`compile=True, compiled_modes=False`,
-    inductor's options as a call without a `compile_config` takes them): a call of 1 + `new_tokens` tokens less a
-    call of 1. Its first call compiles the step, which a later call that runs the base model compiled reuses."""
+def _compiled_step_seconds(model, repeats: int, compile_config=None, new_tokens: int = 16) -> float:
+    """The median seconds of a decode step of Tide's compiled base model (`compile=True, compiled_modes=False`, with
+    `compile_config`): a call of 1 + `new_tokens` tokens less a call of 1. Its first call compiles the step, which
+    a later call that runs the base model compiled reuses."""
     device = next(model.base.parameters()).device
     config = model.base.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else 0
@@ -342,6 +348,8 @@ def _compiled_step_seconds(model, repeats: int, new_tokens: int = 16) -> float:
     ids = torch.full((1, 8), token, dtype=torch.long, device=device)
     kwargs = dict(do_sample=False, pad_token_id=pad,
                   tide_config={"compile": True, "compiled_modes": False, "compiled_chain": None})
+    if compile_config is not None:
+        kwargs["compile_config"] = compile_config
     last = model.last_stats
 
     def call(tokens: int) -> float:
@@ -357,17 +365,28 @@ def _compiled_step_seconds(model, repeats: int, new_tokens: int = 16) -> float:
     return max(statistics.median(times), 1e-9)
 
 
-def _pass_seconds(linears: list, rows: int, plain: bool, lowered: bool = False) -> float:
+def _graph_options(model, compile_config) -> dict | None:
+    """The torch.compile options a compiled call's graphs take on this model (`spans.compile_options`) where the
+    check times its linears in a compiled graph of their own (inductor on a CPU, which may write few-row products
+    itself: `layers/rowproducts.py`); None where they are timed as `F.linear` (another backend, or a GPU)."""
+    from ..layers.spans import compile_options
+
+    options = compile_options(compile_config, model.base.device.type)
+    return options if options["backend"] == "inductor" and model.base.device.type == "cpu" else None
+
+
+def _pass_seconds(linears: list, rows: int, plain: bool, options: dict | None = None) -> float:
     """One pass of `rows` rows through `linears` in order: the modules' own forward (eager, the few-row layout in
-    force), or `F.linear` (as compiled graphs compute them; `lowered`: as Tide's compiled graphs on a CPU compute
-    them, `layers/rowproducts.py`)."""
+    force), or `F.linear` (as compiled graphs compute them), or (`options`) one graph of them compiled with those
+    options, where inductor may write one of the products itself (`rowproducts.lowers`)."""
     if not linears:
         return 0.0
     weight = linears[0].weight
     inputs = [torch.randn(1, rows, m.in_features, dtype=weight.dtype, device=m.weight.device) for m in linears]
-    if lowered:  # (a graph compiled once a process for these shapes: the check's warm-up passes compile it)
-        run = _lowered_linears(tuple((m.in_features, m.out_features, m.bias is not None) for m in linears), rows,
-                               weight.dtype)
+    if options is not None and _any_lowered(linears, rows):  # (compiled once a process for these shapes and
+        # options: the check's warm-up passes compile it. Where none is, as a big vocabulary's head: the library's)
+        run = _compiled_linears(tuple((m.in_features, m.out_features, m.bias is not None) for m in linears), rows,
+                                weight.dtype, options)
         weights, biases = [m.weight for m in linears], [m.bias for m in linears]
         start = time.perf_counter()
         run(inputs, weights, biases)
@@ -380,21 +399,32 @@ def _pass_seconds(linears: list, rows: int, plain: bool, lowered: bool = False) 
     return time.perf_counter() - start
 
 
+def _any_lowered(linears: list, rows: int) -> bool:
+    from ..layers.rowproducts import lowers
+
+    return any(lowers(rows, m.in_features, m.out_features, m.weight.dtype, m.weight.device) for m in linears)
+
+
 def _linear_pass(inputs, weights, biases):
     return [F.linear(x, w, b) for x, w, b in zip(inputs, weights, biases)]
 
 
-@functools.cache
-def _lowered_linears(shapes: tuple, rows: int, dtype):
-    """A compiled `_linear_pass` for linears of `shapes` ((in, out, bias?) each) over `rows` rows, with the inductor
-    options Tide's CPU graphs take: a decoder layer's products as its compiled step computes them. The weights are
-    arguments, so one graph serves every layer of the model; each key gets a code object of its own, so that no
-    key's graph counts against another's recompile limit."""
-    from ..layers.rowproducts import CPU_INDUCTOR_OPTIONS
-    from ..layers.spans import own_code
+_LINEAR_GRAPHS: dict = {}
 
-    name = f"tide_check_linears_{abs(hash((shapes, rows, str(dtype)))):x}"
-    return torch.compile(own_code(_linear_pass, name), fullgraph=True, dynamic=False, options=CPU_INDUCTOR_OPTIONS)
+
+def _compiled_linears(shapes: tuple, rows: int, dtype, options: dict):
+    """A compiled `_linear_pass` for linears of `shapes` ((in, out, bias?) each) over `rows` rows, with `options`:
+    a decoder layer's products as its compiled step computes them. The weights are arguments, so one graph serves
+    every layer of the model; each key gets a code object of its own, so that no key's graph counts against
+    another's recompile limit."""
+    from ..layers.spans import options_key, own_code
+
+    key = (shapes, rows, str(dtype), options_key(options))
+    if key not in _LINEAR_GRAPHS:
+        name = f"tide_check_linears_{abs(hash(key)):x}"
+        _LINEAR_GRAPHS[key] = torch.compile(own_code(_linear_pass, name), **{**options, "fullgraph": True,
+                                                                               "dynamic": False})
+    return _LINEAR_GRAPHS[key]
 
 
 def _head_rows(head: list) -> int:
@@ -425,7 +455,7 @@ def _cpu_name() -> str:
     return name
 
 
-def _key(model, scheme: Scheme, compiled: bool, layout: str) -> dict:
+def _key(model, scheme: Scheme, compiled: bool, layout: str, compile_config=None) -> dict:
     """What a measurement depends on, as a dict (hashed into the file name)."""
     weight = next(model.base.parameters())
     base, routers = model.base.config.to_dict(), model.config.to_dict()
@@ -435,7 +465,14 @@ def _key(model, scheme: Scheme, compiled: bool, layout: str) -> dict:
     return {"format": _FORMAT, "torch": torch.__version__, "machine": _machine(weight.device),
             "base": compilecache.digest(base), "routers": compilecache.digest(routers),
             "scheme": dataclasses.asdict(scheme), "dtype": str(weight.dtype), "compiled": compiled,
-            "layout": "plain" if compiled else layout}
+            "layout": "plain" if compiled else layout,
+            "compile": _compile_key(model, compile_config) if compiled else None}
+
+
+def _compile_key(model, compile_config) -> list:
+    from ..layers.spans import compile_options, options_key
+
+    return [list(item) for item in options_key(compile_options(compile_config, model.base.device.type))]
 
 
 def cache_path(key: dict) -> Path:

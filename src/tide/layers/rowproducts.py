@@ -35,7 +35,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import Arg, CallFunction, Match, PatternMatcherPass, register_graph_pattern
 
-__all__ = ["FewRowProducts", "CPU_INDUCTOR_OPTIONS", "MAX_ROWS", "MAX_SIDE"]
+__all__ = ["FewRowProducts", "CPU_INDUCTOR_OPTIONS", "MAX_ROWS", "MAX_SIDE", "lowers"]
 
 MAX_ROWS = 4  # rows a product may have to be lowered (at 8 rows the library was faster, above)
 MAX_SIDE = 2048  # the most either side of the weight may have (inductor's own bound for its one-row pass on a CPU)
@@ -50,15 +50,18 @@ def _lowered(rows: torch.fx.Node, weight: torch.fx.Node) -> bool:
     if not all(isinstance(value, torch.Tensor) for value in values):
         return False
     a, b = values
-    if a.dim() != 2 or b.dim() != 2 or a.device.type != "cpu" or b.device.type != "cpu":
-        return False
-    if a.dtype not in _DTYPES or b.dtype != a.dtype:
+    if a.dim() != 2 or b.dim() != 2 or b.device != a.device or b.dtype != a.dtype:
         return False
     sizes = (*a.shape, b.shape[1])
     if not all(isinstance(size, int) for size in sizes):  # (a dynamic dimension: left to the library)
         return False
-    m, k, n = sizes
-    return 1 <= m <= MAX_ROWS and k <= MAX_SIDE and n <= MAX_SIDE
+    return lowers(*sizes, a.dtype, a.device)
+
+
+def lowers(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the pass lowers a product of `rows` rows through an `in_features` -> `out_features` weight."""
+    return (torch.device(device).type == "cpu" and dtype in _DTYPES and 1 <= rows <= MAX_ROWS
+            and in_features <= MAX_SIDE and out_features <= MAX_SIDE)
 
 
 def _rows_times(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
