@@ -6,14 +6,18 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from tide.layers.rowproducts import CPU_INDUCTOR_OPTIONS, MAX_ROWS, MAX_SIDE
+from tide.layers.rowproducts import CPU_INDUCTOR_OPTIONS, HALF_MAX_ELEMENTS, MAX_INPUTS, MAX_ROWS, lowers
 from tide.layers.spans import compile_options
 
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    """Counters from zero, and every graph compiled afresh (a graph inductor's cache holds runs no pass to count)."""
+    from torch._inductor import config
+
     counters.clear()
-    yield
+    with config.patch(fx_graph_cache=False):
+        yield
     torch._dynamo.reset()
 
 
@@ -46,13 +50,26 @@ def test_a_row_computes_the_same_bits_beside_other_rows():
     assert torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("rows, hidden", [(MAX_ROWS + 1, 64), (2, MAX_SIDE + 64)])
-def test_more_rows_or_a_bigger_weight_stay_with_the_library(rows, hidden):
+@pytest.mark.parametrize("rows, hidden, lowered", [(MAX_ROWS + 1, 64, 0), (2, MAX_INPUTS + 64, 1)])
+def test_more_rows_or_longer_rows_stay_with_the_library(rows, hidden, lowered):
+    """Too many rows: neither product is lowered; rows longer than `MAX_INPUTS`: the first is not, and the second
+    (32 inputs to more than `MAX_INPUTS` outputs) is: the outputs have no bound."""
     mlp = _mlp(hidden=hidden, inner=32)
     x = torch.randn(1, rows, hidden)
     with torch.no_grad():
         torch.testing.assert_close(_compiled(mlp)(x), mlp(x), rtol=1e-5, atol=1e-5)
-    assert counters["tide"]["few_row_products"] == 0
+    assert counters["tide"]["few_row_products"] == lowered
+
+
+def test_the_bounds_by_dtype():
+    """float32: up to `MAX_ROWS` rows of up to `MAX_INPUTS` inputs, any outputs (a 262,144-token head); half
+    precision: rows x inputs at most `HALF_MAX_ELEMENTS`; a CPU only."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert lowers(MAX_ROWS, MAX_INPUTS, 262144, f32, "cpu") and not lowers(MAX_ROWS + 1, 64, 64, f32, "cpu")
+    assert not lowers(1, MAX_INPUTS + 1, 64, f32, "cpu") and not lowers(1, 64, 64, f32, "cuda")
+    assert not lowers(1, 64, 64, torch.float64, "cpu")
+    assert lowers(3, HALF_MAX_ELEMENTS // 3, 49152, bf16, "cpu")
+    assert not lowers(4, HALF_MAX_ELEMENTS // 3, 49152, bf16, "cpu") and not lowers(2, MAX_INPUTS, 64, bf16, "cpu")
 
 
 def test_bfloat16_products_accumulate_in_float32():

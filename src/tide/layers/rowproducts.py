@@ -14,8 +14,26 @@ microseconds a layer for 1 / 2 / 3 / 4 rows (`examples/verify_cost/few_row_produ
 - lowered, one reduction per row: 228 / 281 / 471 / 567.
 
 At 8 rows the lowered form was the slower (1,015 against 891 in a first probe).
-So the pass takes products of at most `MAX_ROWS` rows whose weight has both sides at most `MAX_SIDE` (the bound
-inductor's own one-row pass, `decompose_mm_pass`, keeps on a CPU); bigger ones stay with the library. Each product
+
+Single products whose weight is bigger than the cache (the same thread, milliseconds for 1 / 2 / 3 / 4 rows, aten's
+product against the lowered one; `examples/verify_cost/product_shapes.py`):
+
+| weight (inputs -> outputs) | dtype | aten's product | lowered |
+|---|---|---|---|
+| 576 -> 49,152 (SmolLM2's head) | float32 | 10.8 / 23.0 / 34.1 / 17.8 | 5.3 / 5.4 / 6.2 / 7.8 |
+| | bfloat16 | 9.0 / 8.3 / 7.3 / 8.8 | 4.0 / 4.6 / 6.1 / 8.3 |
+| 640 -> 262,144 (a head) | float32 | 64 / 143 / 205 / 130 | 30 / 30 / 33 / 42 |
+| | bfloat16 | 39 / 39 / 44 / 44 | 16 / 25 / 35 / 44 |
+| 2,048 -> 128,256 (a head) | float32 | 56 / 127 / 177 / 181 | 45 / 62 / 99 / 136 |
+| | bfloat16 | 47 / 48 / 45 / 47 | 24 / 39 / 55 / 65 |
+| 2,048 -> 8,192 | float32 | 3.7 / 8.0 / 11.9 / 9.3 | 2.7 / 4.6 / 6.2 / 7.6 |
+| | bfloat16 | 2.9 / 2.4 / 2.8 / 2.8 | 1.7 / 2.7 / 3.5 / 4.9 |
+| 8,192 -> 2,048 | float32 | 3.1 / 6.2 / 9.3 / 8.2 | 5.1 / 7.2 / 8.7 / 10.2 |
+
+The number of outputs does not matter (a vocabulary's head gains most), the length of a row does (8,192 inputs lost
+at 1-2 rows), and in half precision the library's cost is flat in rows while the lowered one grows with them. So the
+pass takes products of at most `MAX_ROWS` rows of at most `MAX_INPUTS` inputs, in half precision also at most
+`HALF_MAX_ELEMENTS` rows x inputs; the others stay with the library. Each product
 lowered is counted in dynamo's `counters["tide"]["few_row_products"]`. The sums are
 accumulated in float32 for half-precision inputs, as the library does. A row's sum is the same code whether it is
 computed alone or beside others, so in float32 a verification pass computes each position's products exactly as a
@@ -35,10 +53,11 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import Arg, CallFunction, Match, PatternMatcherPass, register_graph_pattern
 
-__all__ = ["FewRowProducts", "CPU_INDUCTOR_OPTIONS", "MAX_ROWS", "MAX_SIDE", "lowers"]
+__all__ = ["FewRowProducts", "CPU_INDUCTOR_OPTIONS", "MAX_ROWS", "MAX_INPUTS", "HALF_MAX_ELEMENTS", "lowers"]
 
 MAX_ROWS = 4  # rows a product may have to be lowered (at 8 rows the library was faster, above)
-MAX_SIDE = 2048  # the most either side of the weight may have (inductor's own bound for its one-row pass on a CPU)
+MAX_INPUTS = 2048  # the most inputs a row may have (a longer reduction was slower at 1-2 rows, above)
+HALF_MAX_ELEMENTS = 3072  # half precision: the most rows x inputs (the library's cost is flat in rows there, above)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 aten = torch.ops.aten
 _PATTERNS = PatternMatcherPass(pass_name="tide_few_row_products")
@@ -59,9 +78,11 @@ def _lowered(rows: torch.fx.Node, weight: torch.fx.Node) -> bool:
 
 
 def lowers(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the pass lowers a product of `rows` rows through an `in_features` -> `out_features` weight."""
-    return (torch.device(device).type == "cpu" and dtype in _DTYPES and 1 <= rows <= MAX_ROWS
-            and in_features <= MAX_SIDE and out_features <= MAX_SIDE)
+    """Whether the pass lowers a product of `rows` rows through an `in_features` -> `out_features` weight (any
+    number of outputs: a vocabulary's head too)."""
+    if torch.device(device).type != "cpu" or dtype not in _DTYPES or not 1 <= rows <= MAX_ROWS:
+        return False
+    return in_features <= MAX_INPUTS and (dtype == torch.float32 or rows * in_features <= HALF_MAX_ELEMENTS)
 
 
 def _rows_times(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -95,17 +116,18 @@ def _lower_addmm(match: Match, bias: torch.fx.Node, rows: torch.fx.Node, weight:
 
 
 class FewRowProducts(CustomGraphPass):
-    """The pass: products of 1-`MAX_ROWS` rows on a CPU, with weights of sides at most `MAX_SIDE`, lowered to one
-    reduction per row (module docstring)."""
+    """The pass: products of 1-`MAX_ROWS` rows on a CPU that `lowers` takes, lowered to one reduction per row
+    (module docstring)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         _PATTERNS.apply(graph)
 
     def uuid(self) -> str:  # inductor's caches key compiled graphs by this: the pass's source and bounds
-        return hashlib.sha256(Path(__file__).read_bytes() + f"{MAX_ROWS}:{MAX_SIDE}".encode()).hexdigest()
+        bounds = f"{MAX_ROWS}:{MAX_INPUTS}:{HALF_MAX_ELEMENTS}"
+        return hashlib.sha256(Path(__file__).read_bytes() + bounds.encode()).hexdigest()
 
     def __repr__(self) -> str:  # (in the options' key: the same pass compares equal across processes)
-        return f"FewRowProducts(rows<={MAX_ROWS}, sides<={MAX_SIDE})"
+        return f"FewRowProducts(rows<={MAX_ROWS}, inputs<={MAX_INPUTS}, half rows x inputs<={HALF_MAX_ELEMENTS})"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, FewRowProducts)
