@@ -153,6 +153,18 @@ def test_the_measurement_runs_on_a_tiny_model():
 
 
 @pytest.mark.real_timing
+def test_a_width_between_two_is_priced_between_them(monkeypatch):
+    """A chain whose cycles verified 2.5 positions on average costs what cycles of 2 and of 3 cost, averaged (its
+    drafts and its verification's rows both in between)."""
+    monkeypatch.setattr(machinecheck, "_pass_seconds", lambda linears, rows, plain, options=None: rows * 1e-3)
+    monkeypatch.setattr(machinecheck, "_step_seconds", lambda model, repeats: 0.5)
+    model = _repo()
+    cost = {w: machinecheck.measure_cycle(model, machinecheck.Scheme(1, 2, verified=w), False, repeats=1)
+            for w in (2.0, 2.5, 3.0)}
+    assert cost[2.0] < cost[2.5] < cost[3.0] and cost[2.5] == pytest.approx((cost[2.0] + cost[3.0]) / 2)
+
+
+@pytest.mark.real_timing
 def test_a_compiled_measurement_compiles_as_the_call_does(monkeypatch):
     """The check measures a compiled call's costs with the call's own `CompileConfig` (another backend: its linears
     as `F.linear`, its base step compiled with that config), and keeps the measurement under that config."""
@@ -251,18 +263,18 @@ def test_calibration_timed_on_this_machine_decides(measured, measured_speedup, m
 
 def test_a_cycle_is_priced_at_the_width_calibration_verified(measured):
     """Where the record says how many positions its timings verified a cycle (`verified_per_cycle`), the check
-    prices a cycle at that width (rounded) and its drafts, rather than at the widest the scheme can verify; where it
-    holds only the drafts accepted a cycle, a chain is priced at the width its cap gives them."""
+    prices a cycle at that width (an average: between two) and its drafts, rather than at the widest the scheme can
+    verify; where it holds only the drafts accepted a cycle, a chain is priced at the width its cap gives them."""
     calls, _ = measured
     model = _repo()
     model.config.calibration["draft_selection"]["chosen"]["verified_per_cycle"] = 2.4
     model.generate(short_ids(), **GREEDY)
     (scheme, _), = calls
-    assert (scheme.width, scheme.drafts) == (2, 1)
+    assert (scheme.width, scheme.drafts) == (2.4, pytest.approx(1.4))
     # no figure: the width the chain's cap gives at the drafts accepted a cycle (accepted + 1 drafts, up to the cap)
-    for accepted, width, drafts in ((0.2, 2, 1), (1.6, 3, 2)):
+    for accepted, width, drafts in ((0.2, 2.2, 1.2), (1.6, 3, 2)):
         priced = machinecheck.as_verified(_repo(accepted=accepted).config.calibration, machinecheck.Scheme(1, 2))
-        assert (priced.width, priced.drafts) == (width, drafts)
+        assert (priced.width, priced.drafts) == (pytest.approx(width), pytest.approx(drafts))
     tree = machinecheck.Scheme(1, 1, draft_topk=3, tree=True)  # a tree: its widest where no width is recorded
     assert machinecheck.as_verified(_repo(accepted=0.2).config.calibration, tree).width == tree.width
 
@@ -324,7 +336,7 @@ def test_calibration_records_a_cycle_s_steps_beside_its_timing(measured):
     record = machinecheck.record_cycle_steps(model)
     assert record is model.config.calibration and record["draft_selection"]["chosen"]["cycle_steps"] == 1.37
     (scheme, compiled), = calls
-    assert not compiled and scheme.width == 2
+    assert not compiled and scheme.width == 2.4
     untimed = _repo()
     del untimed.config.calibration["draft_selection"]["chosen"]["measured"]
     machinecheck.record_cycle_steps(untimed)

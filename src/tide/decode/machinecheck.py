@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -75,11 +76,11 @@ class Scheme:
     draft_vocab_size: int = 0
     draft_ngram: int = 0
     tree: bool = False  # one verification tree of `draft_topk` candidates (else a chain)
-    verified: int | None = None  # the positions a cycle verified in calibration's timings, where recorded
+    verified: float | None = None  # the positions a cycle verified on average in calibration's timings, where recorded
 
     @property
-    def width(self) -> int:
-        """Positions a cycle verifies: as calibration's timings verified on average (rounded), else the widest."""
+    def width(self) -> float:
+        """Positions a cycle verifies: as calibration's timings verified on average, else the widest."""
         if self.verified:
             return self.verified
         if self.tree:
@@ -87,7 +88,7 @@ class Scheme:
         return 1 + self.max_draft
 
     @property
-    def drafts(self) -> int:
+    def drafts(self) -> float:
         """Head drafts a cycle: a tree's one step; a chain's cap, or fewer where its cycles verified fewer."""
         if self.tree:
             return 1
@@ -118,12 +119,13 @@ def as_verified(record: dict, scheme: Scheme) -> Scheme:
     n-gram branch, or a chain's full cap, comes only in some cycles. Where the record holds no such figure, a chain
     verifies what its cap gives at the drafts its timings accepted a cycle (`accepted_per_cycle`): the cap follows
     acceptance (`lossless.chain.next_cap`: the accepted count + 1 after a rejection), so a cycle drafts about the
-    accepted count + 1, up to `max_draft`; a tree, or a record with neither figure, is priced at its widest."""
+    accepted count + 1, up to `max_draft`; a tree, or a record with neither figure, is priced at its widest. An
+    average between two widths is priced between them (`measure_cycle`), its drafts likewise."""
     verified = _from_timings(record, scheme, "verified_per_cycle")
     if verified is None and not scheme.tree:
         accepted = _from_timings(record, scheme, "accepted_per_cycle")
         verified = None if accepted is None else 1 + min(scheme.max_draft, accepted + 1)
-    return scheme if verified is None else dataclasses.replace(scheme, verified=max(1, round(verified)))
+    return scheme if verified is None else dataclasses.replace(scheme, verified=max(1.0, round(verified, 2)))
 
 
 def _from_timings(record: dict, scheme: Scheme, name: str) -> float | None:
@@ -292,13 +294,15 @@ def measure_cycle(model, scheme: Scheme, compiled: bool, layout: str = "auto", r
     parts = model.parts
     layers = [[m for m in layer.modules() if isinstance(m, nn.Linear)] for layer in parts.layers]
     head = [m for m in parts.lm_head.modules() if isinstance(m, nn.Linear)]
-    times = {(rows, part): [] for rows in (1, scheme.width) for part in ("layers", "head")}
+    low, high = math.floor(scheme.width), math.ceil(scheme.width)  # (a width between two: priced between them)
+    counts = sorted({1, low, high})
+    times = {(rows, part): [] for rows in counts for part in ("layers", "head")}
     options = _graph_options(model, compile_config) if compiled else None
     if options is None:  # (one timed pass over every layer's linears; else one compiled graph's call a layer)
         layers = [[m for layer in layers for m in layer]]
     with few_row_linears(parts, "plain" if compiled else layout):
         for i in range(repeats + 2):
-            for rows in (1, scheme.width):
+            for rows in counts:
                 for part, groups in (("layers", layers), ("head", [head])):
                     seconds = sum(_pass_seconds(linears, rows, compiled, options) for linears in groups)
                     if i >= 2:
@@ -312,7 +316,8 @@ def measure_cycle(model, scheme: Scheme, compiled: bool, layout: str = "auto", r
     share = (scheme.draft_layer + 1) / parts.num_layers
     vocab = scheme.draft_vocab_size / _head_rows(head) if scheme.draft_vocab_size else 1.0
     draft = share * (med[1, "layers"] + rest) + vocab * med[1, "head"]
-    verify = med[scheme.width, "layers"] + med[scheme.width, "head"] + rest
+    verify = sum(med[low, part] + (scheme.width - low) * (med[high, part] - med[low, part])
+                 for part in ("layers", "head")) + rest
     return (verify + scheme.drafts * draft) / (linears + rest)
 
 
