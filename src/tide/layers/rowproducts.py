@@ -16,19 +16,19 @@ microseconds a layer for 1 / 2 / 3 / 4 rows (`examples/verify_cost/few_row_produ
 At 8 rows the lowered form was the slower (1,015 against 891 in a first probe).
 
 Single products whose weight is bigger than the cache (the same thread, milliseconds for 1 / 2 / 3 / 4 rows, aten's
-product against the lowered one; `examples/verify_cost/product_shapes.py`):
+product against the lowered one; `examples/verify_cost/product_shapes.py`, docs/results/product_shapes_*):
 
 | weight (inputs -> outputs) | dtype | aten's product | lowered |
 |---|---|---|---|
-| 576 -> 49,152 (SmolLM2's head) | float32 | 10.8 / 23.0 / 34.1 / 17.8 | 5.3 / 5.4 / 6.2 / 7.8 |
-| | bfloat16 | 9.0 / 8.3 / 7.3 / 8.8 | 4.0 / 4.6 / 6.1 / 8.3 |
-| 640 -> 262,144 (a head) | float32 | 64 / 143 / 205 / 130 | 30 / 30 / 33 / 42 |
-| | bfloat16 | 39 / 39 / 44 / 44 | 16 / 25 / 35 / 44 |
-| 2,048 -> 128,256 (a head) | float32 | 56 / 127 / 177 / 181 | 45 / 62 / 99 / 136 |
-| | bfloat16 | 47 / 48 / 45 / 47 | 24 / 39 / 55 / 65 |
-| 2,048 -> 8,192 | float32 | 3.7 / 8.0 / 11.9 / 9.3 | 2.7 / 4.6 / 6.2 / 7.6 |
-| | bfloat16 | 2.9 / 2.4 / 2.8 / 2.8 | 1.7 / 2.7 / 3.5 / 4.9 |
-| 8,192 -> 2,048 | float32 | 3.1 / 6.2 / 9.3 / 8.2 | 5.1 / 7.2 / 8.7 / 10.2 |
+| 576 -> 49,152 (SmolLM2's head) | float32 | 10.2 / 24.7 / 35.2 / 17.6 | 5.8 / 6.0 / 7.0 / 9.3 |
+| | bfloat16 | 7.0 / 9.2 / 9.8 / 7.5 | 3.3 / 5.4 / 5.9 / 7.6 |
+| 640 -> 262,144 (a head) | float32 | 58 / 128 / 193 / 115 | 25 / 29 / 34 / 38 |
+| | bfloat16 | 40 / 39 / 40 / 43 | 16 / 24 / 33 / 45 |
+| 2,048 -> 128,256 (a head) | float32 | 58 / 117 / 172 / 183 | 36 / 55 / 90 / 109 |
+| | bfloat16 | 52 / 39 / 43 / 44 | 23 / 36 / 49 / 67 |
+| 2,048 -> 8,192 | float32 | 4.0 / 7.9 / 11.9 / 10.3 | 3.1 / 3.9 / 6.5 / 7.8 |
+| | bfloat16 | 3.6 / 2.4 / 2.7 / 3.7 | 1.6 / 2.6 / 3.7 / 5.0 |
+| 8,192 -> 2,048 | float32 | 3.4 / 6.4 / 9.8 / 7.0 | 5.1 / 8.9 / 9.6 / 10.5 |
 
 The number of outputs does not matter (a vocabulary's head gains most), the length of a row does (8,192 inputs lost
 at 1-2 rows), and in half precision the library's cost is flat in rows while the lowered one grows with them. So the
