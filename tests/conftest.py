@@ -69,7 +69,8 @@ def _fixed_timing():
 
 @pytest.fixture(autouse=True)
 def _real_timing(request, _fixed_timing, monkeypatch):
-    """`@pytest.mark.real_timing`: this test times on the machine (the real `measure_costs`, `measured_speedup`)."""
+    """`@pytest.mark.real_timing`: this test times on the machine (the real `measure_costs`, `measured_speedup`,
+    `measure_cycle`)."""
     if request.node.get_closest_marker("real_timing"):
         for module, attr, real, _fake in _fixed_timing:
             monkeypatch.setattr(module, attr, real)
