@@ -27,7 +27,6 @@ import torch
 import tide
 from tide.tools.demo import _load_base
 from tide.decode.baseline import compiled_static_decoder
-from tide.layers.rowproducts import CPU_INDUCTOR_OPTIONS
 from tide.models.compat import CompileWatch
 from tide.tools.demo_corpus import split_corpus
 
@@ -166,8 +165,7 @@ def bench_rows(base, model, prompts, tokens: int, configs: dict, repeats: int = 
     rows = {"generate": lambda ids: base.generate(ids, **greedy), "static+compile": lambda ids: compiled(ids, n)}
     compile_s = {"static+compile": compile_s}
     if compile and base.device.type == "cpu":  # the compiled base with the inductor options Tide's CPU graphs take
-        lowered = compiled_static_decoder(base, longest.shape[1] + n, dict(fullgraph=True, dynamic=False,
-                                                                             options=CPU_INDUCTOR_OPTIONS))
+        lowered = compiled_static_decoder(base, longest.shape[1] + n, lowered=True)
         compile_s[LOWERED_BASE], _ = timed(lowered, longest, n)
         rows[LOWERED_BASE] = lambda ids: lowered(ids, n)
     rows.update(extra_rows or {})

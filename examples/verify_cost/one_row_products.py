@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench_real"))
 import realmodel  # noqa: E402
 
 from tide.decode.baseline import compiled_static_decoder  # noqa: E402
-from tide.layers.rowproducts import CPU_INDUCTOR_OPTIONS  # noqa: E402
 
 
 def main(argv=None):
@@ -40,10 +39,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     base, tok = realmodel.load(dtype=args.dtype)
-    options = dict(fullgraph=True, dynamic=False)
-    if args.variant == "lowered":
-        options["options"] = CPU_INDUCTOR_OPTIONS
-    decode = compiled_static_decoder(base, 512, options)
+    decode = compiled_static_decoder(base, 512, lowered=args.variant == "lowered")
     _, held = realmodel.questions()
     ids = [tok(realmodel.chat_prompt(tok, q), return_tensors="pt", add_special_tokens=False).input_ids
            for q in held[:args.prompts]]

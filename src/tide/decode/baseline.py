@@ -55,16 +55,23 @@ class BaseSession:
         return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
 
 
-def compiled_static_decoder(base, cache_len: int, compile_options: dict | None = None, warp=None):
+def compiled_static_decoder(base, cache_len: int, compile_options: dict | None = None, warp=None,
+                            lowered: bool = False):
     """A greedy decode function `decode(ids [1, n], new_tokens) -> ids [1, n + new_tokens]` over `base` (`warp`, a
     function of the scores, e.g. temperature and top-p: it samples from their softmax instead): single-token
     steps of `torch.compile(base.forward, fullgraph=True, dynamic=False)` (on CUDA with `mode="reduce-overhead"`:
     CUDA graphs, as transformers' own compiled generate uses) on one `StaticCache` of `cache_len` positions, reset
     per call (one shape and one set of cache addresses for every prompt, so one graph), with end-of-sequence
-    suppressed as `generate`'s `min_new_tokens` does, so that its tokens compare with `generate`'s."""
+    suppressed as `generate`'s `min_new_tokens` does, so that its tokens compare with `generate`'s. `lowered` (with
+    the default options, for a model on a CPU): inductor takes the options Tide's CPU graphs take
+    (`layers/rowproducts.py`: products of a few rows lowered to inductor's own reductions)."""
     if compile_options is None:
         compile_options = dict(fullgraph=True, dynamic=False)
-        if base.device.type == "cuda":
+        if lowered:
+            from ..layers.rowproducts import CPU_INDUCTOR_OPTIONS
+
+            compile_options["options"] = CPU_INDUCTOR_OPTIONS
+        elif base.device.type == "cuda":
             compile_options["mode"] = "reduce-overhead"
     step = torch.compile(base.forward, **compile_options)
     eos = base.generation_config.eos_token_id
